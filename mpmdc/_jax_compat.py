@@ -1,0 +1,21 @@
+"""The one place mpmdc reaches into ``jax._src``.
+
+Everything here is a private JAX name that mpmdc needs and that has no public
+equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job.
+"""
+
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+
+Var = _core.Var
+JaxprPpContext = _core.JaxprPpContext
+JaxprPpSettings = _core.JaxprPpSettings
+pp_eqn = _core.pp_eqn
+pp_jaxpr = _core.pp_jaxpr
+pp_var = _core.pp_var
+custom_typechecks = _core.custom_typechecks
+
+
+def source_line(eqn) -> str:
+    """Return ``file:line (function)`` of the user code that created ``eqn``."""
+    return _source_info_util.summarize(eqn.source_info)

@@ -1,0 +1,339 @@
+"""The public entry points: ``compile`` returning ``Compiled``, ``Lowered`` and the executable.
+
+``compile`` is lazy like ``jax.jit``: nothing is traced until the first call or
+``lower``, and executables are cached per input signature (pytree structure,
+shapes, dtypes and static arguments), so a second call with the same types does
+not retrace.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from mpmdc import backends
+from mpmdc.errors import ArgumentError, PassError, SpecError, StageError
+from mpmdc.ir import Program
+from mpmdc.meshes import check_meshes
+from mpmdc.pipeline import resolve, run_pipeline
+from mpmdc.runtime import Executable, Signature
+
+
+def _is_spec_leaf(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _normalize_argnums(argnums, what: str) -> tuple[int, ...]:
+    if isinstance(argnums, int):
+        argnums = (argnums,)
+    try:
+        out = tuple(int(a) for a in argnums)
+    except TypeError:
+        raise ArgumentError(f"{what} must be an int or a sequence of ints, got {argnums!r}.") from None
+    return out
+
+
+def _check_argnums(argnums, nargs: int, what: str) -> tuple[int, ...]:
+    out = []
+    for a in argnums:
+        if not -nargs <= a < nargs:
+            raise ArgumentError(
+                f"{what} contains {a}, but the function was called with {nargs} positional "
+                f"argument(s); use indices in range({nargs})."
+            )
+        out.append(a % nargs)
+    return tuple(sorted(set(out)))
+
+
+def _leaf_type(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _path_text(prefix: str, path) -> str:
+    return prefix + jax.tree_util.keystr(path)
+
+
+def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
+    """Broadcast a spec pytree prefix over ``tree``; a mismatch is a ``SpecError``."""
+    try:
+        per_subtree = jax.tree_util.tree_map(
+            lambda spec, sub: [spec] * len(jax.tree_util.tree_leaves(sub)),
+            specs,
+            tree,
+            is_leaf=_is_spec_leaf,
+        )
+    except ValueError as err:
+        raise SpecError(
+            f"{what} does not match the structure of {nleaves_prefix}: {err}. Give a "
+            f"PartitionSpec (or None) per leaf, or a prefix of the pytree."
+        ) from None
+    return [s for group in jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)) for s in group]
+
+
+class Lowered:
+    """A program taken through every pass, with the IR after each one kept for inspection."""
+
+    def __init__(self, dumps: list[tuple[str, Program]], signature: Signature, donated_leaves):
+        self._dumps = dict(dumps)
+        self._order = tuple(name for name, _ in dumps)
+        self.signature = signature
+        self._stablehlo: dict[str, dict[str, str]] = {}
+        self._donated_leaves = donated_leaves
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """Names of the dump stages, in pipeline order (``input``, ``after-inline``, ...)."""
+        return self._order
+
+    def program(self, stage: str) -> Program:
+        """The IR after ``stage``."""
+        if stage not in self._dumps:
+            raise PassError(f"unknown stage {stage!r}; stages: {', '.join(self._order)}.")
+        return self._dumps[stage]
+
+    def as_text(self, stage: str = "after-split") -> str:
+        """Deterministic text of the IR after ``stage``."""
+        return self.program(stage).as_text()
+
+    def _split_program(self) -> Program:
+        for name in reversed(self._order):
+            if self._dumps[name].is_split:
+                return self._dumps[name]
+        raise PassError(
+            f"this pipeline never split the program (stages: {', '.join(self._order)}); "
+            f"include the `split` pass to compile or emit StableHLO."
+        )
+
+    def stablehlo(self, platform: str | None = None) -> dict[str, str]:
+        """``{fragment name: StableHLO text}`` for ``platform`` (default: the program's backend)."""
+        from mpmdc.passes.lower import lower
+
+        program = self._split_program()
+        key = platform or program.backend
+        if key not in self._stablehlo:
+            modules = program.modules if program.modules is not None and key == program.backend else None
+            if modules is None:
+                modules = lower(program, key).modules
+            self._stablehlo[key] = dict(modules)
+        return dict(self._stablehlo[key])
+
+    def compile(self) -> Executable:
+        """Compile every fragment for its mesh; returns a callable ``Executable``."""
+        return Executable(self._split_program(), self.signature)
+
+
+class Compiled:
+    """``mpmdc.compile(fn, meshes)``: call it like ``fn``; ``lower`` shows what it does."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        meshes,
+        *,
+        in_specs=None,
+        out_specs=None,
+        static_argnums=(),
+        donate_argnums=(),
+        stage_to_mesh=None,
+        backend: str | None = None,
+        passes=None,
+    ):
+        if not callable(fn):
+            raise ArgumentError(f"mpmdc.compile expects a callable, got {type(fn).__name__}.")
+        self.fn = fn
+        self.meshes = check_meshes(meshes)
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.static_argnums = _normalize_argnums(static_argnums, "static_argnums")
+        self.donate_argnums = _normalize_argnums(donate_argnums, "donate_argnums")
+        self.stage_to_mesh = self._checked_stage_to_mesh(stage_to_mesh)
+        first = self.meshes[0].devices.flat[0]
+        self.backend = backends.get(
+            backend or backends.for_platform(first.platform, first.client.platform_version)
+        ).name
+        self.passes = resolve(passes)
+        self._cache: dict = {}
+
+    def _checked_stage_to_mesh(self, stage_to_mesh):
+        if stage_to_mesh is None:
+            return None
+        if isinstance(stage_to_mesh, dict):
+            if sorted(stage_to_mesh) != list(range(len(stage_to_mesh))):
+                raise StageError(
+                    f"stage_to_mesh keys must be the stages 0..n-1, got {sorted(stage_to_mesh)}."
+                )
+            stage_to_mesh = [stage_to_mesh[s] for s in range(len(stage_to_mesh))]
+        out = []
+        for s, m in enumerate(stage_to_mesh):
+            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m < len(self.meshes):
+                raise StageError(
+                    f"stage_to_mesh maps stage {s} to {m!r}, but there are only "
+                    f"{len(self.meshes)} meshes (indices 0..{len(self.meshes) - 1})."
+                )
+            out.append(int(m))
+        return tuple(out)
+
+    def _split_args(self, args, kwargs):
+        static = _check_argnums(self.static_argnums, len(args), "static_argnums") if self.static_argnums else ()
+        donate = _check_argnums(self.donate_argnums, len(args), "donate_argnums") if self.donate_argnums else ()
+        if set(static) & set(donate):
+            raise ArgumentError(f"arguments {sorted(set(static) & set(donate))} are both static and donated.")
+        static_values = tuple((i, args[i]) for i in static)
+        try:
+            hash(static_values)
+        except TypeError:
+            raise ArgumentError(
+                f"static arguments {list(static)} must be hashable (like jax.jit's static_argnums)."
+            ) from None
+        dynamic = tuple((i, a) for i, a in enumerate(args) if i not in static)
+        return static_values, dynamic, donate
+
+    def _signature_key(self, args, kwargs):
+        static_values, dynamic, donate = self._split_args(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(([a for _, a in dynamic], kwargs))
+        types = tuple((np.shape(x), _leaf_type(x).dtype) for x in leaves)
+        return (static_values, treedef, types, donate), leaves
+
+    def __call__(self, *args, **kwargs):
+        """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""
+        key, leaves = self._signature_key(args, kwargs)
+        exe = self._cache.get(key)
+        if exe is None:
+            exe = self.lower(*args, **kwargs).compile()
+            self._cache[key] = exe
+        return exe.call_flat(leaves)
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
+        static_values, dynamic, donate = self._split_args(args, kwargs)
+        static = dict(static_values)
+        dyn_index = [i for i, _ in dynamic]
+        dyn_args = [a for _, a in dynamic]
+        leaves_with_path, in_tree = jax.tree_util.tree_flatten_with_path((dyn_args, kwargs))
+        in_paths = []
+        for path, _ in leaves_with_path:
+            head, index, rest = path[0].idx, path[1], path[2:]
+            if head == 0:
+                in_paths.append(_path_text(f"args[{dyn_index[index.idx]}]", rest))
+            else:
+                in_paths.append(_path_text(f"kwargs[{index.key!r}]", rest))
+        leaf_types = [_leaf_type(x) for _, x in leaves_with_path]
+
+        in_specs = self._flat_in_specs(args, static, kwargs)
+        donated = []
+        for i, a in dynamic:
+            donated += [i in donate] * len(jax.tree_util.tree_leaves(a))
+        donated += [False] * len(jax.tree_util.tree_leaves(kwargs))
+
+        out_store = {}
+
+        def flat_fn(*leaves):
+            dyn, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
+            full = list(dyn)
+            for i in sorted(static):
+                full.insert(i, static[i])
+            out = self.fn(*full, **kw)
+            out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
+            return out_leaves
+
+        closed = jax.make_jaxpr(flat_fn)(*leaf_types)
+        out_tree = out_store["tree"]
+        out_paths = [
+            _path_text("out", p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(
+                jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
+            )[0]
+        ]
+        if self.out_specs is None:
+            out_specs = [None] * out_tree.num_leaves
+        else:
+            out_specs = _flat_specs(
+                self.out_specs,
+                jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves),
+                "the outputs",
+                "out_specs",
+            )
+
+        program = Program(
+            jaxpr=closed,
+            meshes=self.meshes,
+            stage_to_mesh=self.stage_to_mesh,
+            in_specs=tuple(in_specs),
+            out_specs=tuple(out_specs),
+            in_paths=tuple(in_paths),
+            out_paths=tuple(out_paths),
+            donated=tuple(donated),
+            backend=self.backend,
+        )
+        dumps = []
+        run_pipeline(
+            program,
+            self.passes,
+            lambda name, p: dumps.append((name, p)),
+            verify=os.environ.get("MPMDC_VERIFY") == "1",
+        )
+        signature = Signature(
+            in_tree=in_tree,
+            in_types=tuple((tuple(t.shape), np.dtype(t.dtype)) for t in leaf_types),
+            in_paths=tuple(in_paths),
+            out_tree=out_tree,
+        )
+        return Lowered(dumps, signature, donated)
+
+    def _flat_in_specs(self, args, static, kwargs):
+        if self.in_specs is None:
+            per_arg = [None] * len(args)
+        elif _is_spec_leaf(self.in_specs):
+            per_arg = [self.in_specs] * len(args)
+        else:
+            per_arg = list(self.in_specs)
+            if len(per_arg) != len(args):
+                raise SpecError(
+                    f"in_specs has {len(per_arg)} entries but the function was called with "
+                    f"{len(args)} positional arguments; give one entry per argument."
+                )
+        flat = []
+        for i, (spec, arg) in enumerate(zip(per_arg, args)):
+            if i in static:
+                continue
+            flat += _flat_specs(spec, arg, f"argument args[{i}]", f"in_specs[{i}]")
+        flat += [None] * len(jax.tree_util.tree_leaves(kwargs))
+        return flat
+
+
+def compile(
+    fn: Callable,
+    meshes: Sequence,
+    *,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    static_argnums=(),
+    donate_argnums=(),
+    stage_to_mesh=None,
+    backend: str | None = None,
+    passes=None,
+) -> Compiled:
+    """Compile ``fn`` for pipeline execution over ``meshes`` (lazily, like ``jax.jit``).
+
+    ``in_specs``/``out_specs`` are pytrees (or prefixes) of ``PartitionSpec`` over the
+    mesh axes, the sharding inside whichever mesh holds each value. Stage ``s`` runs
+    on ``meshes[s % len(meshes)]`` unless ``stage_to_mesh`` maps it elsewhere.
+    """
+    return Compiled(
+        fn,
+        meshes,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        static_argnums=static_argnums,
+        donate_argnums=donate_argnums,
+        stage_to_mesh=stage_to_mesh,
+        backend=backend,
+        passes=passes,
+    )

@@ -1,0 +1,49 @@
+"""Typed errors: every mistake a user can make surfaces as an ``MpmdcError``.
+
+Each message names the culprit (stage, mesh, argument path, or equation with
+its source line) and says what to do about it.
+"""
+
+
+class MpmdcError(Exception):
+    """Base class of every error mpmdc raises for a user mistake."""
+
+
+class MeshError(MpmdcError):
+    """The meshes handed to mpmdc are empty, overlapping, or inconsistent."""
+
+
+class StageError(MpmdcError):
+    """A stage marker or ``stage_to_mesh`` entry is invalid."""
+
+
+class SpecError(MpmdcError):
+    """``in_specs`` / ``out_specs`` do not fit the arguments, outputs or meshes."""
+
+
+class ArgumentError(MpmdcError):
+    """Arguments do not fit the compiled signature, or argnums are out of range."""
+
+
+class PlacementError(MpmdcError):
+    """The program cannot be placed on meshes (e.g. a marker inside a loop body)."""
+
+
+class TypeCheckError(MpmdcError):
+    """The ``vma-typecheck`` pass found an ill-typed program."""
+
+
+class SplitError(MpmdcError):
+    """The program cannot be cut into an acyclic graph of fragments."""
+
+
+class BackendError(MpmdcError):
+    """An unknown backend or platform was requested."""
+
+
+class PassError(MpmdcError):
+    """An unknown pass or stage name was requested."""
+
+
+class MpmdRuntimeError(MpmdcError):
+    """A fragment failed while running."""

@@ -1,0 +1,184 @@
+"""The IR every pass reads and writes: a ``ClosedJaxpr`` plus a little side data.
+
+Before ``split`` the jaxpr is the traced program and ``placements`` (after
+``partition``) gives each equation the stage and transpose count it runs in. After
+``split`` the top-level equations are only ``fragment`` and ``transfer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from jax.extend import core as jcore
+from jax.sharding import Mesh, PartitionSpec
+
+from mpmdc import _jax_compat as compat
+from mpmdc.errors import StageError
+
+
+@dataclass(frozen=True, order=True)
+class Placement:
+    """Where one equation runs: pipeline stage and transpose count (0 forward, 1 backward...)."""
+
+    stage: int
+    transpose: int
+
+    @property
+    def label(self) -> str:
+        """Short deterministic name, e.g. ``s2_fwd`` or ``s1_bwd``."""
+        kind = {0: "fwd", 1: "bwd"}.get(self.transpose, f"t{self.transpose}")
+        return f"s{self.stage}_{kind}"
+
+    def order_key(self) -> tuple[int, int]:
+        """Pipeline execution order: forward stages ascending, then backward descending."""
+        return (self.transpose, self.stage if self.transpose % 2 == 0 else -self.stage)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A program between two passes.
+
+    ``in_specs``/``out_specs`` are flat, one ``PartitionSpec`` (or ``None`` for
+    replicated) per jaxpr input/output, the sharding *inside* whichever mesh holds the
+    value. ``in_paths``/``out_paths`` name each flat input/output for error messages.
+    """
+
+    jaxpr: jcore.ClosedJaxpr
+    meshes: tuple[Mesh, ...]
+    stage_to_mesh: tuple[int, ...] | None
+    in_specs: tuple[PartitionSpec | None, ...]
+    out_specs: tuple[PartitionSpec | None, ...]
+    in_paths: tuple[str, ...]
+    out_paths: tuple[str, ...]
+    donated: tuple[bool, ...]
+    backend: str
+    placements: tuple[Placement, ...] | None = None
+    in_meshes: tuple[int, ...] | None = None
+    out_meshes: tuple[int, ...] | None = None
+    modules: tuple[tuple[str, str], ...] | None = None
+
+    def replace(self, **changes) -> "Program":
+        """A copy with ``changes`` applied (programs are immutable)."""
+        return dataclasses.replace(self, **changes)
+
+    def mesh_of_stage(self, stage: int, eqn=None) -> int:
+        """The mesh index stage ``stage`` runs on."""
+        if self.stage_to_mesh is None:
+            return stage % len(self.meshes)
+        if stage >= len(self.stage_to_mesh):
+            where = f" (marker at {compat.source_line(eqn)})" if eqn is not None else ""
+            raise StageError(
+                f"stage {stage}{where} has no entry in stage_to_mesh={list(self.stage_to_mesh)}; "
+                f"give stage_to_mesh one mesh index per stage."
+            )
+        return self.stage_to_mesh[stage]
+
+    @property
+    def is_split(self) -> bool:
+        """True once ``split`` has turned the program into fragments and transfers."""
+        return self.in_meshes is not None and self.placements is None
+
+    def as_text(self) -> str:
+        """Deterministic text: meshes, inputs, equations (with placements), outputs."""
+        return format_program(self)
+
+
+# ------------------------------------------------------------- building jaxprs
+
+
+def is_var(atom) -> bool:
+    """True for a jaxpr variable (not a literal, not a dropped output)."""
+    return isinstance(atom, jcore.Var) and not isinstance(atom, jcore.DropVar)
+
+
+def vars_of(atoms: Sequence) -> list:
+    """The variables among ``atoms`` (literals and dropped outputs left out)."""
+    return [a for a in atoms if is_var(a)]
+
+
+def fresh_like(var):
+    """A new variable of the same type (``DropVar`` stays a ``DropVar``)."""
+    if isinstance(var, jcore.DropVar):
+        return var
+    return compat.Var(var.aval)
+
+
+def substituted(atoms: Sequence, env: dict) -> list:
+    """``atoms`` with every variable replaced by ``env``'s binding, where it has one."""
+    return [env.get(a, a) if is_var(a) else a for a in atoms]
+
+
+def copy_eqn(eqn, env: dict, **changes):
+    """Copy ``eqn`` with inputs renamed through ``env`` and fresh outputs recorded in ``env``."""
+    outvars = [fresh_like(v) for v in eqn.outvars]
+    env.update({old: new for old, new in zip(eqn.outvars, outvars) if is_var(old)})
+    return eqn.replace(invars=substituted(eqn.invars, env), outvars=outvars, **changes)
+
+
+def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None):
+    """Assemble a ``ClosedJaxpr`` whose effects are the union of its equations'."""
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else jcore.no_effects
+    jaxpr = jcore.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info)
+    return jcore.ClosedJaxpr(jaxpr, list(consts))
+
+
+# ----------------------------------------------------------------- printing
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    return "{" + ", ".join(f"{n}={s}" for n, s in mesh.shape.items()) + "}"
+
+
+def _spec_text(spec) -> str:
+    return "P()" if spec is None else repr(spec).replace("PartitionSpec", "P")
+
+
+def format_program(program: Program) -> str:
+    """Render ``program`` as deterministic text (JAX's printer for each equation)."""
+    ctx = compat.JaxprPpContext()
+    settings = compat.JaxprPpSettings()
+    jaxpr = program.jaxpr.jaxpr
+    lines = ["meshes:"]
+    lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
+    if program.jaxpr.consts:
+        lines.append("consts:")
+        for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
+            lines.append(f"  {compat.pp_var(v, ctx)}:{v.aval.str_short()}")
+    lines.append("inputs:")
+    for i, v in enumerate(jaxpr.invars):
+        where = f" @mesh{program.in_meshes[i]}" if program.in_meshes is not None else ""
+        lines.append(
+            f"  {compat.pp_var(v, ctx)}:{v.aval.str_short()}{where} "
+            f"{_spec_text(program.in_specs[i])}  # {program.in_paths[i]}"
+        )
+    lines.append("equations:")
+    for i, eqn in enumerate(jaxpr.eqns):
+        text = compat.pp_eqn(eqn, ctx, settings).format()
+        if program.placements is not None:
+            p = program.placements[i]
+            prefix = f"  [{p.label} @mesh{program.mesh_of_stage(p.stage)}] "
+        else:
+            prefix = "  "
+        lines.append(prefix + text.replace("\n", "\n" + " " * len(prefix)))
+    lines.append("outputs:")
+    for i, v in enumerate(jaxpr.outvars):
+        where = f" @mesh{program.out_meshes[i]}" if program.out_meshes is not None else ""
+        name = compat.pp_var(v, ctx) if is_var(v) else str(v)
+        lines.append(f"  {name}{where} {_spec_text(program.out_specs[i])}  # {program.out_paths[i]}")
+    if program.modules is not None:
+        for name, text in program.modules:
+            lines.append(f"// ----- fragment {name}")
+            lines.append(text.rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def find_eqns(eqns, predicate):
+    """Yield every equation satisfying ``predicate`` among ``eqns`` and in their sub-jaxprs."""
+    for eqn in eqns:
+        if predicate(eqn):
+            yield eqn
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from find_eqns(sub.eqns, predicate)
+

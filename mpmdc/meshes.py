@@ -1,0 +1,79 @@
+"""Device meshes: ``make_meshes`` and the checks every list of meshes must pass."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from mpmdc.errors import MeshError
+
+
+def make_meshes(
+    n: int,
+    axes: Mapping[str, int],
+    *,
+    devices: Sequence | None = None,
+    axis_types: AxisType | None = None,
+) -> tuple[Mesh, ...]:
+    """``n`` disjoint meshes of shape ``axes`` over ``devices`` (default: ``jax.devices()``).
+
+    Axes are ``AxisType.Auto`` (classic sharding propagation inside each mesh) unless
+    ``axis_types`` says otherwise.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise MeshError(f"make_meshes: n must be a positive int, got {n!r}.")
+    axes = dict(axes)
+    if not axes or any(not isinstance(s, int) or s < 1 for s in axes.values()):
+        raise MeshError(f"make_meshes: axes must map axis names to positive sizes, got {axes!r}.")
+    devices = list(jax.devices() if devices is None else devices)
+    per_mesh = math.prod(axes.values())
+    if n * per_mesh > len(devices):
+        raise MeshError(
+            f"make_meshes: {n} meshes of {axes} need {n * per_mesh} devices but only "
+            f"{len(devices)} are available; use fewer or smaller meshes."
+        )
+    kind = axis_types if axis_types is not None else AxisType.Auto
+    return tuple(
+        Mesh(
+            np.array(devices[i * per_mesh : (i + 1) * per_mesh]).reshape(tuple(axes.values())),
+            tuple(axes),
+            axis_types=(kind,) * len(axes),
+        )
+        for i in range(n)
+    )
+
+
+def check_meshes(meshes) -> tuple[Mesh, ...]:
+    """Validate a user's meshes: a non-empty sequence of disjoint, same-platform ``Mesh``es."""
+    if isinstance(meshes, Mesh):
+        meshes = (meshes,)
+    if not isinstance(meshes, Sequence) or isinstance(meshes, str) or len(meshes) == 0:
+        raise MeshError(
+            f"meshes must be a non-empty sequence of jax.sharding.Mesh, got {meshes!r}; "
+            f"mpmdc.make_meshes(n, axes) builds one."
+        )
+    owner = {}
+    platforms = {}
+    for i, mesh in enumerate(meshes):
+        if not isinstance(mesh, Mesh):
+            raise MeshError(
+                f"meshes[{i}] is a {type(mesh).__name__}, not a jax.sharding.Mesh with devices."
+            )
+        if mesh.size == 0:
+            raise MeshError(f"meshes[{i}] has no devices.")
+        for d in mesh.devices.flat:
+            if d in owner:
+                raise MeshError(
+                    f"meshes[{owner[d]}] and meshes[{i}] share device {d.id}; "
+                    f"meshes must be disjoint."
+                )
+            owner[d] = i
+            platforms.setdefault(d.platform, i)
+    if len(platforms) > 1:
+        found = ", ".join(f"{p} (meshes[{i}])" for p, i in platforms.items())
+        raise MeshError(f"meshes mix platforms: {found}; all meshes must be on one platform.")
+    return tuple(meshes)

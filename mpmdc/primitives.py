@@ -1,0 +1,221 @@
+"""mpmdc's three primitives: the ``stage`` marker, ``fragment`` and ``transfer``.
+
+``stage`` is what users write. It is an identity on a pytree whose JVP marks the
+tangent with the same stage and whose transpose marks the cotangent with the
+transpose count incremented, so the backward work of stage ``s`` can be found and
+placed on the mesh of stage ``s``.
+
+``fragment`` and ``transfer`` only appear after the ``split`` pass: a fragment is a
+sub-jaxpr that runs on one mesh, a transfer moves values between two meshes. Each
+has an abstract eval, a DCE rule and a typecheck rule next to it, so JAX's own
+``check_jaxpr``, ``dce_jaxpr`` and ``eval_jaxpr`` work on MPMD programs (with the
+meshes ignored, which makes ``eval_jaxpr`` a handy reference).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
+
+from mpmdc import _jax_compat as compat
+from mpmdc.errors import StageError
+
+# --------------------------------------------------------------------- stage
+
+stage_p = jcore.Primitive("stage")
+stage_p.multiple_results = True
+
+
+def _checked_stage_index(index) -> int:
+    if isinstance(index, jax.core.Tracer):
+        raise StageError(
+            "mpmdc.stage: the stage index depends on a traced value; stage indices "
+            "must be Python ints known when the function is traced (compute them "
+            "from Python loop counters, not from arrays)."
+        )
+    if isinstance(index, bool):
+        raise StageError(f"mpmdc.stage: stage index must be an int, got bool {index!r}.")
+    try:
+        index = operator.index(index)
+    except TypeError:
+        raise StageError(
+            f"mpmdc.stage: stage index must be a non-negative int, got "
+            f"{type(index).__name__} {index!r}."
+        ) from None
+    if index < 0:
+        raise StageError(f"mpmdc.stage: stage index must be non-negative, got {index}.")
+    return index
+
+
+def stage(x, index):
+    """Mark that the pytree ``x`` enters pipeline stage ``index``.
+
+    The identity under ``jax.jit``, ``jax.grad`` and ``jax.vmap``; under
+    ``mpmdc.compile`` everything computed from the returned value runs on the mesh
+    of stage ``index`` until the next marker.
+    """
+    index = _checked_stage_index(index)
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if not leaves:
+        return x
+    out = stage_p.bind(*leaves, stage=index, transpose=0)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def is_marker(eqn) -> bool:
+    """True for a ``stage`` marker equation."""
+    return eqn.primitive is stage_p
+
+
+def is_forward_marker(eqn) -> bool:
+    """A marker whose outputs enter its stage (even transpose count)."""
+    return eqn.primitive is stage_p and eqn.params["transpose"] % 2 == 0
+
+
+def is_transposed_marker(eqn) -> bool:
+    """A marker whose inputs leave its stage's backward (odd transpose count)."""
+    return eqn.primitive is stage_p and eqn.params["transpose"] % 2 == 1
+
+
+stage_p.def_impl(lambda *xs, stage, transpose: list(xs))
+stage_p.def_abstract_eval(lambda *avals, stage, transpose: list(avals))
+
+
+def _bind_nonzero(values, **params):
+    """Bind ``stage`` on the non-``Zero`` entries of ``values``; keep zeros as they are."""
+    live = [v for v in values if type(v) is not ad.Zero]
+    marked = iter(stage_p.bind(*live, **params) if live else [])
+    return [v if type(v) is ad.Zero else next(marked) for v in values]
+
+
+def _stage_jvp(primals, tangents, *, stage, transpose):
+    out = stage_p.bind(*primals, stage=stage, transpose=transpose)
+    return out, _bind_nonzero(list(tangents), stage=stage, transpose=transpose)
+
+
+def _stage_transpose(cts, *args, stage, transpose):
+    cts = [
+        ad.Zero(arg.aval) if type(ct) is ad.Zero and ad.is_undefined_primal(arg) else ct
+        for ct, arg in zip(cts, args)
+    ]
+    out = _bind_nonzero(cts, stage=stage, transpose=transpose + 1)
+    return [ct if ad.is_undefined_primal(arg) else None for ct, arg in zip(out, args)]
+
+
+def _stage_dce(used_outputs, eqn):
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    invars = [v for v, used in zip(eqn.invars, used_outputs) if used]
+    outvars = [v for v, used in zip(eqn.outvars, used_outputs) if used]
+    new_eqn = jcore.new_jaxpr_eqn(
+        invars, outvars, stage_p, eqn.params, eqn.effects, eqn.source_info, eqn.ctx
+    )
+    return list(used_outputs), new_eqn
+
+
+ad.primitive_jvps[stage_p] = _stage_jvp
+ad.primitive_transposes[stage_p] = _stage_transpose
+batching.primitive_batchers[stage_p] = lambda args, dims, **p: (stage_p.bind(*args, **p), dims)
+mlir.register_lowering(stage_p, lambda ctx, *args, stage, transpose: list(args))
+pe.dce_rules[stage_p] = _stage_dce
+
+
+# ------------------------------------------------------------------ fragment
+
+fragment_p = jcore.Primitive("fragment")
+fragment_p.multiple_results = True
+
+
+def _fragment_impl(*args, jaxpr, **_):
+    return jcore.jaxpr_as_fun(jaxpr)(*args)
+
+
+def _fragment_abstract_eval(*avals, jaxpr, **_):
+    return list(jaxpr.out_avals), jaxpr.effects
+
+
+def _fragment_dce(used_outputs, eqn):
+    inner = eqn.params["jaxpr"]
+    if not any(used_outputs) and not inner.effects:
+        return [False] * len(eqn.invars), None
+    new_inner, used_inputs = pe.dce_jaxpr(inner.jaxpr, used_outputs)
+    closed = jcore.ClosedJaxpr(new_inner, inner.consts)
+    new_eqn = jcore.new_jaxpr_eqn(
+        [v for v, used in zip(eqn.invars, used_inputs) if used],
+        [v for v, used in zip(eqn.outvars, used_outputs) if used],
+        fragment_p,
+        dict(eqn.params, jaxpr=closed),
+        closed.effects,
+        eqn.source_info,
+        eqn.ctx,
+    )
+    return used_inputs, new_eqn
+
+
+def _same_type(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
+
+
+def _fragment_typecheck(_ctx_factory, *in_atoms, jaxpr, name, **_):
+    if len(in_atoms) != len(jaxpr.in_avals) or not all(
+        _same_type(a.aval, b) for a, b in zip(in_atoms, jaxpr.in_avals)
+    ):
+        got = ", ".join(str(a.aval) for a in in_atoms)
+        want = ", ".join(str(a) for a in jaxpr.in_avals)
+        raise jcore.JaxprTypeError(f"fragment {name}: called with ({got}), body takes ({want})")
+    jcore.check_jaxpr(jaxpr.jaxpr)
+    return list(jaxpr.out_avals), jaxpr.effects
+
+
+fragment_p.def_impl(_fragment_impl)
+fragment_p.def_effectful_abstract_eval(_fragment_abstract_eval)
+pe.dce_rules[fragment_p] = _fragment_dce
+compat.custom_typechecks[fragment_p] = _fragment_typecheck
+mlir.register_lowering(fragment_p, mlir.lower_fun(_fragment_impl, multiple_results=True))
+
+
+# ------------------------------------------------------------------ transfer
+
+transfer_p = jcore.Primitive("transfer")
+transfer_p.multiple_results = True
+
+
+def _transfer_dce(used_outputs, eqn):
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    keep = list(used_outputs)
+    params = dict(eqn.params)
+    for key in ("src_specs", "dst_specs"):
+        params[key] = tuple(s for s, used in zip(params[key], keep) if used)
+    new_eqn = jcore.new_jaxpr_eqn(
+        [v for v, used in zip(eqn.invars, keep) if used],
+        [v for v, used in zip(eqn.outvars, keep) if used],
+        transfer_p,
+        params,
+        eqn.effects,
+        eqn.source_info,
+        eqn.ctx,
+    )
+    return keep, new_eqn
+
+
+def _transfer_typecheck(_ctx_factory, *in_atoms, src, dst, src_specs, dst_specs):
+    if not len(in_atoms) == len(src_specs) == len(dst_specs):
+        raise jcore.JaxprTypeError(
+            f"transfer mesh{src}->mesh{dst}: {len(in_atoms)} values but "
+            f"{len(src_specs)} source and {len(dst_specs)} destination specs"
+        )
+    if src == dst:
+        raise jcore.JaxprTypeError(f"transfer from mesh{src} to itself")
+    return [a.aval for a in in_atoms], jcore.no_effects
+
+
+transfer_p.def_impl(lambda *xs, **_: list(xs))
+transfer_p.def_abstract_eval(lambda *avals, **_: list(avals))
+pe.dce_rules[transfer_p] = _transfer_dce
+compat.custom_typechecks[transfer_p] = _transfer_typecheck
+mlir.register_lowering(transfer_p, lambda ctx, *args, **_: list(args))

@@ -1,0 +1,66 @@
+"""PartitionSpecs inside one mesh: validation, and carrying a spec to another mesh."""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mpmdc.errors import SpecError
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:
+    """Why ``spec`` cannot shard an array of ``shape`` on ``mesh``, or ``None`` if it can."""
+    if spec is None:
+        return None
+    if len(spec) > len(shape):
+        return f"{spec} has {len(spec)} entries but the value has only {len(shape)} dimensions"
+    for dim, entry in enumerate(spec):
+        axes = _axes(entry)
+        missing = [a for a in axes if a not in mesh.shape]
+        if missing:
+            return (
+                f"{spec} names axis {missing[0]!r}, which the mesh "
+                f"{dict(mesh.shape)} does not have"
+            )
+        size = math.prod(mesh.shape[a] for a in axes)
+        if shape[dim] % size:
+            return (
+                f"{spec} splits dimension {dim} (size {shape[dim]}) over {axes} "
+                f"(size {size}), which does not divide it"
+            )
+    return None
+
+
+def check_spec(spec, mesh: Mesh, shape, what: str) -> None:
+    """Raise ``SpecError`` naming ``what`` when ``spec`` does not fit."""
+    problem = spec_problem(spec, mesh, shape)
+    if problem:
+        raise SpecError(f"{what}: {problem}. Fix the PartitionSpec for this value.")
+
+
+def fit_spec(spec: PartitionSpec | None, mesh: Mesh, shape) -> PartitionSpec:
+    """``spec`` as far as ``mesh`` supports it: unknown or non-dividing axes become replicated."""
+    if spec is None:
+        return PartitionSpec()
+    entries = []
+    for dim, entry in enumerate(spec):
+        axes = _axes(entry)
+        ok = all(a in mesh.shape for a in axes) and shape[dim] % math.prod(
+            mesh.shape[a] for a in axes
+        ) == 0
+        entries.append(entry if ok and axes else None)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def named(mesh: Mesh, spec: PartitionSpec | None) -> NamedSharding:
+    """``NamedSharding`` on ``mesh``; ``None`` means replicated."""
+    return NamedSharding(mesh, spec if spec is not None else PartitionSpec())

@@ -1,0 +1,23 @@
+"""mpmdc's passes, one per module; each is a frozen dataclass over a pure function."""
+
+from mpmdc.passes.dce import Dce, dce
+from mpmdc.passes.inline import Inline, inline
+from mpmdc.passes.lower import Lower, lower
+from mpmdc.passes.partition import Partition, partition
+from mpmdc.passes.split import Split, split
+from mpmdc.passes.vma_typecheck import VmaTypecheck, vma_typecheck
+
+__all__ = [
+    "Dce",
+    "Inline",
+    "Lower",
+    "Partition",
+    "Split",
+    "VmaTypecheck",
+    "dce",
+    "inline",
+    "lower",
+    "partition",
+    "split",
+    "vma_typecheck",
+]

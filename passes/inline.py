@@ -1,0 +1,106 @@
+"""``inline``: flatten call sites that hide stage markers.
+
+Nested ``jit``, ``closed_call``, ``checkpoint`` and custom-derivative calls whose
+bodies contain a ``stage`` marker are inlined so the markers become top-level
+equations that ``partition`` can see. Calls without markers stay whole (they are
+one unit of work on one mesh). A marker inside a loop, conditional or
+``shard_map`` body cannot be placed and is reported with its source line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jax.extend import core as jcore
+
+from mpmdc import _jax_compat as compat
+from mpmdc.errors import PlacementError
+from mpmdc.ir import Program, copy_eqn, find_eqns, fresh_like, is_var, make_closed_jaxpr, substituted
+from mpmdc.primitives import is_marker
+
+# Call-like primitives whose body is semantically a plain function call once
+# differentiation is done, and the parameter holding that body.
+_CALL_BODIES = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
+    return next(find_eqns(jaxpr.eqns, is_marker), None) is not None
+
+
+def _call_body(eqn):
+    """``(jaxpr, consts)`` of an inlinable call site, else ``None``."""
+    param = _CALL_BODIES.get(eqn.primitive.name)
+    body = eqn.params.get(param) if param else None
+    if isinstance(body, jcore.ClosedJaxpr):
+        return body.jaxpr, body.consts
+    if isinstance(body, jcore.Jaxpr):
+        return body, []
+    return None
+
+
+def inline(program: Program) -> Program:
+    """Inline every call site whose body contains a stage marker (recursively)."""
+    closed = program.jaxpr
+    constvars = list(closed.jaxpr.constvars)
+    consts = list(closed.consts)
+    eqns = []
+
+    def visit(body_eqns, env):
+        for eqn in body_eqns:
+            body = _call_body(eqn)
+            if body is not None and _has_marker(body[0]):
+                inner, inner_consts = body
+                inner_env = {}
+                for var, value in zip(inner.constvars, inner_consts):
+                    inner_env[var] = fresh_like(var)
+                    constvars.append(inner_env[var])
+                    consts.append(value)
+                inner_env.update(zip(inner.invars, substituted(eqn.invars, env)))
+                visit(inner.eqns, inner_env)
+                results = substituted(inner.outvars, inner_env)
+                env.update({o: r for o, r in zip(eqn.outvars, results) if is_var(o)})
+                continue
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                if _has_marker(sub):
+                    raise PlacementError(
+                        f"a stage marker sits inside `{eqn.primitive.name}` at "
+                        f"{compat.source_line(eqn)}; markers must be outside loops, "
+                        f"conditionals and shard_map bodies. Move mpmdc.stage(...) "
+                        f"before or after the `{eqn.primitive.name}`."
+                    )
+            eqns.append(copy_eqn(eqn, env))
+
+    env = {}
+    visit(closed.jaxpr.eqns, env)
+    new = make_closed_jaxpr(
+        constvars,
+        consts,
+        closed.jaxpr.invars,
+        substituted(closed.jaxpr.outvars, env),
+        eqns,
+        closed.jaxpr.debug_info,
+    )
+    return program.replace(jaxpr=new)
+
+
+@dataclass(frozen=True)
+class Inline:
+    """Pass object for :func:`inline`."""
+
+    name: ClassVar[str] = "inline"
+    summary: ClassVar[str] = "inline nested calls that contain stage markers"
+
+    def run(self, program: Program) -> Program:
+        """Apply the pass."""
+        return inline(program)

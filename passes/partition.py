@@ -1,0 +1,197 @@
+"""``partition``: give every equation a placement (stage and transpose count).
+
+Rules, in the order they apply:
+
+1. Seeds. A marker ``stage[s, t]`` runs in stage ``s``. A forward marker (even
+   ``t``) is where values *enter* stage ``s``: its outputs tell their users where
+   they are. A transposed marker (odd ``t``) is where cotangents *leave* the
+   backward of stage ``s``: its inputs tell their producers where they are.
+2. Operands forward. An unplaced equation whose operands come from placed
+   equations runs with the latest of them in pipeline order (forward stages
+   ascending, then backward stages descending), so a sum of gradient
+   contributions lands on the stage that holds the parameter.
+3. Users backward. An equation still unplaced runs with the earliest of its users;
+   a value several stages need (a tied weight) is produced once and transferred.
+   Rules 2 and 3 repeat until nothing changes; what is left (a program without
+   markers) runs in stage 0.
+4. Cheap equations, computed from literals alone (constants, ``iota``, broadcasts
+   of literals), are cloned into every stage that uses them instead of being
+   transferred.
+
+The transpose count of an equation is the largest count among the markers it
+depends on, so the last stage's backward shares a fragment with its forward and
+every earlier stage gets separate forward and backward fragments.
+
+Program inputs live on the mesh of their earliest user, outputs on the mesh of
+their producer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jax.extend import core as jcore
+
+from mpmdc.ir import Placement, Program, copy_eqn, is_var, make_closed_jaxpr, substituted, vars_of
+from mpmdc.primitives import is_forward_marker, is_marker, is_transposed_marker
+
+
+def _is_cheap(eqn, cheap_vars) -> bool:
+    """Computed from literals (or other cheap values) alone, with no effects or bodies."""
+    return (
+        not is_marker(eqn)
+        and not eqn.effects
+        and not jcore.jaxprs_in_params(eqn.params)
+        and all(not is_var(a) or a in cheap_vars for a in eqn.invars)
+    )
+
+
+def _transpose_counts(eqns, producer):
+    counts = []
+    for i, eqn in enumerate(eqns):
+        t = max((counts[producer[a]] for a in vars_of(eqn.invars) if a in producer), default=0)
+        if is_marker(eqn):
+            t = max(t, eqn.params["transpose"])
+        counts.append(t)
+    return counts
+
+
+def _infer_stages(eqns, producer, users, cheap, transpose):
+    """Stage per equation index (``None`` for cheap equations)."""
+    stage = [eqn.params["stage"] if is_marker(eqn) else None for eqn in eqns]
+
+    def key(i):
+        return Placement(stage[i], transpose[i]).order_key()
+
+    def from_operands(i):
+        for a in vars_of(eqns[i].invars):
+            j = producer.get(a)
+            if j is not None and stage[j] is not None and not is_transposed_marker(eqns[j]):
+                yield j
+
+    def from_users(i):
+        for v in eqns[i].outvars:
+            for j in users.get(v, ()):
+                if stage[j] is not None and not is_forward_marker(eqns[j]):
+                    yield j
+
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(eqns)):
+            if stage[i] is None and i not in cheap:
+                found = max(from_operands(i), key=key, default=None)
+                if found is not None:
+                    stage[i], changed = stage[found], True
+        for i in reversed(range(len(eqns))):
+            if stage[i] is None and i not in cheap:
+                found = min(from_users(i), key=key, default=None)
+                if found is not None:
+                    stage[i], changed = stage[found], True
+    return [0 if s is None and i not in cheap else s for i, s in enumerate(stage)]
+
+
+def partition(program: Program) -> Program:
+    """Place every equation; clone cheap ones per user; choose input and output meshes."""
+    jaxpr = program.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    producer, users = {}, {}
+    cheap, cheap_vars = set(), set()
+    for i, eqn in enumerate(eqns):
+        for a in vars_of(eqn.invars):
+            users.setdefault(a, []).append(i)
+        producer.update((v, i) for v in eqn.outvars if is_var(v))
+        if _is_cheap(eqn, cheap_vars):
+            cheap.add(i)
+            cheap_vars.update(eqn.outvars)
+    for eqn in eqns:
+        if is_marker(eqn):
+            program.mesh_of_stage(eqn.params["stage"], eqn)
+
+    transpose = _transpose_counts(eqns, producer)
+    stage = _infer_stages(eqns, producer, users, cheap, transpose)
+    placement = {
+        i: Placement(stage[i], transpose[i]) for i in range(len(eqns)) if i not in cheap
+    }
+
+    default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
+    out_placement = []
+    for v in jaxpr.outvars:
+        if is_var(v) and v in producer and producer[v] not in cheap:
+            out_placement.append(placement[producer[v]])
+        else:
+            out_placement.append(default)
+
+    # Cheap equations: one clone per placement among their (transitive) users.
+    needed: dict[int, set[Placement]] = {i: set() for i in cheap}
+    for i, eqn in enumerate(eqns):
+        if i in placement:
+            for a in vars_of(eqn.invars):
+                if a in cheap_vars:
+                    needed[producer[a]].add(placement[i])
+    for v, p in zip(jaxpr.outvars, out_placement):
+        if is_var(v) and v in cheap_vars:
+            needed[producer[v]].add(p)
+    for i in sorted(cheap, reverse=True):
+        for a in vars_of(eqns[i].invars):
+            if a in cheap_vars:
+                needed[producer[a]] |= needed[i]
+
+    # Only clones get fresh names: clone_env[p] renames a cheap value to its copy in p.
+    new_eqns, new_placements = [], []
+    clone_env: dict[Placement, dict] = {}
+    for i, eqn in enumerate(eqns):
+        if i in cheap:
+            for p in sorted(needed[i], key=Placement.order_key):
+                new_eqns.append(copy_eqn(eqn, clone_env.setdefault(p, {})))
+                new_placements.append(p)
+        else:
+            p = placement[i]
+            new_eqns.append(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))))
+            new_placements.append(p)
+    outvars = [
+        substituted([v], clone_env.get(p, {}))[0] for v, p in zip(jaxpr.outvars, out_placement)
+    ]
+
+    def mesh_of(p: Placement) -> int:
+        return program.mesh_of_stage(p.stage)
+
+    input_users: dict = {}
+    for eqn, p in zip(new_eqns, new_placements):
+        for a in vars_of(eqn.invars):
+            input_users.setdefault(a, []).append(p)
+    in_index = {v: k for k, v in enumerate(jaxpr.invars)}
+    for v, p in zip(jaxpr.outvars, out_placement):
+        if is_var(v) and v in in_index and v not in input_users:
+            input_users[v] = [p]
+    in_meshes = [
+        mesh_of(min(input_users.get(v, [default]), key=Placement.order_key)) for v in jaxpr.invars
+    ]
+    out_meshes = [
+        in_meshes[in_index[v]] if is_var(v) and v in in_index else mesh_of(p)
+        for v, p in zip(jaxpr.outvars, out_placement)
+    ]
+
+    closed = program.jaxpr
+    new = make_closed_jaxpr(
+        jaxpr.constvars, closed.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
+    )
+    return program.replace(
+        jaxpr=new,
+        placements=tuple(new_placements),
+        in_meshes=tuple(in_meshes),
+        out_meshes=tuple(out_meshes),
+    )
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Pass object for :func:`partition`."""
+
+    name: ClassVar[str] = "partition"
+    summary: ClassVar[str] = "place every equation on a stage and mesh"
+
+    def run(self, program: Program) -> Program:
+        """Apply the pass."""
+        return partition(program)

@@ -1,0 +1,186 @@
+"""``split``: cut a placed program into fragments joined by transfers.
+
+The contract of a ``split_module``: an assignment of every equation to a part
+comes in, one sub-program per part comes out, and the graph of parts is acyclic.
+Markers are dropped here (they are identities; their job was placement).
+
+Equations of one placement (stage, transpose count) form one fragment unless that
+would make a cycle: each equation first gets a level, the number of placement
+changes on the longest path reaching it, so every edge between parts climbs a
+level and the parts are acyclic by construction; then parts of one placement are
+merged back together wherever no path leads from one to the other through
+another part. Values crossing meshes travel by ``transfer``; values crossing
+fragments on one mesh are passed directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import networkx as nx
+from jax.extend import core as jcore
+
+from mpmdc.ir import Placement, Program, copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted, vars_of
+from mpmdc.primitives import fragment_p, is_marker, transfer_p
+from mpmdc.sharding import fit_spec
+
+
+def _parts(eqns, placements):
+    """Part id per equation: acyclic, one part per placement where possible."""
+    producer = {}
+    level = []
+    for i, eqn in enumerate(eqns):
+        lvl = 0
+        for a in vars_of(eqn.invars):
+            j = producer.get(a)
+            if j is not None:
+                lvl = max(lvl, level[j] + (placements[j] != placements[i]))
+        level.append(lvl)
+        producer.update((v, i) for v in eqn.outvars if is_var(v))
+
+    part_of = [(placements[i], level[i]) for i in range(len(eqns))]
+    graph = nx.DiGraph()
+    graph.add_nodes_from(dict.fromkeys(part_of))
+    for i, eqn in enumerate(eqns):
+        for a in vars_of(eqn.invars):
+            j = producer.get(a)
+            if j is not None and part_of[j] != part_of[i]:
+                graph.add_edge(part_of[j], part_of[i])
+
+    merged_into = {}
+    by_placement: dict[Placement, list] = {}
+    for node in sorted(graph.nodes, key=lambda n: (n[0].order_key(), n[1])):
+        by_placement.setdefault(node[0], []).append(node)
+    for nodes in by_placement.values():
+        current = nodes[0]
+        for node in nodes[1:]:
+            if _can_merge(graph, current, node):
+                nx.contracted_nodes(graph, current, node, self_loops=False, copy=False)
+                merged_into[node] = current
+            else:
+                current = node
+    return [merged_into.get(p, p) for p in part_of], graph
+
+
+def _can_merge(graph, a, b) -> bool:
+    """Merging ``a`` and ``b`` keeps the graph acyclic: no path joins them via a third part."""
+    for src, dst in ((a, b), (b, a)):
+        if any(nx.has_path(graph, c, dst) for c in graph.successors(src) if c != dst):
+            return False
+    return True
+
+
+def split(program: Program) -> Program:
+    """Turn a placed program into ``fragment`` and ``transfer`` equations."""
+    closed = program.jaxpr
+    jaxpr = closed.jaxpr
+    env = {}
+    eqns, placements = [], []
+    for eqn, placement in zip(jaxpr.eqns, program.placements):
+        if is_marker(eqn):
+            env.update(zip(eqn.outvars, substituted(eqn.invars, env)))
+        else:
+            eqns.append(eqn.replace(invars=substituted(eqn.invars, env)))
+            placements.append(placement)
+    outvars = substituted(jaxpr.outvars, env)
+
+    part_of, graph = _parts(eqns, placements)
+    members: dict = {}
+    for i, part in enumerate(part_of):
+        members.setdefault(part, []).append(i)
+    order = list(nx.lexicographical_topological_sort(graph, key=lambda p: members[p][0]))
+    counts: dict[Placement, int] = {}
+    for part in order:
+        counts[part[0]] = counts.get(part[0], 0) + 1
+
+    const_values = dict(zip(jaxpr.constvars, closed.consts))
+    in_index = {v: k for k, v in enumerate(jaxpr.invars)}
+    used_outside: set = set(v for v in outvars if is_var(v))
+    defined_in = {}
+    for part in order:
+        for i in members[part]:
+            defined_in.update((v, part) for v in eqns[i].outvars if is_var(v))
+    for i, eqn in enumerate(eqns):
+        for a in vars_of(eqn.invars):
+            if a in defined_in and defined_in[a] != part_of[i]:
+                used_outside.add(a)
+
+    location = {v: program.in_meshes[k] for v, k in in_index.items()}
+    copies: dict = {}
+    top_eqns = []
+
+    def bring(values, mesh):
+        """``values`` as variables living on ``mesh``, adding transfers as needed."""
+        by_src: dict[int, list] = {}
+        for v in values:
+            if is_var(v) and v not in const_values and location[v] != mesh and (v, mesh) not in copies:
+                by_src.setdefault(location[v], []).append(v)
+        for src, vs in sorted(by_src.items()):
+            src_specs = tuple(program.in_specs[in_index[v]] if v in in_index else None for v in vs)
+            dst_specs = tuple(
+                None if spec is None else fit_spec(spec, program.meshes[mesh], v.aval.shape)
+                for v, spec in zip(vs, src_specs)
+            )
+            outs = [fresh_like(v) for v in vs]
+            params = dict(src=src, dst=mesh, src_specs=src_specs, dst_specs=dst_specs)
+            top_eqns.append(jcore.new_jaxpr_eqn(vs, outs, transfer_p, params, jcore.no_effects))
+            for v, out in zip(vs, outs):
+                copies[(v, mesh)] = out
+                location[out] = mesh
+        return [copies.get((v, mesh), v) for v in values]
+
+    seen: dict[Placement, int] = {}
+    for part in order:
+        placement = part[0]
+        mesh = program.mesh_of_stage(placement.stage)
+        body = [eqns[i] for i in members[part]]
+        defined = {v for e in body for v in e.outvars if is_var(v)}
+        inputs, consts = [], []
+        for e in body:
+            for a in vars_of(e.invars):
+                if a not in defined:
+                    target = consts if a in const_values else inputs
+                    if a not in target:
+                        target.append(a)
+        outputs = [v for e in body for v in e.outvars if v in defined and v in used_outside]
+        inner_env = {v: fresh_like(v) for v in inputs + consts}
+        inner_eqns = [copy_eqn(e, inner_env) for e in body]
+        inner = make_closed_jaxpr(
+            [inner_env[c] for c in consts],
+            [const_values[c] for c in consts],
+            [inner_env[v] for v in inputs],
+            substituted(outputs, inner_env),
+            inner_eqns,
+        )
+        name = placement.label
+        if counts[placement] > 1:
+            name += f"_{seen.get(placement, 0)}"
+        seen[placement] = seen.get(placement, 0) + 1
+        params = dict(
+            jaxpr=inner, mesh=mesh, name=name, stage=placement.stage, transpose=placement.transpose
+        )
+        top_eqns.append(
+            jcore.new_jaxpr_eqn(bring(inputs, mesh), outputs, fragment_p, params, inner.effects)
+        )
+        location.update((v, mesh) for v in outputs)
+
+    final = []
+    for v, mesh in zip(outvars, program.out_meshes):
+        final.append(bring([v], mesh)[0] if is_var(v) and v not in const_values else v)
+    new = make_closed_jaxpr(
+        jaxpr.constvars, closed.consts, jaxpr.invars, final, top_eqns, jaxpr.debug_info
+    )
+    return program.replace(jaxpr=new, placements=None)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Pass object for :func:`split`."""
+
+    name: ClassVar[str] = "split"
+    summary: ClassVar[str] = "cut the placed program into fragments and transfers"
+
+    def run(self, program: Program) -> Program:
+        """Apply the pass."""
+        return split(program)

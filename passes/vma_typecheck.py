@@ -1,0 +1,115 @@
+"""``vma-typecheck``: check types, meshes and shardings of a program.
+
+* JAX's ``check_jaxpr`` over the whole program, fragment bodies and ``shard_map``
+  bodies included (so varying / unreduced manual axes are checked by JAX itself).
+* Every value is used on the mesh where it lives: a fragment's operands live on its
+  mesh, a transfer's operands on its source mesh. This is the MPMD axis treated
+  as one more manual axis.
+* Every ``in_specs``/``out_specs`` entry names only axes of the mesh holding the
+  value, and splits only dimensions its axes divide.
+* A ``shard_map`` runs on the mesh of the stage it sits in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jax.extend import core as jcore
+from jax.sharding import Mesh
+
+from mpmdc import _jax_compat as compat
+from mpmdc.errors import TypeCheckError
+from mpmdc.ir import Program, find_eqns, is_var
+from mpmdc.primitives import fragment_p, transfer_p
+from mpmdc.sharding import check_spec
+
+
+def _check_specs(program: Program) -> None:
+    jaxpr = program.jaxpr.jaxpr
+    for v, spec, mesh, path in zip(jaxpr.invars, program.in_specs, program.in_meshes, program.in_paths):
+        check_spec(spec, program.meshes[mesh], v.aval.shape, f"in_specs for argument {path} (on mesh{mesh})")
+    for v, spec, mesh, path in zip(jaxpr.outvars, program.out_specs, program.out_meshes, program.out_paths):
+        check_spec(spec, program.meshes[mesh], v.aval.shape, f"out_specs for output {path} (on mesh{mesh})")
+
+
+def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
+    for eqn in find_eqns(eqns, lambda e: e.primitive.name == "shard_map"):
+        inner = eqn.params["mesh"]
+        same_shape = dict(inner.shape) == dict(mesh.shape)
+        same_devices = not isinstance(inner, Mesh) or inner.device_ids.tolist() == mesh.device_ids.tolist()
+        if not (same_shape and same_devices):
+            raise TypeCheckError(
+                f"shard_map at {compat.source_line(eqn)} is in {where}, which runs on "
+                f"mesh{mesh_index} {dict(mesh.shape)}, but it was built for another mesh "
+                f"{dict(inner.shape)}; build it with that stage's mesh (meshes[{mesh_index}])."
+            )
+
+
+def _check_locations(program: Program) -> None:
+    jaxpr = program.jaxpr.jaxpr
+    location = dict(zip(jaxpr.invars, program.in_meshes))
+    consts = set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is fragment_p:
+            here, what = eqn.params["mesh"], f"fragment {eqn.params['name']}"
+        elif eqn.primitive is transfer_p:
+            here, what = eqn.params["src"], f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}"
+        else:
+            raise TypeCheckError(
+                f"after split only fragment and transfer equations may appear at the top "
+                f"level, found `{eqn.primitive.name}`."
+            )
+        for a in eqn.invars:
+            if is_var(a) and a not in consts and location[a] != here:
+                raise TypeCheckError(
+                    f"{what} on mesh{here} reads a value living on mesh{location[a]} "
+                    f"({a.aval.str_short()}); a transfer is missing."
+                )
+        dst = eqn.params["dst"] if eqn.primitive is transfer_p else here
+        location.update((v, dst) for v in eqn.outvars if is_var(v))
+    for v, mesh, path in zip(jaxpr.outvars, program.out_meshes, program.out_paths):
+        if is_var(v) and v not in consts and location[v] != mesh:
+            raise TypeCheckError(f"output {path} should live on mesh{mesh} but is on mesh{location[v]}.")
+
+
+def vma_typecheck(program: Program) -> Program:
+    """Check ``program``; return it unchanged or raise ``TypeCheckError``."""
+    try:
+        jcore.check_jaxpr(program.jaxpr.jaxpr)
+    except jcore.JaxprTypeError as err:
+        raise TypeCheckError(f"the program is ill-typed: {err}") from None
+    if program.in_meshes is None:
+        return program
+    _check_specs(program)
+    jaxpr = program.jaxpr.jaxpr
+    if program.placements is not None:
+        for eqn, p in zip(jaxpr.eqns, program.placements):
+            mesh = program.mesh_of_stage(p.stage)
+            _check_shard_maps(
+                [eqn], program.meshes[mesh], mesh, f"stage {p.stage}"
+            )
+    else:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is fragment_p:
+                mesh = eqn.params["mesh"]
+                _check_shard_maps(
+                    eqn.params["jaxpr"].jaxpr.eqns,
+                    program.meshes[mesh],
+                    mesh,
+                    f"fragment {eqn.params['name']}",
+                )
+        _check_locations(program)
+    return program
+
+
+@dataclass(frozen=True)
+class VmaTypecheck:
+    """Pass object for :func:`vma_typecheck`."""
+
+    name: ClassVar[str] = "vma-typecheck"
+    summary: ClassVar[str] = "check types, meshes, shardings and manual axes"
+
+    def run(self, program: Program) -> Program:
+        """Apply the pass."""
+        return vma_typecheck(program)
