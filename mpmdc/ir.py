@@ -117,9 +117,19 @@ def copy_eqn(eqn, env: dict, **changes):
     return eqn.replace(invars=substituted(eqn.invars, env), outvars=outvars, **changes)
 
 
-def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None):
-    """Assemble a ``ClosedJaxpr`` whose effects are the union of its equations'."""
+def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None, name="fragment"):
+    """Assemble a ``ClosedJaxpr`` whose effects are the union of its equations'.
+
+    Without ``debug_info`` one is made up naming ``name``'s arguments and results.
+    """
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else jcore.no_effects
+    if debug_info is None:
+        debug_info = jcore.DebugInfo(
+            "mpmdc",
+            name,
+            tuple(f"arg{i}" for i in range(len(invars))),
+            tuple(f"result{i}" for i in range(len(outvars))),
+        )
     jaxpr = jcore.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info)
     return jcore.ClosedJaxpr(jaxpr, list(consts))
 
@@ -182,3 +192,33 @@ def find_eqns(eqns, predicate):
         for sub in jcore.jaxprs_in_params(eqn.params):
             yield from find_eqns(sub.eqns, predicate)
 
+
+
+def fragment_summary(program: Program) -> list[str]:
+    """One line per fragment of a split program: mesh, equations, inputs/outputs, transfers."""
+    from mpmdc.primitives import fragment_p, transfer_p
+
+    jaxpr = program.jaxpr.jaxpr
+    arrives = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is transfer_p:
+            arrives.update((v, eqn.params["src"]) for v in eqn.outvars)
+    readers: dict = {}
+    for eqn in jaxpr.eqns:
+        for a in vars_of(eqn.invars):
+            readers.setdefault(a, []).append(eqn)
+    lines = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not fragment_p:
+            continue
+        body = eqn.params["jaxpr"].jaxpr
+        incoming = sum(1 for a in vars_of(eqn.invars) if a in arrives)
+        outgoing = sum(
+            1 for v in eqn.outvars for r in readers.get(v, ()) if r.primitive is transfer_p
+        )
+        lines.append(
+            f"{eqn.params['name']:<10} mesh{eqn.params['mesh']}  {len(body.eqns):3d} eqns  "
+            f"{len(eqn.invars):2d} in / {len(eqn.outvars):2d} out  "
+            f"transfers: {incoming} in, {outgoing} out"
+        )
+    return lines

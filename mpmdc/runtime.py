@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mpmdc.errors import ArgumentError
-from mpmdc.ir import Program, is_var
+from mpmdc.ir import Program, is_var, vars_of
 from mpmdc.lowering import fragment_function
 from mpmdc.primitives import fragment_p
 from mpmdc.sharding import fit_spec, named
@@ -88,7 +88,7 @@ class Executable:
         last_use = {}
         for i, eqn in enumerate(jaxpr.eqns):
             last_use.update((a, i) for a in eqn.invars if is_var(a))
-        for v in jaxpr.outvars:
+        for v in vars_of(jaxpr.outvars):
             last_use.pop(v, None)
         releases = [[] for _ in jaxpr.eqns]
         for v, i in last_use.items():

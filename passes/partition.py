@@ -12,8 +12,9 @@ Rules, in the order they apply:
    contributions lands on the stage that holds the parameter.
 3. Users backward. An equation still unplaced runs with the earliest of its users;
    a value several stages need (a tied weight) is produced once and transferred.
-   Rules 2 and 3 repeat until nothing changes; what is left (a program without
-   markers) runs in stage 0.
+   Rules 2 and 3 repeat until nothing changes, one transpose count at a time
+   (forward first); then a cotangent leaving a transposed marker counts as an
+   operand in that marker's stage; what is left runs in the first stage.
 4. Cheap equations, computed from literals alone (constants, ``iota``, broadcasts
    of literals), are cloned into every stage that uses them instead of being
    transferred.
@@ -58,17 +59,24 @@ def _transpose_counts(eqns, producer):
 
 
 def _infer_stages(eqns, producer, users, cheap, transpose):
-    """Stage per equation index (``None`` for cheap equations)."""
+    """Stage per equation index (``None`` for cheap equations).
+
+    Placement runs one transpose count at a time (forward first), so the backward
+    of the code before the first marker follows its forward's residuals instead of
+    whichever gradient happens to be summed into it.
+    """
     stage = [eqn.params["stage"] if is_marker(eqn) else None for eqn in eqns]
+    default = min((s for s in stage if s is not None), default=0)
 
     def key(i):
         return Placement(stage[i], transpose[i]).order_key()
 
-    def from_operands(i):
+    def from_operands(i, through_boundaries):
         for a in vars_of(eqns[i].invars):
             j = producer.get(a)
-            if j is not None and stage[j] is not None and not is_transposed_marker(eqns[j]):
-                yield j
+            if j is not None and stage[j] is not None:
+                if through_boundaries or not is_transposed_marker(eqns[j]):
+                    yield j
 
     def from_users(i):
         for v in eqns[i].outvars:
@@ -76,20 +84,30 @@ def _infer_stages(eqns, producer, users, cheap, transpose):
                 if stage[j] is not None and not is_forward_marker(eqns[j]):
                     yield j
 
-    changed = True
-    while changed:
-        changed = False
-        for i in range(len(eqns)):
-            if stage[i] is None and i not in cheap:
-                found = max(from_operands(i), key=key, default=None)
-                if found is not None:
-                    stage[i], changed = stage[found], True
-        for i in reversed(range(len(eqns))):
-            if stage[i] is None and i not in cheap:
-                found = min(from_users(i), key=key, default=None)
-                if found is not None:
-                    stage[i], changed = stage[found], True
-    return [0 if s is None and i not in cheap else s for i, s in enumerate(stage)]
+    def settle(members, through_boundaries):
+        changed = True
+        while changed:
+            changed = False
+            for i in members:
+                if stage[i] is None:
+                    found = max(from_operands(i, through_boundaries), key=key, default=None)
+                    if found is not None:
+                        stage[i], changed = stage[found], True
+            for i in reversed(members):
+                if stage[i] is None:
+                    found = min(from_users(i), key=key, default=None)
+                    if found is not None:
+                        stage[i], changed = stage[found], True
+
+    for t in sorted(set(transpose)):
+        members = [i for i, s in enumerate(stage) if s is None and i not in cheap and transpose[i] == t]
+        settle(members, through_boundaries=False)
+        # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
+        settle(members, through_boundaries=True)
+        for i in members:
+            if stage[i] is None:
+                stage[i] = default
+    return stage
 
 
 def partition(program: Program) -> Program:

@@ -134,6 +134,10 @@ def split(program: Program) -> Program:
     for part in order:
         placement = part[0]
         mesh = program.mesh_of_stage(placement.stage)
+        name = placement.label
+        if counts[placement] > 1:
+            name += f"_{seen.get(placement, 0)}"
+        seen[placement] = seen.get(placement, 0) + 1
         body = [eqns[i] for i in members[part]]
         defined = {v for e in body for v in e.outvars if is_var(v)}
         inputs, consts = [], []
@@ -152,11 +156,8 @@ def split(program: Program) -> Program:
             [inner_env[v] for v in inputs],
             substituted(outputs, inner_env),
             inner_eqns,
+            name=name,
         )
-        name = placement.label
-        if counts[placement] > 1:
-            name += f"_{seen.get(placement, 0)}"
-        seen[placement] = seen.get(placement, 0) + 1
         params = dict(
             jaxpr=inner, mesh=mesh, name=name, stage=placement.stage, transpose=placement.transpose
         )

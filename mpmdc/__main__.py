@@ -1,0 +1,7 @@
+"""``python -m mpmdc``: the same as the ``mpmdc`` command."""
+
+import sys
+
+from mpmdc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,26 @@
+"""Test setup: 8 virtual CPU devices (before JAX starts) and verification after every pass."""
+
+import os
+
+os.environ.setdefault("MPMDC_VERIFY", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+import mpmdc  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def meshes4():
+    """Four disjoint meshes of two devices, axis ``data``."""
+    return mpmdc.make_meshes(4, {"data": 2})
+
+
+@pytest.fixture(scope="session")
+def meshes2():
+    """Two disjoint meshes of two devices, axis ``data``."""
+    return mpmdc.make_meshes(2, {"data": 2})

@@ -1,0 +1,30 @@
+"""Shared test helpers: reference comparison against ``jax.jit`` and mesh lookups."""
+
+import jax
+import numpy as np
+
+import mpmdc
+
+
+def assert_same_as_jit(fn, meshes, *args, rtol=2e-5, atol=1e-6, compile_kwargs=None):
+    """Run ``fn`` through mpmdc and ``jax.jit``; assert equal results; return mpmdc's."""
+    compile_kwargs = compile_kwargs or {}
+    static = compile_kwargs.get("static_argnums", ())
+    got = mpmdc.compile(fn, meshes, **compile_kwargs)(*args)
+    want = jax.jit(fn, static_argnums=static)(*args)
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves):
+        assert isinstance(g, jax.Array)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+    return got
+
+
+def mesh_index(array, meshes):
+    """Index of the mesh whose devices hold ``array``."""
+    ids = sorted(d.id for d in array.sharding.device_set)
+    for i, m in enumerate(meshes):
+        if sorted(d.id for d in m.devices.flat) == ids:
+            return i
+    raise AssertionError(f"array lives on devices {ids}, which are no mesh")
