@@ -1,5 +1,5 @@
 """StableHLO emission for fragments, importable as ``mpmdc.lowering``."""
 
-from mpmdc.lowering.stablehlo import fragment_function, lower_fragment, value_specs
+from mpmdc.lowering.stablehlo import fragment_function, fragment_jit, lower_fragment
 
-__all__ = ["fragment_function", "lower_fragment", "value_specs"]
+__all__ = ["fragment_function", "fragment_jit", "lower_fragment"]

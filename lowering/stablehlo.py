@@ -10,8 +10,7 @@ from __future__ import annotations
 import jax
 from jax.extend import core as jcore
 
-from mpmdc.ir import Program, is_var
-from mpmdc.primitives import transfer_p
+from mpmdc.ir import Program
 from mpmdc.sharding import named
 
 
@@ -26,30 +25,22 @@ def fragment_function(eqn):
     return run
 
 
-def value_specs(program: Program) -> dict:
-    """Statically known ``PartitionSpec`` of top-level values: inputs, transfers, outputs."""
-    jaxpr = program.jaxpr.jaxpr
-    specs = {v: s for v, s in zip(jaxpr.invars, program.in_specs) if s is not None}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is transfer_p:
-            specs.update((v, s) for v, s in zip(eqn.outvars, eqn.params["dst_specs"]) if s is not None)
-    for v, s in zip(jaxpr.outvars, program.out_specs):
-        if is_var(v) and s is not None:
-            specs.setdefault(v, s)
-    return specs
-
-
-def lower_fragment(program: Program, eqn, platform: str, specs: dict) -> str:
-    """StableHLO text of fragment ``eqn`` for ``platform``, shardings from ``specs``."""
+def fragment_jit(eqn, program: Program, donate_argnums=()):
+    """``(jitted function, argument types)`` for fragment ``eqn`` on its mesh."""
     mesh = program.meshes[eqn.params["mesh"]]
     args = [
-        jax.ShapeDtypeStruct(
-            v.aval.shape,
-            v.aval.dtype,
-            sharding=named(mesh, specs[v]) if is_var(v) and v in specs else None,
-        )
-        for v in eqn.invars
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=named(mesh, spec))
+        for v, spec in zip(eqn.invars, eqn.params["in_specs"])
     ]
-    out_shardings = [named(mesh, specs[v]) if v in specs else None for v in eqn.outvars]
-    jitted = jax.jit(fragment_function(eqn), out_shardings=out_shardings)
+    jitted = jax.jit(
+        fragment_function(eqn),
+        out_shardings=[named(mesh, spec) for spec in eqn.params["out_specs"]],
+        donate_argnums=donate_argnums,
+    )
+    return jitted, args
+
+
+def lower_fragment(program: Program, eqn, platform: str) -> str:
+    """StableHLO text of fragment ``eqn`` for ``platform``."""
+    jitted, args = fragment_jit(eqn, program)
     return jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text()

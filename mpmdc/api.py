@@ -60,11 +60,18 @@ def _path_text(prefix: str, path) -> str:
     return prefix + jax.tree_util.keystr(path)
 
 
+class _Repeated:
+    """One spec standing for ``count`` leaves (an opaque pytree leaf)."""
+
+    def __init__(self, spec, count):
+        self.spec, self.count = spec, count
+
+
 def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
     """Broadcast a spec pytree prefix over ``tree``; a mismatch is a ``SpecError``."""
     try:
         per_subtree = jax.tree_util.tree_map(
-            lambda spec, sub: [spec] * len(jax.tree_util.tree_leaves(sub)),
+            lambda spec, sub: _Repeated(spec, len(jax.tree_util.tree_leaves(sub))),
             specs,
             tree,
             is_leaf=_is_spec_leaf,
@@ -74,7 +81,8 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
             f"{what} does not match the structure of {nleaves_prefix}: {err}. Give a "
             f"PartitionSpec (or None) per leaf, or a prefix of the pytree."
         ) from None
-    return [s for group in jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)) for s in group]
+    groups = jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, _Repeated))
+    return [g.spec for g in groups for _ in range(g.count)]
 
 
 class Lowered:

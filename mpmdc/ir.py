@@ -142,7 +142,7 @@ def _mesh_text(mesh: Mesh) -> str:
 
 
 def _spec_text(spec) -> str:
-    return "P()" if spec is None else repr(spec).replace("PartitionSpec", "P")
+    return "P()" if spec is None else str(spec)
 
 
 def format_program(program: Program) -> str:

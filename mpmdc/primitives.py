@@ -144,11 +144,17 @@ def _fragment_dce(used_outputs, eqn):
         return [False] * len(eqn.invars), None
     new_inner, used_inputs = pe.dce_jaxpr(inner.jaxpr, used_outputs)
     closed = jcore.ClosedJaxpr(new_inner, inner.consts)
+    params = dict(
+        eqn.params,
+        jaxpr=closed,
+        in_specs=tuple(s for s, used in zip(eqn.params["in_specs"], used_inputs) if used),
+        out_specs=tuple(s for s, used in zip(eqn.params["out_specs"], used_outputs) if used),
+    )
     new_eqn = jcore.new_jaxpr_eqn(
         [v for v, used in zip(eqn.invars, used_inputs) if used],
         [v for v, used in zip(eqn.outvars, used_outputs) if used],
         fragment_p,
-        dict(eqn.params, jaxpr=closed),
+        params,
         closed.effects,
         eqn.source_info,
         eqn.ctx,
@@ -160,7 +166,12 @@ def _same_type(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
 
-def _fragment_typecheck(_ctx_factory, *in_atoms, jaxpr, name, **_):
+def _fragment_typecheck(_ctx_factory, *in_atoms, jaxpr, name, in_specs, out_specs, **_):
+    if len(in_specs) != len(in_atoms) or len(out_specs) != len(jaxpr.out_avals):
+        raise jcore.JaxprTypeError(
+            f"fragment {name}: {len(in_specs)} input / {len(out_specs)} output specs for "
+            f"{len(in_atoms)} inputs / {len(jaxpr.out_avals)} outputs"
+        )
     if len(in_atoms) != len(jaxpr.in_avals) or not all(
         _same_type(a.aval, b) for a, b in zip(in_atoms, jaxpr.in_avals)
     ):

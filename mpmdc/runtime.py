@@ -1,9 +1,8 @@
 """The single-process runtime: run a split program on its meshes.
 
-Compilation walks the program once: each fragment is compiled ahead of time for
-its mesh with the shardings its operands actually have (program inputs from
-``in_specs``, values from other fragments from those fragments' compiled output
-shardings), so every call is a plain executable call. Fragments with the same
+Each fragment is compiled ahead of time for its mesh with the static shardings
+``split`` gave its operands and results, so every call is a plain executable
+call and what runs is exactly the StableHLO that ``lower`` shows. Fragments with the same
 body, mesh and shardings share one executable. Transfers are ``device_put`` onto
 the destination mesh. JAX's asynchronous dispatch lets meshes overlap; each
 intermediate value is dropped right after its last use.
@@ -16,13 +15,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from mpmdc.errors import ArgumentError
 from mpmdc.ir import Program, is_var, vars_of
-from mpmdc.lowering import fragment_function
+from mpmdc.lowering import fragment_jit
 from mpmdc.primitives import fragment_p
-from mpmdc.sharding import fit_spec, named
+from mpmdc.sharding import named
 
 
 @dataclass(frozen=True)
@@ -65,13 +63,6 @@ class _Step:
     release: list
 
 
-def _transfer_sharding(src: Any, dst_mesh, spec, shape) -> NamedSharding:
-    if spec is not None:
-        return named(dst_mesh, spec)
-    src_spec = src.spec if isinstance(src, NamedSharding) else PartitionSpec()
-    return named(dst_mesh, fit_spec(src_spec, dst_mesh, shape))
-
-
 class Executable:
     """A compiled MPMD program: call it like the function it was lowered from."""
 
@@ -83,7 +74,6 @@ class Executable:
         self._in_shardings = [
             named(meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
         ]
-        sharding = dict(zip(jaxpr.invars, self._in_shardings))
         donated = {v for v, d in zip(jaxpr.invars, program.donated) if d}
         last_use = {}
         for i, eqn in enumerate(jaxpr.eqns):
@@ -94,44 +84,29 @@ class Executable:
         for v, i in last_use.items():
             releases[i].append(v)
 
-        out_spec_of = {
-            v: s for v, s in zip(jaxpr.outvars, program.out_specs) if is_var(v) and s is not None
-        }
         executables: dict = {}
         self._steps = []
         for i, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive is fragment_p:
-                mesh = meshes[eqn.params["mesh"]]
-                in_sh = tuple(sharding[a] for a in eqn.invars)
-                out_sh = tuple(
-                    named(mesh, fit_spec(out_spec_of[v], mesh, v.aval.shape)) if v in out_spec_of else None
-                    for v in eqn.outvars
-                )
                 donate = tuple(
                     k
                     for k, a in enumerate(eqn.invars)
                     if a in donated and last_use.get(a) == i and eqn.invars.count(a) == 1
                 )
-                key = (str(eqn.params["jaxpr"]), eqn.params["mesh"], in_sh, out_sh, donate)
+                key = (
+                    str(eqn.params["jaxpr"]),
+                    eqn.params["mesh"],
+                    eqn.params["in_specs"],
+                    eqn.params["out_specs"],
+                    donate,
+                )
                 if key not in executables:
-                    args = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, sharding=s) for a, s in zip(eqn.invars, in_sh)]
-                    jitted = jax.jit(
-                        fragment_function(eqn),
-                        out_shardings=list(out_sh) if any(out_sh) else None,
-                        donate_argnums=donate,
-                    )
-                    executables[key] = jitted.trace(*args).lower().compile()
-                compiled = executables[key]
-                sharding.update(zip(eqn.outvars, compiled.output_shardings))
-                call = compiled
+                    jitted, arg_types = fragment_jit(eqn, program, donate)
+                    executables[key] = jitted.trace(*arg_types).lower().compile()
+                call = executables[key]
             else:
                 dst_mesh = meshes[eqn.params["dst"]]
-                targets = [
-                    _transfer_sharding(sharding[a], dst_mesh, spec, a.aval.shape)
-                    for a, spec in zip(eqn.invars, eqn.params["dst_specs"])
-                ]
-                sharding.update(zip(eqn.outvars, targets))
-                call = _make_transfer(targets)
+                call = _make_transfer([named(dst_mesh, s) for s in eqn.params["dst_specs"]])
             self._steps.append(_Step(call, list(eqn.invars), list(eqn.outvars), releases[i]))
         self._executables = executables
         self._outputs = []

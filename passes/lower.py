@@ -12,7 +12,7 @@ from typing import ClassVar
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir import Program
-from mpmdc.lowering import lower_fragment, value_specs
+from mpmdc.lowering import lower_fragment
 from mpmdc.primitives import fragment_p
 
 
@@ -21,9 +21,8 @@ def lower(program: Program, backend: str | None = None) -> Program:
     if not program.is_split:
         raise PassError("the `lower` pass needs a split program; run `split` before it.")
     platform = backends.get(backend or program.backend).platform
-    specs = value_specs(program)
     modules = tuple(
-        (eqn.params["name"], lower_fragment(program, eqn, platform, specs))
+        (eqn.params["name"], lower_fragment(program, eqn, platform))
         for eqn in program.jaxpr.jaxpr.eqns
         if eqn.primitive is fragment_p
     )

@@ -11,6 +11,12 @@ level and the parts are acyclic by construction; then parts of one placement are
 merged back together wherever no path leads from one to the other through
 another part. Values crossing meshes travel by ``transfer``; values crossing
 fragments on one mesh are passed directly.
+
+Every top-level value gets a static ``PartitionSpec`` inside its mesh: program
+inputs their ``in_specs``, fragment results their ``out_specs`` where they are
+program outputs, transferred values the source's spec as far as the destination
+mesh has those axes, everything else replicated. Fragments and transfers carry
+these specs, so the StableHLO that ``lower`` emits is exactly what runs.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import ClassVar
 
 import networkx as nx
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from mpmdc.ir import Placement, Program, copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted, vars_of
 from mpmdc.primitives import fragment_p, is_marker, transfer_p
@@ -107,6 +114,12 @@ def split(program: Program) -> Program:
                 used_outside.add(a)
 
     location = {v: program.in_meshes[k] for v, k in in_index.items()}
+    spec_of = {v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)}
+    out_spec_of = {
+        (v, m): spec
+        for v, m, spec in zip(outvars, program.out_meshes, program.out_specs)
+        if is_var(v) and spec is not None
+    }
     copies: dict = {}
     top_eqns = []
 
@@ -117,17 +130,17 @@ def split(program: Program) -> Program:
             if is_var(v) and v not in const_values and location[v] != mesh and (v, mesh) not in copies:
                 by_src.setdefault(location[v], []).append(v)
         for src, vs in sorted(by_src.items()):
-            src_specs = tuple(program.in_specs[in_index[v]] if v in in_index else None for v in vs)
+            src_specs = tuple(spec_of[v] for v in vs)
             dst_specs = tuple(
-                None if spec is None else fit_spec(spec, program.meshes[mesh], v.aval.shape)
-                for v, spec in zip(vs, src_specs)
+                fit_spec(spec, program.meshes[mesh], v.aval.shape) for v, spec in zip(vs, src_specs)
             )
             outs = [fresh_like(v) for v in vs]
             params = dict(src=src, dst=mesh, src_specs=src_specs, dst_specs=dst_specs)
             top_eqns.append(jcore.new_jaxpr_eqn(vs, outs, transfer_p, params, jcore.no_effects))
-            for v, out in zip(vs, outs):
+            for v, out, spec in zip(vs, outs, dst_specs):
                 copies[(v, mesh)] = out
                 location[out] = mesh
+                spec_of[out] = spec
         return [copies.get((v, mesh), v) for v in values]
 
     seen: dict[Placement, int] = {}
@@ -158,13 +171,22 @@ def split(program: Program) -> Program:
             inner_eqns,
             name=name,
         )
+        operands = bring(inputs, mesh)
+        out_specs = tuple(
+            fit_spec(out_spec_of.get((v, mesh)), program.meshes[mesh], v.aval.shape) for v in outputs
+        )
         params = dict(
-            jaxpr=inner, mesh=mesh, name=name, stage=placement.stage, transpose=placement.transpose
+            jaxpr=inner,
+            mesh=mesh,
+            name=name,
+            stage=placement.stage,
+            transpose=placement.transpose,
+            in_specs=tuple(spec_of[v] for v in operands),
+            out_specs=out_specs,
         )
-        top_eqns.append(
-            jcore.new_jaxpr_eqn(bring(inputs, mesh), outputs, fragment_p, params, inner.effects)
-        )
+        top_eqns.append(jcore.new_jaxpr_eqn(operands, outputs, fragment_p, params, inner.effects))
         location.update((v, mesh) for v in outputs)
+        spec_of.update(zip(outputs, out_specs))
 
     final = []
     for v, mesh in zip(outvars, program.out_meshes):
