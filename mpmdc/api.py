@@ -205,7 +205,7 @@ class Compiled:
 
     def _signature_key(self, args, kwargs):
         static_values, dynamic, donate = self._split_args(args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(([a for _, a in dynamic], kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in dynamic), kwargs))
         types = tuple((np.shape(x), _leaf_type(x).dtype) for x in leaves)
         return (static_values, treedef, types, donate), leaves
 
@@ -223,7 +223,7 @@ class Compiled:
         static_values, dynamic, donate = self._split_args(args, kwargs)
         static = dict(static_values)
         dyn_index = [i for i, _ in dynamic]
-        dyn_args = [a for _, a in dynamic]
+        dyn_args = tuple(a for _, a in dynamic)
         leaves_with_path, in_tree = jax.tree_util.tree_flatten_with_path((dyn_args, kwargs))
         in_paths = []
         for path, _ in leaves_with_path:

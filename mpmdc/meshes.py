@@ -47,6 +47,11 @@ def make_meshes(
     )
 
 
+def device_platform(device) -> str:
+    """The platform a device belongs to (``cpu``, ``gpu``, ``tpu``...)."""
+    return device.platform
+
+
 def check_meshes(meshes) -> tuple[Mesh, ...]:
     """Validate a user's meshes: a non-empty sequence of disjoint, same-platform ``Mesh``es."""
     if isinstance(meshes, Mesh):
@@ -72,7 +77,7 @@ def check_meshes(meshes) -> tuple[Mesh, ...]:
                     f"meshes must be disjoint."
                 )
             owner[d] = i
-            platforms.setdefault(d.platform, i)
+            platforms.setdefault(device_platform(d), i)
     if len(platforms) > 1:
         found = ", ".join(f"{p} (meshes[{i}])" for p, i in platforms.items())
         raise MeshError(f"meshes mix platforms: {found}; all meshes must be on one platform.")

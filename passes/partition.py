@@ -43,7 +43,7 @@ def _is_cheap(eqn, cheap_vars) -> bool:
     return (
         not is_marker(eqn)
         and not eqn.effects
-        and not jcore.jaxprs_in_params(eqn.params)
+        and not list(jcore.jaxprs_in_params(eqn.params))
         and all(not is_var(a) or a in cheap_vars for a in eqn.invars)
     )
 

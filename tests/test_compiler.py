@@ -1,0 +1,165 @@
+"""Compiler behaviour: caching, deterministic dumps, partition rules, passes called directly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpmdc
+from helpers import assert_same_as_jit, mesh_index
+from mpmdc.ir import Placement
+from mpmdc.passes import dce, inline, partition, split, vma_typecheck
+from mpmdc.primitives import fragment_p, transfer_p
+
+
+def mlp_loss(ws, x):
+    for i, w in enumerate(ws):
+        x = jnp.tanh(mpmdc.stage(x, i) @ w)
+    return jnp.sum(x**2)
+
+
+WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
+X = jnp.arange(32.0).reshape(4, 8) / 32
+
+
+def test_second_call_does_not_retrace(meshes4):
+    traces = []
+
+    def loss(ws, x):
+        traces.append(1)
+        return mlp_loss(ws, x)
+
+    step = mpmdc.compile(jax.grad(loss), meshes4)
+    step(WS, X)
+    step(WS, X + 1)
+    assert len(traces) == 1
+    step(WS, jnp.ones((2, 8)))
+    assert len(traces) == 2
+
+
+def test_as_text_is_identical_across_compilations(meshes4):
+    a = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)
+    b = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)
+    assert a.stages == (
+        "input",
+        "after-inline",
+        "after-partition",
+        "after-dce",
+        "after-vma-typecheck",
+        "after-split",
+        "stablehlo",
+    )
+    for stage in a.stages:
+        assert a.as_text(stage) == b.as_text(stage)
+        assert "0x" not in a.as_text(stage)
+    assert a.stablehlo(platform="tpu") == b.stablehlo(platform="tpu")
+
+
+def test_split_program_holds_only_fragments_and_transfers(meshes4):
+    lowered = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)
+    program = lowered.program("after-split")
+    prims = {e.primitive for e in program.jaxpr.jaxpr.eqns}
+    assert prims == {fragment_p, transfer_p}
+    # the MPMD program is still a jaxpr JAX can check and evaluate
+    jax.extend.core.check_jaxpr(program.jaxpr.jaxpr)
+    flat = jax.tree_util.tree_leaves((WS, X))
+    got = jax.extend.core.jaxpr_as_fun(program.jaxpr)(*flat)
+    want = jax.tree_util.tree_leaves(jax.value_and_grad(mlp_loss)(WS, X))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5)
+
+
+def placed(fn, meshes, *args, **kwargs):
+    """The program after inline and partition, run by calling the passes directly."""
+    program = mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
+    return partition(inline(program))
+
+
+def test_cheap_constants_are_cloned_not_transferred(meshes2):
+    def fn(x):
+        c = jax.lax.broadcasted_iota(jnp.float32, (4, 8), 1) * 2.0  # from nothing: cheap
+        a = mpmdc.stage(x, 0) * c
+        b = mpmdc.stage(a, 1) + c
+        return b
+
+    program = vma_typecheck(split(dce(placed(fn, meshes2, X))))
+    iotas = [
+        e.params["name"]
+        for e in program.jaxpr.jaxpr.eqns
+        if e.primitive is fragment_p
+        for inner in e.params["jaxpr"].jaxpr.eqns
+        if inner.primitive.name == "iota"
+    ]
+    assert sorted(iotas) == ["s0_fwd", "s1_fwd"]
+    transfers = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is transfer_p]
+    assert len(transfers) == 1 and len(transfers[0].invars) == 1
+
+
+def test_gradients_from_several_meshes_sum_where_the_parameter_lives(meshes4):
+    def fn(w, x):
+        a = jnp.tanh(mpmdc.stage(x, 0) @ w)
+        b = jnp.tanh(mpmdc.stage(a, 1) @ w)  # w is used by stages 0, 1 and 2
+        c = jnp.tanh(mpmdc.stage(b, 2) @ w)
+        return jnp.sum(c)
+
+    w = jnp.eye(8) * 0.3
+    _, grad = assert_same_as_jit(jax.value_and_grad(fn), meshes4, w, X)
+    assert mesh_index(grad, meshes4) == 0
+    program = placed(jax.value_and_grad(fn), meshes4, w, X)
+    assert program.in_meshes[0] == 0
+    add_any = [p for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements) if e.primitive.name == "add_any"]
+    assert add_any and all(p.stage == 0 for p in add_any[-2:])
+
+
+def test_reentering_a_stage_splits_its_work_into_acyclic_fragments(meshes2):
+    def fn(x):
+        a = jnp.sin(mpmdc.stage(x, 0))
+        b = jnp.cos(mpmdc.stage(a, 1))
+        return jnp.tanh(mpmdc.stage(b, 0)) + a
+
+    out = assert_same_as_jit(fn, meshes2, X)
+    program = mpmdc.compile(fn, meshes2).lower(X).program("after-split")
+    names = [e.params["name"] for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
+    assert names == ["s0_fwd_0", "s1_fwd", "s0_fwd_1"]
+    assert mesh_index(out, meshes2) == 0
+
+
+def test_backward_runs_on_the_forward_stage_mesh(meshes4):
+    program = placed(jax.grad(mlp_loss), meshes4, WS, X)
+    for eqn, p in zip(program.jaxpr.jaxpr.eqns, program.placements):
+        if eqn.primitive.name == "stage":
+            assert p == Placement(eqn.params["stage"], max(p.transpose, eqn.params["transpose"]))
+    labels = {p.label for p in program.placements}
+    assert {"s0_fwd", "s3_fwd", "s2_bwd", "s0_bwd"} <= labels
+
+
+def test_donated_inputs_are_consumed(meshes2):
+    step = mpmdc.compile(lambda w, x: mlp_loss([w, w], x), meshes2, donate_argnums=1)
+    want = float(mlp_loss([WS[0], WS[0]], X))
+    x = jax.device_put(np.asarray(X), jax.sharding.NamedSharding(meshes2[0], jax.sharding.PartitionSpec()))
+    out = step(WS[0], x)
+    np.testing.assert_allclose(float(out), want, rtol=2e-5)
+    assert x.is_deleted()
+
+
+def test_demo_matches_jit():
+    from mpmdc.demo import run
+
+    lines = []
+    assert run(lines.append) <= 2e-5
+    assert any("grad layer 3" in line and "on mesh3" in line for line in lines)
+    assert sum(1 for line in lines if "mesh" in line and "eqns" in line) == 7
+
+
+@pytest.mark.parametrize("fn_args", ["tuple", "dict"])
+def test_vmap_and_grad_treat_stage_as_identity(fn_args):
+    x = jnp.arange(6.0).reshape(2, 3)
+    tree = (x, x) if fn_args == "tuple" else {"a": x}
+    assert jax.tree_util.tree_all(
+        jax.tree_util.tree_map(lambda a, b: bool(jnp.all(a == b)), mpmdc.stage(tree, 3), tree)
+    )
+    np.testing.assert_allclose(jax.vmap(lambda v: mpmdc.stage(v, 1) * 2)(x), x * 2)
+    np.testing.assert_allclose(jax.grad(lambda v: jnp.sum(mpmdc.stage(v, 1) ** 2))(x), 2 * x)
+    np.testing.assert_allclose(
+        jax.hessian(lambda v: jnp.sum(mpmdc.stage(v, 0) ** 3))(x[0]), jnp.diag(6 * x[0])
+    )
