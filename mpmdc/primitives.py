@@ -106,22 +106,45 @@ def _stage_transpose(cts, *args, stage, transpose):
     return [ct if ad.is_undefined_primal(arg) else None for ct, arg in zip(out, args)]
 
 
-def _stage_dce(used_outputs, eqn):
-    if not any(used_outputs):
-        return [False] * len(eqn.invars), None
-    invars = [v for v, used in zip(eqn.invars, used_outputs) if used]
-    outvars = [v for v, used in zip(eqn.outvars, used_outputs) if used]
-    new_eqn = jcore.new_jaxpr_eqn(
-        invars, outvars, stage_p, eqn.params, eqn.effects, eqn.source_info, eqn.ctx
+def _kept(values, keep) -> list:
+    return [v for v, k in zip(values, keep) if k]
+
+
+def _pruned_eqn(eqn, used_inputs, used_outputs, params, effects):
+    """``eqn`` with only the used inputs and outputs, and new ``params``."""
+    return jcore.new_jaxpr_eqn(
+        _kept(eqn.invars, used_inputs),
+        _kept(eqn.outvars, used_outputs),
+        eqn.primitive,
+        params,
+        effects,
+        eqn.source_info,
+        eqn.ctx,
     )
-    return list(used_outputs), new_eqn
+
+
+def _elementwise_dce(spec_params=()):
+    """DCE rule for a primitive whose output ``i`` is its input ``i`` (stage, transfer).
+
+    ``spec_params`` name per-value tuple parameters pruned along with the values.
+    """
+
+    def rule(used_outputs, eqn):
+        if not any(used_outputs):
+            return [False] * len(eqn.invars), None
+        keep = list(used_outputs)
+        params = dict(eqn.params)
+        params.update((k, tuple(_kept(params[k], keep))) for k in spec_params)
+        return keep, _pruned_eqn(eqn, keep, keep, params, eqn.effects)
+
+    return rule
 
 
 ad.primitive_jvps[stage_p] = _stage_jvp
 ad.primitive_transposes[stage_p] = _stage_transpose
 batching.primitive_batchers[stage_p] = lambda args, dims, **p: (stage_p.bind(*args, **p), dims)
 mlir.register_lowering(stage_p, lambda ctx, *args, stage, transpose: list(args))
-pe.dce_rules[stage_p] = _stage_dce
+pe.dce_rules[stage_p] = _elementwise_dce()
 
 
 # ------------------------------------------------------------------ fragment
@@ -147,19 +170,10 @@ def _fragment_dce(used_outputs, eqn):
     params = dict(
         eqn.params,
         jaxpr=closed,
-        in_specs=tuple(s for s, used in zip(eqn.params["in_specs"], used_inputs) if used),
-        out_specs=tuple(s for s, used in zip(eqn.params["out_specs"], used_outputs) if used),
+        in_specs=tuple(_kept(eqn.params["in_specs"], used_inputs)),
+        out_specs=tuple(_kept(eqn.params["out_specs"], used_outputs)),
     )
-    new_eqn = jcore.new_jaxpr_eqn(
-        [v for v, used in zip(eqn.invars, used_inputs) if used],
-        [v for v, used in zip(eqn.outvars, used_outputs) if used],
-        fragment_p,
-        params,
-        closed.effects,
-        eqn.source_info,
-        eqn.ctx,
-    )
-    return used_inputs, new_eqn
+    return used_inputs, _pruned_eqn(eqn, used_inputs, used_outputs, params, closed.effects)
 
 
 def _same_type(a, b) -> bool:
@@ -195,25 +209,6 @@ transfer_p = jcore.Primitive("transfer")
 transfer_p.multiple_results = True
 
 
-def _transfer_dce(used_outputs, eqn):
-    if not any(used_outputs):
-        return [False] * len(eqn.invars), None
-    keep = list(used_outputs)
-    params = dict(eqn.params)
-    for key in ("src_specs", "dst_specs"):
-        params[key] = tuple(s for s, used in zip(params[key], keep) if used)
-    new_eqn = jcore.new_jaxpr_eqn(
-        [v for v, used in zip(eqn.invars, keep) if used],
-        [v for v, used in zip(eqn.outvars, keep) if used],
-        transfer_p,
-        params,
-        eqn.effects,
-        eqn.source_info,
-        eqn.ctx,
-    )
-    return keep, new_eqn
-
-
 def _transfer_typecheck(_ctx_factory, *in_atoms, src, dst, src_specs, dst_specs):
     if not len(in_atoms) == len(src_specs) == len(dst_specs):
         raise jcore.JaxprTypeError(
@@ -227,6 +222,6 @@ def _transfer_typecheck(_ctx_factory, *in_atoms, src, dst, src_specs, dst_specs)
 
 transfer_p.def_impl(lambda *xs, **_: list(xs))
 transfer_p.def_abstract_eval(lambda *avals, **_: list(avals))
-pe.dce_rules[transfer_p] = _transfer_dce
+pe.dce_rules[transfer_p] = _elementwise_dce(("src_specs", "dst_specs"))
 compat.custom_typechecks[transfer_p] = _transfer_typecheck
 mlir.register_lowering(transfer_p, lambda ctx, *args, **_: list(args))

@@ -8,12 +8,10 @@ rebuild an equation to prune its unused outputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from jax.extend import core as jcore
 from jax.interpreters import partial_eval as pe
 
+from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import Program, is_var
 
 
@@ -36,13 +34,9 @@ def dce(program: Program) -> Program:
     return program.replace(jaxpr=new_closed, placements=tuple(placements))
 
 
-@dataclass(frozen=True)
-class Dce:
+class Dce(FunctionPass):
     """Pass object for :func:`dce`."""
 
-    name: ClassVar[str] = "dce"
-    summary: ClassVar[str] = "remove equations, fragments and transfers nobody uses"
-
-    def run(self, program: Program) -> Program:
-        """Apply the pass."""
-        return dce(program)
+    name = "dce"
+    summary = "remove equations, fragments and transfers nobody uses"
+    body = staticmethod(dce)

@@ -9,13 +9,11 @@ one unit of work on one mesh). A marker inside a loop, conditional or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
+from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import Program, copy_eqn, find_eqns, fresh_like, is_var, make_closed_jaxpr, substituted
 from mpmdc.primitives import is_marker
 
@@ -94,13 +92,9 @@ def inline(program: Program) -> Program:
     return program.replace(jaxpr=new)
 
 
-@dataclass(frozen=True)
-class Inline:
+class Inline(FunctionPass):
     """Pass object for :func:`inline`."""
 
-    name: ClassVar[str] = "inline"
-    summary: ClassVar[str] = "inline nested calls that contain stage markers"
-
-    def run(self, program: Program) -> Program:
-        """Apply the pass."""
-        return inline(program)
+    name = "inline"
+    summary = "inline nested calls that contain stage markers"
+    body = staticmethod(inline)

@@ -7,11 +7,11 @@ the stage called ``stablehlo`` prints them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir import Program
+from mpmdc.passes.base import FunctionPass
 from mpmdc.lowering import lower_fragment
 from mpmdc.primitives import fragment_p
 
@@ -30,11 +30,12 @@ def lower(program: Program, backend: str | None = None) -> Program:
 
 
 @dataclass(frozen=True)
-class Lower:
+class Lower(FunctionPass):
     """Pass object for :func:`lower`; ``backend=None`` uses the program's backend."""
 
-    name: ClassVar[str] = "lower"
-    summary: ClassVar[str] = "emit StableHLO per fragment for the backend's platform"
+    name = "lower"
+    summary = "emit StableHLO per fragment for the backend's platform"
+    body = staticmethod(lower)
     backend: str | None = None
 
     def run(self, program: Program) -> Program:

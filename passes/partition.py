@@ -29,11 +29,9 @@ their producer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from jax.extend import core as jcore
 
+from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import Placement, Program, copy_eqn, is_var, make_closed_jaxpr, substituted, vars_of
 from mpmdc.primitives import is_forward_marker, is_marker, is_transposed_marker
 
@@ -203,13 +201,9 @@ def partition(program: Program) -> Program:
     )
 
 
-@dataclass(frozen=True)
-class Partition:
+class Partition(FunctionPass):
     """Pass object for :func:`partition`."""
 
-    name: ClassVar[str] = "partition"
-    summary: ClassVar[str] = "place every equation on a stage and mesh"
-
-    def run(self, program: Program) -> Program:
-        """Apply the pass."""
-        return partition(program)
+    name = "partition"
+    summary = "place every equation on a stage and mesh"
+    body = staticmethod(partition)

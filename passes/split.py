@@ -21,13 +21,11 @@ these specs, so the StableHLO that ``lower`` emits is exactly what runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
+from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import Placement, Program, copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted, vars_of
 from mpmdc.primitives import fragment_p, is_marker, transfer_p
 from mpmdc.sharding import fit_spec
@@ -197,13 +195,9 @@ def split(program: Program) -> Program:
     return program.replace(jaxpr=new, placements=None)
 
 
-@dataclass(frozen=True)
-class Split:
+class Split(FunctionPass):
     """Pass object for :func:`split`."""
 
-    name: ClassVar[str] = "split"
-    summary: ClassVar[str] = "cut the placed program into fragments and transfers"
-
-    def run(self, program: Program) -> Program:
-        """Apply the pass."""
-        return split(program)
+    name = "split"
+    summary = "cut the placed program into fragments and transfers"
+    body = staticmethod(split)

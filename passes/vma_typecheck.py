@@ -12,14 +12,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
+from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import Program, find_eqns, is_var
 from mpmdc.primitives import fragment_p, transfer_p
 from mpmdc.sharding import check_spec
@@ -103,13 +101,9 @@ def vma_typecheck(program: Program) -> Program:
     return program
 
 
-@dataclass(frozen=True)
-class VmaTypecheck:
+class VmaTypecheck(FunctionPass):
     """Pass object for :func:`vma_typecheck`."""
 
-    name: ClassVar[str] = "vma-typecheck"
-    summary: ClassVar[str] = "check types, meshes, shardings and manual axes"
-
-    def run(self, program: Program) -> Program:
-        """Apply the pass."""
-        return vma_typecheck(program)
+    name = "vma-typecheck"
+    summary = "check types, meshes, shardings and manual axes"
+    body = staticmethod(vma_typecheck)
