@@ -195,7 +195,11 @@ def find_eqns(eqns, predicate):
 
 
 def fragment_summary(program: Program) -> list[str]:
-    """One line per fragment of a split program: mesh, equations, inputs/outputs, transfers."""
+    """One line per fragment of a split program: mesh, equations, inputs/outputs, transfers.
+
+    A value received counts once per fragment reading it; one sent counts once per
+    transfer carrying it away.
+    """
     from mpmdc.primitives import fragment_p, transfer_p
 
     jaxpr = program.jaxpr.jaxpr
@@ -219,6 +223,6 @@ def fragment_summary(program: Program) -> list[str]:
         lines.append(
             f"{eqn.params['name']:<10} mesh{eqn.params['mesh']}  {len(body.eqns):3d} eqns  "
             f"{len(eqn.invars):2d} in / {len(eqn.outvars):2d} out  "
-            f"transfers: {incoming} in, {outgoing} out"
+            f"values by transfer: {incoming} received, {outgoing} sent"
         )
     return lines
