@@ -88,12 +88,11 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
 class Lowered:
     """A program taken through every pass, with the IR after each one kept for inspection."""
 
-    def __init__(self, dumps: list[tuple[str, Program]], signature: Signature, donated_leaves):
+    def __init__(self, dumps: list[tuple[str, Program]], signature: Signature):
         self._dumps = dict(dumps)
         self._order = tuple(name for name, _ in dumps)
         self.signature = signature
         self._stablehlo: dict[str, dict[str, str]] = {}
-        self._donated_leaves = donated_leaves
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -293,7 +292,7 @@ class Compiled:
             in_paths=tuple(in_paths),
             out_tree=out_tree,
         )
-        return Lowered(dumps, signature, donated)
+        return Lowered(dumps, signature)
 
     def _flat_in_specs(self, args, static, kwargs):
         if self.in_specs is None:
