@@ -20,7 +20,7 @@ from mpmdc.errors import ArgumentError, PassError, SpecError, StageError
 from mpmdc.ir import Program
 from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
-from mpmdc.runtime import Executable, Signature
+from mpmdc.runtime import Executable, Signature, leaf_dtype
 
 
 def _is_spec_leaf(x) -> bool:
@@ -205,7 +205,7 @@ class Compiled:
     def _signature_key(self, args, kwargs):
         static_values, dynamic, donate = self._split_args(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in dynamic), kwargs))
-        types = tuple((np.shape(x), _leaf_type(x).dtype) for x in leaves)
+        types = tuple((np.shape(x), leaf_dtype(x)) for x in leaves)
         return (static_values, treedef, types, donate), leaves
 
     def __call__(self, *args, **kwargs):

@@ -40,7 +40,7 @@ class Signature:
                 f"for {self.in_tree}; call it with the same structure or lower again."
             )
         for leaf, (shape, dtype), path in zip(leaves, self.in_types, self.in_paths):
-            got_shape, got_dtype = np.shape(leaf), _dtype_of(leaf)
+            got_shape, got_dtype = np.shape(leaf), leaf_dtype(leaf)
             if tuple(got_shape) != shape or got_dtype != dtype:
                 raise ArgumentError(
                     f"argument {path} is {got_dtype}{list(got_shape)} but the executable was "
@@ -48,7 +48,8 @@ class Signature:
                 )
 
 
-def _dtype_of(x) -> np.dtype:
+def leaf_dtype(x) -> np.dtype:
+    """The dtype of an argument leaf (array, ``ShapeDtypeStruct`` or Python scalar)."""
     dtype = getattr(x, "dtype", None)
     return np.dtype(dtype) if dtype is not None else jax.typeof(x).dtype
 
