@@ -193,7 +193,6 @@ def find_eqns(eqns, predicate):
             yield from find_eqns(sub.eqns, predicate)
 
 
-
 def fragment_summary(program: Program) -> list[str]:
     """One line per fragment of a split program: mesh, equations, inputs/outputs, transfers.
 
@@ -203,10 +202,7 @@ def fragment_summary(program: Program) -> list[str]:
     from mpmdc.primitives import fragment_p, transfer_p
 
     jaxpr = program.jaxpr.jaxpr
-    arrives = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is transfer_p:
-            arrives.update((v, eqn.params["src"]) for v in eqn.outvars)
+    arrives = {v for eqn in jaxpr.eqns if eqn.primitive is transfer_p for v in eqn.outvars}
     readers: dict = {}
     for eqn in jaxpr.eqns:
         for a in vars_of(eqn.invars):

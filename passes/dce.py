@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.interpreters import partial_eval as pe
-
 from mpmdc.passes.base import FunctionPass
+
 from mpmdc.ir import Program, is_var
 
 

@@ -10,11 +10,19 @@ one unit of work on one mesh). A marker inside a loop, conditional or
 from __future__ import annotations
 
 from jax.extend import core as jcore
+from mpmdc.passes.base import FunctionPass
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
-from mpmdc.passes.base import FunctionPass
-from mpmdc.ir import Program, copy_eqn, find_eqns, fresh_like, is_var, make_closed_jaxpr, substituted
+from mpmdc.ir import (
+    Program,
+    copy_eqn,
+    find_eqns,
+    fresh_like,
+    is_var,
+    make_closed_jaxpr,
+    substituted,
+)
 from mpmdc.primitives import is_marker
 
 # Call-like primitives whose body is semantically a plain function call once

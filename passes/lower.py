@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpmdc.lowering import lower_fragment
+from mpmdc.passes.base import FunctionPass
+
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir import Program
-from mpmdc.passes.base import FunctionPass
-from mpmdc.lowering import lower_fragment
 from mpmdc.primitives import fragment_p
 
 

@@ -30,9 +30,17 @@ their producer.
 from __future__ import annotations
 
 from jax.extend import core as jcore
-
 from mpmdc.passes.base import FunctionPass
-from mpmdc.ir import Placement, Program, copy_eqn, is_var, make_closed_jaxpr, substituted, vars_of
+
+from mpmdc.ir import (
+    Placement,
+    Program,
+    copy_eqn,
+    is_var,
+    make_closed_jaxpr,
+    substituted,
+    vars_of,
+)
 from mpmdc.primitives import is_forward_marker, is_marker, is_transposed_marker
 
 

@@ -24,9 +24,18 @@ from __future__ import annotations
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-
 from mpmdc.passes.base import FunctionPass
-from mpmdc.ir import Placement, Program, copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted, vars_of
+
+from mpmdc.ir import (
+    Placement,
+    Program,
+    copy_eqn,
+    fresh_like,
+    is_var,
+    make_closed_jaxpr,
+    substituted,
+    vars_of,
+)
 from mpmdc.primitives import fragment_p, is_marker, transfer_p
 from mpmdc.sharding import fit_spec
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
+from mpmdc.passes.base import FunctionPass
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
-from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import Program, find_eqns, is_var
 from mpmdc.primitives import fragment_p, transfer_p
 from mpmdc.sharding import check_spec

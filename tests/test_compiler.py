@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_as_jit, mesh_index
+from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 
 import mpmdc
-from helpers import assert_same_as_jit, mesh_index
 from mpmdc.ir import Placement
-from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 from mpmdc.primitives import fragment_p, transfer_p
 
 

@@ -2,10 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+from helpers import assert_same_as_jit, mesh_index
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from helpers import assert_same_as_jit, mesh_index
 
 
 def params_and_data():

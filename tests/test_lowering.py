@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from helpers import assert_same_as_jit, mesh_index
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from helpers import assert_same_as_jit, mesh_index
 
 
 def two_stage(params, x, y):

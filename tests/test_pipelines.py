@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_same_as_jit, mesh_index
 
 import mpmdc
-from helpers import assert_same_as_jit, mesh_index
 
 
 def mlp_loss(params, x, y):
