@@ -5,6 +5,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 """
 
 from jax._src import core as _core
+from jax._src import effects as _effects
 from jax._src import source_info_util as _source_info_util
 
 Var = _core.Var
@@ -14,6 +15,7 @@ pp_eqn = _core.pp_eqn
 pp_jaxpr = _core.pp_jaxpr
 pp_var = _core.pp_var
 custom_typechecks = _core.custom_typechecks
+lowerable_effects = _effects.lowerable_effects
 
 
 def source_line(eqn) -> str:

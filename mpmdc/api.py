@@ -92,7 +92,7 @@ class Lowered:
         self._dumps = dict(dumps)
         self._order = tuple(name for name, _ in dumps)
         self.signature = signature
-        self._stablehlo: dict[str, dict[str, str]] = {}
+        self._by_backend: dict[str, Program] = {}
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -105,35 +105,46 @@ class Lowered:
             raise PassError(f"unknown stage {stage!r}; stages: {', '.join(self._order)}.")
         return self._dumps[stage]
 
-    def as_text(self, stage: str = "after-split") -> str:
-        """Deterministic text of the IR after ``stage``."""
-        return self.program(stage).as_text()
+    def as_text(self, stage: str = "after-split", platform: str | None = None) -> str:
+        """Deterministic text of the IR after ``stage``.
 
-    def _split_program(self) -> Program:
+        ``platform`` (a backend name) picks which backend's modules the ``stablehlo``
+        stage shows; the other stages do not depend on it.
+        """
+        program = self.program(stage)
+        if stage == "stablehlo" and platform is not None:
+            program = self._lowered(platform)
+        return program.as_text()
+
+    def _last_split(self, unlowered: bool = False) -> Program:
         for name in reversed(self._order):
-            if self._dumps[name].is_split:
-                return self._dumps[name]
+            program = self._dumps[name]
+            if program.is_split and not (unlowered and program.modules is not None):
+                return program
         raise PassError(
             f"this pipeline never split the program (stages: {', '.join(self._order)}); "
             f"include the `split` pass to compile or emit StableHLO."
         )
 
-    def stablehlo(self, platform: str | None = None) -> dict[str, str]:
-        """``{fragment name: StableHLO text}`` for ``platform`` (default: the program's backend)."""
+    def _lowered(self, platform: str | None) -> Program:
+        """The split program lowered for backend ``platform`` (default: the program's own)."""
         from mpmdc.passes.lower import lower
 
-        program = self._split_program()
-        key = platform or program.backend
-        if key not in self._stablehlo:
-            modules = program.modules if program.modules is not None and key == program.backend else None
-            if modules is None:
-                modules = lower(program, key).modules
-            self._stablehlo[key] = dict(modules)
-        return dict(self._stablehlo[key])
+        last = self._last_split()
+        key = platform or last.backend
+        if last.modules is not None and last.backend == key:
+            return last
+        if key not in self._by_backend:
+            self._by_backend[key] = lower(self._last_split(unlowered=True), key)
+        return self._by_backend[key]
+
+    def stablehlo(self, platform: str | None = None) -> dict[str, str]:
+        """``{fragment name: StableHLO text}`` for backend ``platform`` (default: the program's)."""
+        return dict(self._lowered(platform).modules)
 
     def compile(self) -> Executable:
         """Compile every fragment for its mesh; returns a callable ``Executable``."""
-        return Executable(self._split_program(), self.signature)
+        return Executable(self._last_split(), self.signature)
 
 
 class Compiled:

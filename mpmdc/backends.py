@@ -10,32 +10,85 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
+
+import jax
 
 from mpmdc.errors import BackendError
+from mpmdc.lowering.send_recv import IN_PROGRAM_PLATFORMS
 
 TRANSFER_KINDS = ("device_put", "in-program")
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One way to lower and run fragments.
+    """One way to lower, compile and run fragments, and to move values between meshes.
 
     ``platform`` is the JAX lowering platform (``cpu``, ``cuda``, ``rocm``, ``tpu``).
     ``transfers`` says how a value moves between meshes: ``"device_put"`` (the
     runtime copies it onto the destination mesh's sharding between fragment calls)
-    or ``"in-program"`` (send/recv pairs inside the fragments, where the platform
-    supports them).
+    or ``"in-program"`` (``send``/``recv`` pairs with matching channel ids inside the
+    fragments; ``cuda`` and ``rocm`` only). ``compiler_options`` are passed to XLA
+    when a fragment is compiled (``(("xla_flag", value), ...)``).
     """
 
     name: str
     platform: str
     transfers: str = "device_put"
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         if self.transfers not in TRANSFER_KINDS:
             raise BackendError(
                 f"backend {self.name!r}: transfers={self.transfers!r} is not one of {TRANSFER_KINDS}."
             )
+        if self.transfers == "in-program" and self.platform not in IN_PROGRAM_PLATFORMS:
+            raise BackendError(
+                f"backend {self.name!r}: in-program transfers need device-to-device channels, "
+                f"which only {', '.join(IN_PROGRAM_PLATFORMS)} have; use transfers='device_put' "
+                f"for platform {self.platform!r}."
+            )
+
+    def describe(self) -> str:
+        """One line: platform, how transfers happen, how fragments compile and run."""
+        moves = {
+            "device_put": "runtime device_put onto the destination mesh",
+            "in-program": "send/recv pairs with matching channel ids inside the fragments",
+        }[self.transfers]
+        options = f" with {dict(self.compiler_options)}" if self.compiler_options else ""
+        return (
+            f"{self.name}: lowers for {self.platform}; transfers by {moves}; each fragment "
+            f"is a jax.jit executable compiled by XLA{options}, run with asynchronous dispatch"
+        )
+
+    def compile_fragment(self, traced):
+        """Compile a traced fragment (``jax.jit(...).trace(...)``) into a callable executable."""
+        lowered = traced.lower(lowering_platforms=(self.platform,))
+        return lowered.compile(dict(self.compiler_options) or None)
+
+    def check_can_run(self, meshes) -> None:
+        """Raise ``BackendError`` unless this backend can run fragments on ``meshes`` here."""
+        if self.transfers == "in-program":
+            raise BackendError(
+                f"backend {self.name!r} moves values by send/recv inside the fragments; running "
+                f"that needs the device-to-device channels between meshes set up by a multi-process "
+                f"runtime, which mpmdc's single-process runtime does not have. Use it to emit "
+                f"StableHLO (lower().stablehlo()), and compile with a device_put backend such as "
+                f"{self.platform!r} to run."
+            )
+        for i, mesh in enumerate(meshes):
+            device = mesh.devices.flat[0]
+            found = for_platform(device.platform, device.client.platform_version)
+            if found != self.platform:
+                raise BackendError(
+                    f"backend {self.name!r} compiles for {self.platform}, but mesh {i} has "
+                    f"{found} devices; lower with it to see its StableHLO, and compile with "
+                    f"backend={found!r} to run here."
+                )
+
+    def transfer(self, values, shardings):
+        """Move ``values`` onto ``shardings`` of another mesh (``device_put`` transfers)."""
+        return jax.device_put(list(values), list(shardings))
 
 
 _registry: dict[str, Backend] = {}
@@ -58,10 +111,17 @@ def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
     for ep in metadata.entry_points(group="mpmdc.backends"):
-        loaded = ep.load()
-        register(loaded if isinstance(loaded, Backend) else loaded())
+        try:
+            loaded = ep.load()
+            register(loaded if isinstance(loaded, Backend) else loaded())
+        except Exception as err:
+            raise BackendError(
+                f"the backend plugin {ep.name!r} ({ep.value}) of entry-point group "
+                f"'mpmdc.backends' failed to load: {type(err).__name__}: {err}. Fix or "
+                f"uninstall the package that provides it."
+            ) from err
+    _entry_points_loaded = True
 
 
 def available() -> tuple[str, ...]:

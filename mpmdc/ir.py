@@ -57,7 +57,7 @@ class Program:
     placements: tuple[Placement, ...] | None = None
     in_meshes: tuple[int, ...] | None = None
     out_meshes: tuple[int, ...] | None = None
-    modules: tuple[tuple[str, str], ...] | None = None
+    modules: tuple[tuple[str, str], ...] | None = None  # (fragment, StableHLO) for ``backend``
 
     def replace(self, **changes) -> "Program":
         """A copy with ``changes`` applied (programs are immutable)."""
@@ -178,9 +178,24 @@ def format_program(program: Program) -> str:
         name = compat.pp_var(v, ctx) if is_var(v) else str(v)
         lines.append(f"  {name}{where} {_spec_text(program.out_specs[i])}  # {program.out_paths[i]}")
     if program.modules is not None:
-        for name, text in program.modules:
-            lines.append(f"// ----- fragment {name}")
-            lines.append(text.rstrip("\n"))
+        lines.append(format_modules(program).rstrip("\n"))
+    # Equations without operands print with a trailing blank; golden files should not.
+    return "\n".join(line.rstrip() for line in "\n".join(lines).split("\n")) + "\n"
+
+
+def format_modules(program: Program) -> str:
+    """The StableHLO modules of a lowered program, each under a header naming fragment and mesh."""
+    from mpmdc.primitives import fragment_p
+
+    mesh_of = {
+        eqn.params["name"]: eqn.params["mesh"]
+        for eqn in program.jaxpr.jaxpr.eqns
+        if eqn.primitive is fragment_p
+    }
+    lines = []
+    for name, text in program.modules:
+        lines.append(f"// ----- fragment {name} @mesh{mesh_of[name]} ({program.backend})")
+        lines.append(text.rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 

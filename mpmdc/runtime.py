@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from mpmdc import backends
 from mpmdc.errors import ArgumentError
 from mpmdc.ir import Program, is_var, vars_of
 from mpmdc.lowering import fragment_jit
@@ -72,6 +73,8 @@ class Executable:
         self.signature = signature
         jaxpr = program.jaxpr.jaxpr
         meshes = program.meshes
+        backend = backends.get(program.backend)
+        backend.check_can_run(meshes)
         self._in_shardings = [
             named(meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
         ]
@@ -103,11 +106,11 @@ class Executable:
                 )
                 if key not in executables:
                     jitted, arg_types = fragment_jit(eqn, program, donate)
-                    executables[key] = jitted.trace(*arg_types).lower().compile()
+                    executables[key] = backend.compile_fragment(jitted.trace(*arg_types))
                 call = executables[key]
             else:
                 dst_mesh = meshes[eqn.params["dst"]]
-                call = _make_transfer([named(dst_mesh, s) for s in eqn.params["dst_specs"]])
+                call = _transfer_call(backend, [named(dst_mesh, s) for s in eqn.params["dst_specs"]])
             self._steps.append(_Step(call, list(eqn.invars), list(eqn.outvars), releases[i]))
         self._executables = executables
         self._outputs = []
@@ -145,8 +148,8 @@ class Executable:
         return jax.tree_util.tree_unflatten(self.signature.out_tree, outs)
 
 
-def _make_transfer(targets):
-    def transfer(*xs):
-        return jax.device_put(list(xs), targets)
+def _transfer_call(backend, shardings):
+    def transfer(*values):
+        return backend.transfer(values, shardings)
 
     return transfer

@@ -1,7 +1,9 @@
 """``lower``: StableHLO for every fragment, through the backend registry.
 
-Needs a split program. The modules are attached to the program in fragment order;
-the stage called ``stablehlo`` prints them.
+Needs a split program. For a backend with ``transfers="in-program"`` the
+fragment-to-fragment transfers are first rewritten into send/recv pairs. The
+modules are attached to the program in fragment order, and the program records the
+backend they were lowered for; the stage called ``stablehlo`` prints them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 from mpmdc.lowering import lower_fragment
 from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.in_program_transfers import in_program_transfers
 
 from mpmdc import backends
 from mpmdc.errors import PassError
@@ -21,13 +24,15 @@ def lower(program: Program, backend: str | None = None) -> Program:
     """Attach one StableHLO module per fragment, lowered for ``backend``'s platform."""
     if not program.is_split:
         raise PassError("the `lower` pass needs a split program; run `split` before it.")
-    platform = backends.get(backend or program.backend).platform
+    chosen = backends.get(backend or program.backend)
+    if chosen.transfers == "in-program":
+        program = in_program_transfers(program)
     modules = tuple(
-        (eqn.params["name"], lower_fragment(program, eqn, platform))
+        (eqn.params["name"], lower_fragment(program, eqn, chosen.platform))
         for eqn in program.jaxpr.jaxpr.eqns
         if eqn.primitive is fragment_p
     )
-    return program.replace(modules=modules)
+    return program.replace(modules=modules, backend=chosen.name)
 
 
 @dataclass(frozen=True)
