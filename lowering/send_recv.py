@@ -21,6 +21,10 @@ from mpmdc import _jax_compat as compat
 
 IN_PROGRAM_PLATFORMS = ("cuda", "rocm")
 
+# JAX gives every collective (psum, all_gather...) channel id 1; a send/recv pair
+# sharing it with a collective in the same module would be ambiguous to XLA.
+FIRST_CHANNEL_ID = 2
+
 
 class PeerTransferEffect(jcore.Effect):
     """A send or recv: keeps the equation alive through DCE and orders nothing."""

@@ -21,3 +21,10 @@ lowerable_effects = _effects.lowerable_effects
 def source_line(eqn) -> str:
     """Return ``file:line (function)`` of the user code that created ``eqn``."""
     return _source_info_util.summarize(eqn.source_info)
+
+
+def backends_are_initialized() -> bool:
+    """True once JAX has started its backends (device-count settings are then fixed)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()

@@ -1,30 +1,174 @@
-"""The ``mpmdc`` command line (also ``python -m mpmdc``)."""
+"""The ``mpmdc`` command line (also ``python -m mpmdc``).
+
+Exit status: 0 on success, 1 when the compiler or the user's code fails on a valid
+request, 2 for a usage mistake. Every failure prints one line, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+from pathlib import Path
+
+from mpmdc.errors import MpmdcError, TargetError, UsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_MAIN_EPILOG = """\
+commands:
+  demo    compile and run a 4-stage MLP gradient on 4 meshes of 2 CPU devices
+  dump    print or save the IR of a program after any pass, and its StableHLO
+  backends  list the registered backends
+
+examples:
+  mpmdc demo
+  mpmdc dump tests/programs/mlp2_grad.py:lowered --stage all
+  mpmdc dump model.py:loss --args "f32[8,16], f32[16,4]" --meshes "4x(data=2)" --stage stablehlo
+
+exit status: 0 success, 1 compile or user-code failure, 2 usage mistake.
+"""
+
+_DUMP_DESCRIPTION = """\
+Show what every pass of mpmdc does to a program.
+
+TARGET is FILE.py:NAME. NAME is either a zero-argument function returning an
+mpmdc.Lowered (e.g. `return mpmdc.compile(step, meshes).lower(params, x)`), or a
+plain JAX function together with --args (its argument types) and --meshes (the
+meshes to compile for). The file's folder is importable while it loads.
+
+Stages are `input`, `after-<pass>` for each pass and `stablehlo` (one module per
+fragment, each under a header naming fragment, mesh and backend). Output is
+deterministic: no addresses, device ids or source paths.
+
+The command runs on virtual CPU devices (8, or as many as --meshes needs) unless
+JAX_PLATFORMS says otherwise; --platform only chooses what StableHLO is emitted
+for, so TPU, CUDA and ROCm modules can be produced on any machine.
+"""
+
+_DUMP_EPILOG = """\
+examples:
+  mpmdc dump tests/programs/mlp4_grad.py:lowered --list-stages
+  mpmdc dump tests/programs/mlp4_grad.py:lowered --stage all
+  mpmdc dump tests/programs/mlp4_grad.py:lowered --stage stablehlo --platform tpu
+  mpmdc dump tests/programs/mlp4_grad.py:lowered --dump-dir /tmp/mlp4 --platform cpu --platform cuda
+  mpmdc dump model.py:loss --args "f32[8,16], f32[16,4]" --meshes "4x(data=2)"
+
+--dump-dir writes NN.<stage>.txt for every stage and <fragment>.<platform>.mlir
+for every fragment and --platform (default: the program's backend), all at once:
+on failure nothing is written. An existing folder is replaced only if it holds
+nothing but an earlier dump.
+
+exit status: 0 success, 1 compile or user-code failure, 2 usage mistake.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose mistakes become one-line ``UsageError``s."""
+
+    def error(self, message):
+        err = UsageError(message)
+        err.command = self.prog
+        raise err
+
+
+def _start_jax(devices_needed: int) -> None:
+    """CPU devices for the dump (before JAX starts its backends, where still possible)."""
+    import jax
+
+    from mpmdc import _jax_compat as compat
+
+    if compat.backends_are_initialized():
+        return
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", max(8, devices_needed))
+
+
+def _user_code(run, options):
+    """Call ``run()``; an exception from the user's file becomes a one-line ``TargetError``."""
+    try:
+        return run()
+    except MpmdcError:
+        raise
+    except Exception as err:
+        user_file = str(options.file.resolve())
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == user_file]
+        where = f" at line {frames[-1].lineno}" if frames else ""
+        raise TargetError(
+            f"{options.target} raised {type(err).__name__}{where}: {err}".rstrip(": ")
+        ) from err
+
+
+def _dump(args) -> int:
+    from mpmdc.targets import DumpOptions, find_target, load_module, lowered_from_target
+
+    options = DumpOptions.from_cli(
+        target=args.target,
+        stage=args.stage,
+        platforms=tuple(args.platform or ()),
+        dump_dir=args.dump_dir,
+        list_stages=args.list_stages,
+        args=args.args,
+        meshes=args.meshes,
+    )
+    _start_jax(options.meshes.devices_needed if options.meshes else 0)
+    from mpmdc import backends
+    from mpmdc.dump import dump_files, render_stages, write_dump_dir
+
+    module = _user_code(lambda: load_module(options.file), options)
+    for platform in options.platforms:
+        if platform not in backends.available():
+            raise UsageError(
+                f"unknown platform {platform!r}; available backends: {', '.join(backends.available())}"
+            )
+    target = find_target(module, options.file, options.target_name)
+    lowered = _user_code(lambda: lowered_from_target(target, options), options)
+
+    if options.list_stages:
+        print("\n".join(lowered.stages))
+        return EXIT_OK
+    if options.dump_dir is not None:
+        platforms = options.platforms or (lowered.program(lowered.stages[-1]).backend,)
+        files = dump_files(lowered, platforms)
+        write_dump_dir(options.dump_dir, files)
+        print(f"wrote {len(files)} files to {options.dump_dir}")
+        return EXIT_OK
+    if options.stage != "all" and options.stage not in lowered.stages:
+        raise UsageError(
+            f"unknown stage {options.stage!r}; stages: all, {', '.join(lowered.stages)}"
+        )
+    sys.stdout.write(render_stages(lowered, options.stage, options.platforms))
+    return EXIT_OK
+
+
+def _backends(args) -> int:
+    from mpmdc import backends
+
+    for name in backends.available():
+        print(backends.get(name).describe())
+    return EXIT_OK
 
 
 def _demo(args) -> int:
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
-    jax.config.update("jax_platforms", "cpu")
+    _start_jax(8)
     from mpmdc.demo import run
 
     worst = run()
-    return 0 if worst <= 2e-5 else 1
+    return EXIT_OK if worst <= 2e-5 else EXIT_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpmdc`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mpmdc",
-        description="mpmdc: an MPMD compiler middle-end for JAX.",
-        epilog="example: mpmdc demo",
+        description="mpmdc: an MPMD compiler middle-end for JAX. It splits one JAX function "
+        "marked with mpmdc.stage into per-mesh programs joined by transfers, and runs them.",
+        epilog=_MAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
         help="run a 4-stage MLP gradient on 4 meshes of 2 virtual CPU devices",
@@ -32,13 +176,70 @@ def build_parser() -> argparse.ArgumentParser:
         "split into 4 meshes, compare with jax.jit and summarise the fragments.",
     )
     demo.set_defaults(handler=_demo)
+
+    dump = sub.add_parser(
+        "dump",
+        help="print or save the IR after any pass, and the StableHLO per fragment",
+        description=_DUMP_DESCRIPTION,
+        epilog=_DUMP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dump.add_argument("target", metavar="FILE.py:TARGET", help="the program to dump")
+    dump.add_argument(
+        "--stage",
+        default="after-split",
+        metavar="NAME",
+        help="stage to print: `all`, `input`, `after-<pass>` or `stablehlo` (default: after-split)",
+    )
+    dump.add_argument(
+        "--platform",
+        action="append",
+        metavar="BACKEND",
+        help="backend to emit StableHLO for: cpu, cuda, rocm, tpu or a registered one; "
+        "repeat for several (default: the program's backend)",
+    )
+    dump.add_argument(
+        "--dump-dir", type=Path, metavar="DIR", help="write every stage and module into DIR"
+    )
+    dump.add_argument("--list-stages", action="store_true", help="print the stage names and exit")
+    dump.add_argument(
+        "--args",
+        metavar="TYPES",
+        help='argument types of a plain-function TARGET, e.g. "f32[8,16], f32[16,4], i32[]"',
+    )
+    dump.add_argument(
+        "--meshes",
+        metavar="MESHES",
+        help='meshes for a plain-function TARGET, e.g. "4x(data=2)" or "2x(data=2,model=2)"',
+    )
+    dump.set_defaults(handler=_dump)
+
+    backends_cmd = sub.add_parser(
+        "backends",
+        help="list the registered backends",
+        description="List every registered backend (built-in and from the `mpmdc.backends` "
+        "entry-point group): its platform, how it moves values between meshes and how it "
+        "compiles and runs fragments.",
+    )
+    backends_cmd.set_defaults(handler=_backends)
     return parser
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``mpmdc`` console script."""
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    """Entry point of the ``mpmdc`` console script; returns the exit status."""
+    parser = build_parser()
+    command = "mpmdc"
+    try:
+        args = parser.parse_args(argv)
+        command = f"mpmdc {args.command}"
+        return args.handler(args)
+    except UsageError as err:
+        command = getattr(err, "command", command)
+        print(f"{command}: error: {err} (see `{command} --help`)", file=sys.stderr)
+        return EXIT_USAGE
+    except MpmdcError as err:
+        print(f"{command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -47,3 +47,11 @@ class PassError(MpmdcError):
 
 class MpmdRuntimeError(MpmdcError):
     """A fragment failed while running."""
+
+
+class UsageError(MpmdcError):
+    """A command-line option, file or target given to ``mpmdc`` is wrong (exit status 2)."""
+
+
+class TargetError(MpmdcError):
+    """The user's file or target function given to ``mpmdc dump`` raised an exception."""

@@ -2,10 +2,12 @@
 
 For backends with ``transfers="in-program"`` (``cuda``, ``rocm``) the ``lower`` pass
 runs this first: a value moving between meshes is sent at the end of the fragment
-that produces it and received at the start of each fragment that reads it, with the
-same channel id on both sides. Channel ids are numbered from 1 in program order
-(transfer, then value, then reader), so they are deterministic. A value no fragment
-produces (a program input needed on a second mesh) or one that is a program output
+that produces it and received at the start of the first fragment that reads it,
+with the same channel id on both sides. Each value crosses once: later readers on
+the destination mesh get it from the first one as an extra result. Channel ids are
+numbered in program order (transfer, then value) from the first id JAX's
+collectives do not use, so they are deterministic. A value that no fragment
+produces (a program input needed on a second mesh), or that is a program output,
 keeps its ``transfer``: there is no fragment to send it from or receive it in.
 """
 
@@ -14,30 +16,53 @@ from __future__ import annotations
 import itertools
 
 from jax.extend import core as jcore
-from mpmdc.lowering.send_recv import peer_transfer_effect, recv_p, send_p
+from mpmdc.lowering.send_recv import FIRST_CHANNEL_ID, peer_transfer_effect, recv_p, send_p
 from mpmdc.passes.base import FunctionPass
 from mpmdc.passes.dce import dce
 
-from mpmdc.ir import Program, is_var, make_closed_jaxpr
+from mpmdc.ir import Program, fresh_like, is_var, make_closed_jaxpr
 from mpmdc.primitives import fragment_p, transfer_p
 
 
-def _rebuilt(eqn, body_eqns_before, body_eqns_after, invar_keep, new_invars):
-    """Fragment ``eqn`` with recvs prepended, sends appended and received inputs dropped."""
+def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
+    """Fragment ``eqn`` with its received inputs turned into ``recv``s and ``sends`` appended.
+
+    ``recvs`` maps an outer input to the recv parameters replacing it; ``forwards`` maps
+    such an input to the new outer variable under which this fragment passes the received
+    value on to later readers on its mesh; ``renames`` redirects inputs already received
+    by an earlier fragment.
+    """
     closed = eqn.params["jaxpr"]
     body = closed.jaxpr
-    invars = [v for v, keep in zip(body.invars, invar_keep) if keep]
+    before, invars, outer_invars, in_specs = [], [], [], []
+    for outer, inner, spec in zip(eqn.invars, body.invars, eqn.params["in_specs"]):
+        params = recvs.get(outer) if is_var(outer) else None
+        if params is None:
+            invars.append(inner)
+            outer_invars.append(renames.get(outer, outer) if is_var(outer) else outer)
+            in_specs.append(spec)
+        else:
+            before.append(
+                jcore.new_jaxpr_eqn([], [inner], recv_p, params, {peer_transfer_effect}, eqn.source_info)
+            )
+    received = {outer: inner for outer, inner in zip(eqn.invars, body.invars) if outer in forwards}
+    passed_on = [(received[y], y_new, spec) for y, (y_new, spec) in forwards.items()]
     inner = make_closed_jaxpr(
         body.constvars,
         closed.consts,
         invars,
-        body.outvars,
-        [*body_eqns_before, *body.eqns, *body_eqns_after],
+        [*body.outvars, *(v for v, _, _ in passed_on)],
+        [*before, *body.eqns, *sends],
         name=eqn.params["name"],
     )
-    in_specs = tuple(s for s, keep in zip(eqn.params["in_specs"], invar_keep) if keep)
-    params = dict(eqn.params, jaxpr=inner, in_specs=in_specs)
-    return eqn.replace(invars=new_invars, params=params, effects=inner.effects)
+    params = dict(
+        eqn.params,
+        jaxpr=inner,
+        in_specs=tuple(in_specs),
+        out_specs=(*eqn.params["out_specs"], *(spec for _, _, spec in passed_on)),
+    )
+    outvars = [*eqn.outvars, *(v for _, v, _ in passed_on)]
+    return eqn.replace(invars=outer_invars, outvars=outvars, params=params, effects=inner.effects)
 
 
 def in_program_transfers(program: Program) -> Program:
@@ -50,41 +75,49 @@ def in_program_transfers(program: Program) -> Program:
     readers: dict = {}
     for i, eqn in enumerate(eqns):
         for a in eqn.invars:
-            if is_var(a):
+            if is_var(a) and i not in readers.get(a, ()):
                 readers.setdefault(a, []).append(i)
     program_outputs = {v for v in program.jaxpr.jaxpr.outvars if is_var(v)}
 
     sends = {i: [] for i in range(len(eqns))}
     recvs = {i: {} for i in range(len(eqns))}
+    forwards = {i: {} for i in range(len(eqns))}
+    renames = {i: {} for i in range(len(eqns))}
     kept_transfer_values = {}
-    channels = itertools.count(1)
+    channels = itertools.count(FIRST_CHANNEL_ID)
     for t, eqn in enumerate(eqns):
         if eqn.primitive is not transfer_p:
             continue
         src, dst = eqn.params["src"], eqn.params["dst"]
         keep = []
-        for x, y in zip(eqn.invars, eqn.outvars):
+        for x, y, spec in zip(eqn.invars, eqn.outvars, eqn.params["dst_specs"]):
             users = readers.get(y, [])
             movable = (
                 is_var(x)
                 and x in producer
                 and y not in program_outputs
+                and bool(users)
                 and all(eqns[u].primitive is fragment_p for u in users)
             )
             keep.append(not movable)
             if not movable:
                 continue
+            params = {"channel": next(channels), "src": src, "dst": dst, "aval": y.aval}
             f, k = producer[x]
             body_out = eqns[f].params["jaxpr"].jaxpr.outvars[k]
-            for u in users:
-                channel = next(channels)
-                sends[f].append(
-                    jcore.new_jaxpr_eqn(
-                        [body_out], [], send_p, dict(channel=channel, src=src, dst=dst),
-                        {peer_transfer_effect}, eqn.source_info,
-                    )
+            sends[f].append(
+                jcore.new_jaxpr_eqn(
+                    [body_out], [], send_p, {k: params[k] for k in ("channel", "src", "dst")},
+                    {peer_transfer_effect}, eqn.source_info,
                 )
-                recvs[u][y] = dict(channel=channel, src=src, dst=dst, aval=y.aval)
+            )
+            first, later = users[0], users[1:]
+            recvs[first][y] = params
+            if later:
+                y_new = fresh_like(y)
+                forwards[first][y] = (y_new, spec)
+                for u in later:
+                    renames[u][y] = y_new
         kept_transfer_values[t] = keep
 
     new_eqns = []
@@ -93,24 +126,10 @@ def in_program_transfers(program: Program) -> Program:
             keep = kept_transfer_values[i]
             if any(keep):
                 new_eqns.append(_kept_transfer(eqn, keep))
-            continue
-        if not sends[i] and not recvs[i]:
+        elif recvs[i] or sends[i] or renames[i]:
+            new_eqns.append(_with_peer_transfers(eqn, recvs[i], sends[i], forwards[i], renames[i]))
+        else:
             new_eqns.append(eqn)
-            continue
-        body = eqn.params["jaxpr"].jaxpr
-        before, invar_keep, new_invars = [], [], []
-        for outer, inner in zip(eqn.invars, body.invars):
-            params = recvs[i].get(outer) if is_var(outer) else None
-            invar_keep.append(params is None)
-            if params is None:
-                new_invars.append(outer)
-            else:
-                before.append(
-                    jcore.new_jaxpr_eqn(
-                        [], [inner], recv_p, params, {peer_transfer_effect}, eqn.source_info
-                    )
-                )
-        new_eqns.append(_rebuilt(eqn, before, sends[i], invar_keep, new_invars))
 
     jaxpr = program.jaxpr.jaxpr
     closed = make_closed_jaxpr(

@@ -1,4 +1,5 @@
-"""Test setup: 8 virtual CPU devices (before JAX starts) and verification after every pass."""
+"""Test setup: 8 virtual CPU devices (before JAX starts), verification after every pass,
+and the ``--update-golden`` option."""
 
 import os
 
@@ -12,6 +13,20 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 import mpmdc  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite golden/ from the current compiler output instead of comparing",
+    )
+
+
+@pytest.fixture(scope="session")
+def update_golden(request):
+    """True when ``pytest --update-golden`` was asked for."""
+    return request.config.getoption("--update-golden")
 
 
 @pytest.fixture(scope="session")
