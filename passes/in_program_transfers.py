@@ -16,7 +16,12 @@ from __future__ import annotations
 import itertools
 
 from jax.extend import core as jcore
-from mpmdc.lowering.send_recv import FIRST_CHANNEL_ID, peer_transfer_effect, recv_p, send_p
+from mpmdc.lowering.send_recv import (
+    FIRST_CHANNEL_ID,
+    peer_transfer_effect,
+    recv_p,
+    send_p,
+)
 from mpmdc.passes.base import FunctionPass
 from mpmdc.passes.dce import dce
 

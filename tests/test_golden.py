@@ -8,8 +8,8 @@ for more backends than the four built-in ones.
 from pathlib import Path
 
 import pytest
-from golden import check_golden
 
+from golden import check_golden
 from mpmdc.targets import load_module
 
 PROGRAM_DIR = Path(__file__).resolve().parent / "programs"

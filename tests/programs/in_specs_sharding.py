@@ -1,6 +1,5 @@
 """Golden program: batch-sharded inputs and outputs (``in_specs``/``out_specs`` over ``data``)."""
 
-import jax
 import jax.numpy as jnp
 from _shapes import f32
 from jax.sharding import PartitionSpec as P
