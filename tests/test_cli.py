@@ -1,0 +1,217 @@
+"""The ``mpmdc`` command line: ``dump`` output, dump folders, usage errors, determinism."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpmdc import cli
+from mpmdc.targets import load_module
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP2 = "tests/programs/mlp2_grad.py:lowered"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="module")
+def mlp2():
+    return load_module(ROOT / "tests/programs/mlp2_grad.py").lowered()
+
+
+def run(capsys, *argv):
+    """``(exit status, stdout, stderr)`` of ``mpmdc *argv`` run in this process."""
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_usage_error(capsys, *argv, says):
+    status, out, err = run(capsys, *argv)
+    assert status == 2, (out, err)
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for text in [says] if isinstance(says, str) else says:
+        assert text in err, err
+    return err
+
+
+def test_list_stages(capsys, mlp2):
+    status, out, _ = run(capsys, "dump", MLP2, "--list-stages")
+    assert status == 0
+    assert tuple(out.split()) == mlp2.stages
+
+
+def test_one_stage_is_the_lowered_text(capsys, mlp2):
+    status, out, _ = run(capsys, "dump", MLP2, "--stage", "after-partition")
+    assert status == 0
+    assert out == mlp2.as_text("after-partition")
+
+
+def test_all_stages_each_under_a_header(capsys, mlp2):
+    status, out, _ = run(capsys, "dump", MLP2, "--stage", "all")
+    assert status == 0
+    headers = [line for line in out.splitlines() if line.startswith("// ----- ") and "fragment" not in line]
+    assert headers == [f"// ----- {s}" for s in mlp2.stages]
+    assert out.index("// ----- after-split") < out.index("// ----- stablehlo")
+
+
+def test_stablehlo_per_platform_names_fragment_and_mesh(capsys, mlp2):
+    status, out, _ = run(capsys, "dump", MLP2, "--stage", "stablehlo", "--platform", "tpu", "--platform", "rocm")
+    assert status == 0
+    for platform in ("tpu", "rocm"):
+        for name, module in mlp2.stablehlo(platform).items():
+            mesh = 0 if name.startswith("s0") else 1
+            assert f"// ----- fragment {name} @mesh{mesh} ({platform})\n{module}" in out
+
+
+def test_dump_dir_writes_every_stage_and_module(capsys, tmp_path, mlp2):
+    target = tmp_path / "out"
+    status, out, _ = run(capsys, "dump", MLP2, "--dump-dir", str(target), "--platform", "cpu", "--platform", "tpu")
+    assert status == 0 and str(target) in out
+    names = sorted(p.name for p in target.iterdir())
+    stages = [f"{i:02d}.{s}.txt" for i, s in enumerate(mlp2.stages)]
+    modules = [f"{f}.{p}.mlir" for p in ("cpu", "tpu") for f in mlp2.stablehlo(p)]
+    assert names == sorted(stages + modules)
+    assert (target / "05.after-split.txt").read_text() == mlp2.as_text("after-split")
+    assert (target / "s1_fwd.tpu.mlir").read_text() == mlp2.stablehlo("tpu")["s1_fwd"]
+    # A second dump replaces the first one: only the new platform's modules remain.
+    assert run(capsys, "dump", MLP2, "--dump-dir", str(target))[0] == 0
+    assert not list(target.glob("*.tpu.mlir")) and list(target.glob("*.cpu.mlir"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_dump_dir_is_atomic(capsys, tmp_path, monkeypatch):
+    target = tmp_path / "out"
+    real_write = Path.write_text
+    written = []
+
+    def failing_write(self, text, *args, **kwargs):
+        if len(written) == 3:
+            raise OSError("disk full")
+        written.append(self)
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        cli.main(["dump", MLP2, "--dump-dir", str(target)])
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
+
+
+def test_dump_dir_refuses_a_folder_with_other_files(capsys, tmp_path):
+    (tmp_path / "notes.md").write_text("mine")
+    err = assert_usage_error(capsys, "dump", MLP2, "--dump-dir", str(tmp_path), says="notes.md")
+    assert "not mpmdc dump files" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]
+
+
+PLAIN = """
+import jax.numpy as jnp
+import mpmdc
+
+def loss(w, x):
+    x = mpmdc.stage(x, 0)
+    x = jnp.tanh(x @ w)
+    x = mpmdc.stage(x, 1)
+    return jnp.sum(x * x)
+
+def broken():
+    raise ValueError("no model today")
+
+def not_lowered():
+    return 42
+
+def bad_stage():
+    meshes = mpmdc.make_meshes(2, {"data": 2})
+    return mpmdc.compile(lambda x: mpmdc.stage(x, -1), meshes).lower(jnp.ones(3))
+"""
+
+
+@pytest.fixture
+def plain_file(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(PLAIN)
+    return path
+
+
+def test_plain_function_with_args_and_meshes(capsys, plain_file):
+    status, out, _ = run(
+        capsys, "dump", f"{plain_file}:loss", "--args", "f32[8,16], f32[4,8]", "--meshes", "2x(data=2)"
+    )
+    assert status == 0
+    assert "name=s0_fwd" in out and "name=s1_fwd" in out and "transfer[" in out
+    assert "b:float32[4,8] @mesh0 P()  # args[1]" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["dump", MLP2, "--stage", "after-nothing"], ["'after-nothing'", "after-split", "stablehlo"]),
+        (["dump", MLP2, "--stage", "stablehlo", "--platform", "metal"], ["'metal'", "available backends: cpu, cuda, ", "tpu"]),
+        (["dump", "tests/programs/missing.py:lowered"], "no such file: tests/programs/missing.py"),
+        (["dump", "tests/programs/mlp2_grad.py:lowerd"], ["'lowerd'", "lowered"]),
+        (["dump", "tests/programs/mlp2_grad.py"], "is not FILE.py:TARGET"),
+        (["dump", "{plain}:loss", "--args", "f32[8,16], q7[2]", "--meshes", "2x(data=2)"], ["--args", "'q7[2]'"]),
+        (["dump", "{plain}:loss", "--args", "f32[8,16]", "--meshes", "2x(data)"], ["--meshes", "4x(data=2)"]),
+        (["dump", "{plain}:loss", "--args", "f32[8,16], f32[4,8]"], "--args needs --meshes"),
+        (["dump", "{plain}:loss"], ["takes arguments (w, x)", "--args"]),
+        (["dump", "{plain}:not_lowered"], "returned int, not mpmdc.Lowered"),
+        (["dump", MLP2, "--stages", "all"], "unrecognized arguments: --stages"),
+        (["dump"], "FILE.py:TARGET"),
+        ([], "COMMAND"),
+    ],
+)
+def test_usage_mistakes_exit_2_with_one_line(capsys, plain_file, argv, says):
+    argv = [a.replace("{plain}", str(plain_file)) for a in argv]
+    assert_usage_error(capsys, *argv, says=says)
+
+
+def test_user_code_and_compiler_failures_exit_1_with_one_line(capsys, plain_file):
+    status, out, err = run(capsys, "dump", f"{plain_file}:broken")
+    assert status == 1 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "raised ValueError at line 12: no model today" in err
+    status, _, err = run(capsys, "dump", f"{plain_file}:bad_stage")
+    assert status == 1 and "StageError" in err and err.count("\n") == 1
+
+
+def test_help_explains_with_examples(capsys):
+    for argv in (["--help"], ["dump", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert "examples:" in out and "mpmdc dump" in out
+    assert "--dump-dir" in out and "--list-stages" in out and "--args" in out and "exit status" in out
+
+
+def test_backends_lists_the_built_ins(capsys):
+    status, out, _ = run(capsys, "backends")
+    assert status == 0
+    for name in ("cpu", "cuda", "rocm", "tpu"):
+        assert f"{name}: lowers for {name}; transfers by runtime device_put" in out
+
+
+def _dump_in_subprocess(hash_seed: str) -> str:
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+    env.pop("JAX_PLATFORMS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "mpmdc", "dump", "tests/programs/tied_embedding.py:lowered", "--stage", "all",
+         "--platform", "cpu", "--platform", "tpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )
+    return result.stdout
+
+
+def test_output_is_identical_across_processes_and_hash_seeds():
+    first, second = _dump_in_subprocess("1"), _dump_in_subprocess("2024")
+    assert first == second
+    assert not re.search(r" at 0x[0-9a-f]+", first)  # no object addresses
+    assert str(ROOT) not in first and ".py:" not in first  # no source locations
+    assert "stablehlo.dot_general" in first and "transfer[" in first
