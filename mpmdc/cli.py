@@ -12,7 +12,14 @@ import sys
 import traceback
 from pathlib import Path
 
+import jax
+
+from mpmdc import _jax_compat as compat
+from mpmdc import backends
+from mpmdc.demo import run as run_demo
+from mpmdc.dump import dump_files, render_stages, write_dump_dir
 from mpmdc.errors import MpmdcError, TargetError, UsageError
+from mpmdc.targets import DumpOptions, find_target, load_module, lowered_from_target
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -74,11 +81,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _start_jax(devices_needed: int) -> None:
-    """CPU devices for the dump (before JAX starts its backends, where still possible)."""
-    import jax
-
-    from mpmdc import _jax_compat as compat
-
+    """CPU devices for the command (before JAX starts its backends, where still possible)."""
     if compat.backends_are_initialized():
         return
     if "JAX_PLATFORMS" not in os.environ:
@@ -102,8 +105,6 @@ def _user_code(run, options):
 
 
 def _dump(args) -> int:
-    from mpmdc.targets import DumpOptions, find_target, load_module, lowered_from_target
-
     options = DumpOptions.from_cli(
         target=args.target,
         stage=args.stage,
@@ -114,9 +115,6 @@ def _dump(args) -> int:
         meshes=args.meshes,
     )
     _start_jax(options.meshes.devices_needed if options.meshes else 0)
-    from mpmdc import backends
-    from mpmdc.dump import dump_files, render_stages, write_dump_dir
-
     module = _user_code(lambda: load_module(options.file), options)
     for platform in options.platforms:
         if platform not in backends.available():
@@ -144,8 +142,6 @@ def _dump(args) -> int:
 
 
 def _backends(args) -> int:
-    from mpmdc import backends
-
     for name in backends.available():
         print(backends.get(name).describe())
     return EXIT_OK
@@ -153,9 +149,7 @@ def _backends(args) -> int:
 
 def _demo(args) -> int:
     _start_jax(8)
-    from mpmdc.demo import run
-
-    worst = run()
+    worst = run_demo()
     return EXIT_OK if worst <= 2e-5 else EXIT_FAILED
 
 

@@ -2,7 +2,7 @@
 
 The options are validated by pydantic models, so every malformed value becomes one
 :class:`~mpmdc.errors.UsageError` naming the option and showing the expected form.
-Nothing here starts JAX's backends: the command sets the device count first.
+Nothing here starts JAX's backends before the command has set the device count.
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ import re
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from mpmdc.api import Lowered, compile
 from mpmdc.errors import UsageError
+from mpmdc.meshes import make_meshes
 
 DTYPES = {
     "bool": "bool",
@@ -52,9 +56,6 @@ class ArgType(BaseModel):
 
     def to_struct(self):
         """The ``jax.ShapeDtypeStruct`` this entry describes."""
-        import jax
-        import jax.numpy as jnp
-
         return jax.ShapeDtypeStruct(self.shape, jnp.dtype(self.dtype))
 
 
@@ -197,9 +198,6 @@ def find_target(module, path: Path, name: str):
 
 def lowered_from_target(target, options: DumpOptions):
     """Turn the target into an ``mpmdc.Lowered`` as the options say."""
-    from mpmdc.api import Lowered, compile
-    from mpmdc.meshes import make_meshes
-
     where = f"{options.file}:{options.target_name}"
     if options.args is not None:
         if options.meshes is None:
