@@ -15,10 +15,12 @@ from pathlib import Path
 import jax
 
 from mpmdc import _jax_compat as compat
-from mpmdc import backends
+from mpmdc import backends, schedules
 from mpmdc.demo import run as run_demo
 from mpmdc.dump import dump_files, render_stages, write_dump_dir
-from mpmdc.errors import MpmdcError, TargetError, UsageError
+from mpmdc.errors import MpmdcError, ScheduleError, TargetError, UsageError
+from mpmdc.schedules import Layout
+from mpmdc.simulate import UNIT_COSTS, bubble_formula, simulate
 from mpmdc.targets import DumpOptions, find_target, load_module, lowered_from_target
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -27,6 +29,7 @@ _MAIN_EPILOG = """\
 commands:
   demo    compile and run a 4-stage MLP gradient on 4 meshes of 2 CPU devices
   dump    print or save the IR of a program after any pass, and its StableHLO
+  schedule  simulate a pipeline schedule: timeline, makespan, bubble fraction
   backends  list the registered backends
 
 examples:
@@ -141,6 +144,46 @@ def _dump(args) -> int:
     return EXIT_OK
 
 
+def _parse_costs(text: str | None) -> dict[str, float]:
+    costs = dict(UNIT_COSTS)
+    for part in filter(None, (text or "").split(",")):
+        kind, _, value = part.partition("=")
+        try:
+            costs[kind.strip()] = float(value)
+        except ValueError:
+            raise UsageError(f"--costs: {part!r} is not KIND=NUMBER (e.g. F=1,B=2,I=1,W=1)") from None
+    return costs
+
+
+def _schedule(args) -> int:
+    costs = _parse_costs(args.costs)
+    try:
+        layout = Layout.make(args.stages, args.microbatches, num_meshes=args.meshes or args.stages)
+        schedule = schedules.get(args.schedule)
+        timeline = simulate(schedule.actions(layout), layout, costs)
+    except ScheduleError as err:
+        raise UsageError(str(err)) from None
+    cost_text = " ".join(f"{k}={v:g}" for k, v in costs.items())
+    print(
+        f"schedule {schedule.name}: {layout.num_stages} stages on {layout.num_meshes} meshes, "
+        f"{layout.microbatches} microbatches, costs {cost_text}"
+    )
+    print(timeline.ascii())
+    line = f"makespan {timeline.makespan:g}, bubble fraction {timeline.bubble_fraction:.4f}"
+    if schedule.name in ("gpipe", "1f1b", "interleaved-1f1b"):
+        v = layout.num_stages // layout.num_meshes
+        formula = bubble_formula(schedule.name, layout.num_meshes, layout.microbatches, v)
+        line += f" (formula (p-1)/(v*m+p-1) = {formula:.4f})"
+    print(line)
+    if args.png:
+        timeline.save_png(args.png, title=f"{schedule.name}: bubble {timeline.bubble_fraction:.3f}")
+        print(f"wrote {args.png}")
+    if args.trace:
+        Path(args.trace).write_text(timeline.chrome_trace())
+        print(f"wrote {args.trace}")
+    return EXIT_OK
+
+
 def _backends(args) -> int:
     for name in backends.available():
         print(backends.get(name).describe())
@@ -207,6 +250,28 @@ def build_parser() -> argparse.ArgumentParser:
         help='meshes for a plain-function TARGET, e.g. "4x(data=2)" or "2x(data=2,model=2)"',
     )
     dump.set_defaults(handler=_dump)
+
+    schedule = sub.add_parser(
+        "schedule",
+        help="simulate a pipeline schedule: ASCII timeline and bubble fraction",
+        description="Simulate a pipeline schedule with per-action costs and print each mesh's "
+        "timeline (one box per action: <stage><F|B|I|W><microbatch>, idle time as dots), the "
+        "makespan and the bubble fraction, with the textbook formula where there is one.",
+        epilog="examples:\n  mpmdc schedule --schedule 1f1b --stages 4 --microbatches 8\n"
+        "  mpmdc schedule --schedule interleaved-1f1b --stages 8 --meshes 4 --microbatches 8\n"
+        "  mpmdc schedule --schedule zb-h1 --stages 4 --microbatches 8 --png zb.png --trace zb.json\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    schedule.add_argument(
+        "--schedule", default="1f1b", metavar="NAME", help=f"one of {', '.join(schedules.SCHEDULES)}"
+    )
+    schedule.add_argument("--stages", type=int, required=True, help="pipeline stages")
+    schedule.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    schedule.add_argument("--meshes", type=int, help="meshes (default: one per stage); stage s on mesh s mod N")
+    schedule.add_argument("--costs", metavar="K=V,...", help="costs per kind (default F=1,B=2,I=1,W=1)")
+    schedule.add_argument("--png", metavar="FILE", help="also draw the timeline with matplotlib")
+    schedule.add_argument("--trace", metavar="FILE", help="also write a Chrome/Perfetto trace JSON")
+    schedule.set_defaults(handler=_schedule)
 
     backends_cmd = sub.add_parser(
         "backends",

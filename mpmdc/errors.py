@@ -55,3 +55,7 @@ class UsageError(MpmdcError):
 
 class TargetError(MpmdcError):
     """The user's file or target function given to ``mpmdc dump`` raised an exception."""
+
+
+class ScheduleError(MpmdcError):
+    """A pipeline schedule is unknown, malformed, deadlocks or breaks a data dependency."""

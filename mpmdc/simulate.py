@@ -1,0 +1,246 @@
+"""Checking a schedule against its data dependencies, and timing it.
+
+:func:`simulate` runs every mesh's action list in order, each action starting when its
+mesh is free and the actions it depends on have finished:
+
+- ``sF b`` needs ``(s-1)F b``;
+- ``sB b`` and ``sI b`` need ``sF b`` and the backward (``B`` or ``I``) of ``s+1`` on ``b``;
+- ``sW b`` needs ``sI b``.
+
+A schedule that lists an action twice, misses one, puts one on the wrong mesh, or
+orders a mesh's actions so that no mesh can go on (a deadlock, or an action before
+one it depends on) is a :class:`~mpmdc.errors.ScheduleError` naming the actions.
+Otherwise the result is a :class:`Timeline`: start and end of every action per mesh,
+the makespan and the bubble fraction, printable as ASCII, as a Chrome/Perfetto trace
+or as a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from mpmdc.errors import ScheduleError
+from mpmdc.schedules import Action, Layout
+
+UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One action on the timeline of its mesh."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-mesh slots of a simulated (or measured) run."""
+
+    meshes: tuple[tuple[Slot, ...], ...]
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first start to the last end."""
+        return max((s.end for slots in self.meshes for s in slots), default=0.0)
+
+    @property
+    def bubble_time(self) -> float:
+        """Idle time per mesh up to the makespan, averaged over the meshes."""
+        busy = sum(s.end - s.start for slots in self.meshes for s in slots)
+        return self.makespan - busy / len(self.meshes) if self.meshes else 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all meshes' time up to the makespan."""
+        return self.bubble_time / self.makespan if self.makespan else 0.0
+
+    def ascii(self, width_per_unit: int | None = None) -> str:
+        """One row per mesh; each action a box starting with its label, idle time ``.``."""
+        slots = [s for row in self.meshes for s in row]
+        if not slots:
+            return ""
+        unit = min(s.end - s.start for s in slots if s.end > s.start)
+        width = width_per_unit or max(len(str(s.action)) for s in slots) + 1
+        columns = round(self.makespan / unit * width)
+        rows = []
+        for mesh, row in enumerate(self.meshes):
+            line = ["."] * columns
+            for slot in row:
+                a, b = round(slot.start / unit * width), round(slot.end / unit * width)
+                box = (str(slot.action) + " " * (b - a))[: b - a - 1] + "|"
+                line[a:b] = box
+            rows.append(f"mesh{mesh} |{''.join(line)}")
+        return "\n".join(rows)
+
+    def chrome_trace(self, time_unit_us: float = 1000.0) -> str:
+        """The timeline as Chrome/Perfetto trace JSON (one track per mesh)."""
+        events = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": mesh, "args": {"name": f"mesh{mesh}"}}
+            for mesh in range(len(self.meshes))
+        ]
+        for mesh, row in enumerate(self.meshes):
+            for slot in row:
+                events.append(
+                    {
+                        "name": str(slot.action),
+                        "cat": slot.action.kind,
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": mesh,
+                        "ts": slot.start * time_unit_us,
+                        "dur": (slot.end - slot.start) * time_unit_us,
+                        "args": {"stage": slot.action.stage, "microbatch": slot.action.microbatch},
+                    }
+                )
+        return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)
+
+    def save_png(self, path, title: str = "") -> None:
+        """Draw the timeline with matplotlib (one bar row per mesh, coloured by kind)."""
+        try:
+            import matplotlib
+        except ImportError:
+            raise ScheduleError(
+                "drawing a timeline needs matplotlib; install it with pip install 'mpmdc[plot]'."
+            ) from None
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+        fig, ax = plt.subplots(figsize=(max(6.0, self.makespan / 3), 0.6 * len(self.meshes) + 1))
+        for mesh, row in enumerate(self.meshes):
+            for slot in row:
+                ax.broken_barh(
+                    [(slot.start, slot.end - slot.start)], (mesh - 0.4, 0.8),
+                    facecolors=colours[slot.action.kind], edgecolor="black", linewidth=0.5,
+                )
+                ax.text((slot.start + slot.end) / 2, mesh, str(slot.action), ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(self.meshes)), [f"mesh{m}" for m in range(len(self.meshes))])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        ax.set_title(title or f"bubble fraction {self.bubble_fraction:.3f}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+Costs = Mapping[str, float] | Callable[[Action], float]
+
+
+def cost_of(costs: Costs | None, action: Action) -> float:
+    """``action``'s cost: by its label (``"0F1"``), else by its kind (``"F"``)."""
+    if costs is None:
+        costs = UNIT_COSTS
+    if callable(costs):
+        return float(costs(action))
+    label = str(action)
+    if label in costs:
+        return float(costs[label])
+    if action.kind not in costs:
+        raise ScheduleError(f"no cost for {label}: give costs for kind {action.kind!r} or for {label}.")
+    return float(costs[action.kind])
+
+
+def _dependencies(action: Action, layout: Layout, split: set) -> list[Action]:
+    s, b = action.stage, action.microbatch
+    if action.kind == "F":
+        return [Action(s - 1, "F", b)] if s > 0 else []
+    if action.kind == "W":
+        return [Action(s, "I", b)]
+    deps = [Action(s, "F", b)]
+    if s + 1 < layout.num_stages:
+        deps.append(Action(s + 1, "I" if (s + 1, b) in split else "B", b))
+    return deps
+
+
+def _check_coverage(per_mesh, layout: Layout) -> set:
+    """Every action once, on its stage's mesh; returns the (stage, microbatch) split into I/W."""
+    seen: dict[Action, int] = {}
+    for mesh, actions in enumerate(per_mesh):
+        for a in actions:
+            if not (0 <= a.stage < layout.num_stages and 0 <= a.microbatch < layout.microbatches):
+                raise ScheduleError(
+                    f"mesh {mesh} lists {a}, but the pipeline has stages 0..{layout.num_stages - 1} "
+                    f"and microbatches 0..{layout.microbatches - 1}."
+                )
+            if a in seen:
+                raise ScheduleError(f"{a} is listed twice (meshes {seen[a]} and {mesh}).")
+            if layout.stage_to_mesh[a.stage] != mesh:
+                raise ScheduleError(
+                    f"{a} is listed on mesh {mesh}, but stage {a.stage} runs on mesh "
+                    f"{layout.stage_to_mesh[a.stage]}."
+                )
+            seen[a] = mesh
+    split = {(a.stage, a.microbatch) for a in seen if a.kind in "IW"}
+    for s in range(layout.num_stages):
+        for b in range(layout.microbatches):
+            needed = ["F", "I", "W"] if (s, b) in split else ["F", "B"]
+            for kind in needed:
+                if Action(s, kind, b) not in seen:
+                    raise ScheduleError(f"the schedule never runs {Action(s, kind, b)}.")
+            if (s, b) in split and Action(s, "B", b) in seen:
+                raise ScheduleError(f"stage {s} microbatch {b} has both B and I/W; list one or the other.")
+    return split
+
+
+def simulate(per_mesh, layout: Layout, costs: Costs | None = None) -> Timeline:
+    """Validate ``per_mesh`` action lists against the dependencies and time them."""
+    per_mesh = [tuple(actions) for actions in per_mesh]
+    if len(per_mesh) != layout.num_meshes:
+        raise ScheduleError(
+            f"the schedule has {len(per_mesh)} action list(s) for {layout.num_meshes} meshes."
+        )
+    split = _check_coverage(per_mesh, layout)
+    position = {a: (mesh, i) for mesh, actions in enumerate(per_mesh) for i, a in enumerate(actions)}
+    end: dict[Action, float] = {}
+    free = [0.0] * len(per_mesh)
+    heads = [0] * len(per_mesh)
+    slots: list[list[Slot]] = [[] for _ in per_mesh]
+    progress = True
+    while progress:
+        progress = False
+        for mesh, actions in enumerate(per_mesh):
+            while heads[mesh] < len(actions):
+                action = actions[heads[mesh]]
+                deps = _dependencies(action, layout, split)
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[mesh], *(end[d] for d in deps)])
+                end[action] = start + cost_of(costs, action)
+                free[mesh] = end[action]
+                slots[mesh].append(Slot(action, start, end[action]))
+                heads[mesh] += 1
+                progress = True
+    stuck = [(mesh, actions[heads[mesh]]) for mesh, actions in enumerate(per_mesh) if heads[mesh] < len(actions)]
+    if stuck:
+        raise ScheduleError(_stuck_message(stuck, layout, split, position, end))
+    return Timeline(tuple(tuple(row) for row in slots))
+
+
+def _stuck_message(stuck, layout, split, position, end) -> str:
+    for mesh, action in stuck:
+        for dep in _dependencies(action, layout, split):
+            dep_mesh, dep_index = position[dep]
+            if dep not in end and dep_mesh == mesh and dep_index > position[action][1]:
+                return (
+                    f"the schedule breaks a dependency: mesh {mesh} runs {action} before {dep}, "
+                    f"which {action} needs; put {dep} first."
+                )
+    waits = "; ".join(
+        f"mesh {mesh} waits at {action} for "
+        + ", ".join(str(d) for d in _dependencies(action, layout, split) if d not in end)
+        for mesh, action in stuck
+    )
+    return f"the schedule deadlocks: {waits}. Reorder the lists so each wait can be met."
+
+
+def bubble_formula(schedule_name: str, num_meshes: int, microbatches: int, stages_per_mesh: int = 1) -> float:
+    """The textbook bubble fraction: ``(p-1)/(v*m+p-1)`` (``v = 1`` for GPipe and 1F1B)."""
+    p, m, v = num_meshes, microbatches, stages_per_mesh
+    if schedule_name not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        raise ScheduleError(f"no closed-form bubble fraction for {schedule_name!r}.")
+    return (p - 1) / (v * m + p - 1)
