@@ -5,7 +5,8 @@ meshes (:func:`make_meshes`), and get per-mesh programs joined by explicit
 transfers that run with the same numbers as ``jax.jit``.
 """
 
-from mpmdc import backends, errors
+from mpmdc import backends, errors, schedules
+from mpmdc.accumulate import accumulate
 from mpmdc.api import Compiled, Lowered, compile
 from mpmdc.errors import MpmdcError
 from mpmdc.meshes import make_meshes
@@ -17,9 +18,11 @@ __all__ = [
     "Executable",
     "Lowered",
     "MpmdcError",
+    "accumulate",
     "backends",
     "compile",
     "errors",
     "make_meshes",
+    "schedules",
     "stage",
 ]

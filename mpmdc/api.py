@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from mpmdc import backends
+from mpmdc.accumulate import unrolled
 from mpmdc.errors import ArgumentError, PassError, SpecError, StageError
 from mpmdc.ir import Program
 from mpmdc.meshes import check_meshes
@@ -261,7 +262,8 @@ class Compiled:
             out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
             return out_leaves
 
-        closed = jax.make_jaxpr(flat_fn)(*leaf_types)
+        with unrolled():
+            closed = jax.make_jaxpr(flat_fn)(*leaf_types)
         out_tree = out_store["tree"]
         out_paths = [
             _path_text("out", p)

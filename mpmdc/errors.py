@@ -59,3 +59,7 @@ class TargetError(MpmdcError):
 
 class ScheduleError(MpmdcError):
     """A pipeline schedule is unknown, malformed, deadlocks or breaks a data dependency."""
+
+
+class AccumulateError(MpmdcError):
+    """``mpmdc.accumulate`` got microbatches, inputs or reductions it cannot use."""

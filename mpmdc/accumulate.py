@@ -1,0 +1,138 @@
+"""``mpmdc.accumulate``: run a function on microbatch slices and reduce the results.
+
+Under plain ``jax.jit`` (or eagerly) it is a sequential ``lax.scan`` over the
+microbatches, carrying the running reduction, so the training step that uses it is
+its own reference. While ``mpmdc.compile`` traces a function, the loop is unrolled
+instead, so every microbatch's stage markers are visible to the passes and each
+microbatch's fragments are separate calls. Both forms reduce in the same order
+(microbatch 0 first), so they compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mpmdc import schedules
+from mpmdc.errors import AccumulateError
+
+REDUCTIONS = ("sum", "mean", "concat", "max")
+
+_unrolling = contextvars.ContextVar("mpmdc_unroll_accumulate", default=False)
+
+
+@contextlib.contextmanager
+def unrolled():
+    """While active, ``accumulate`` unrolls its loop (``mpmdc.compile`` traces under it)."""
+    token = _unrolling.set(True)
+    try:
+        yield
+    finally:
+        _unrolling.reset(token)
+
+
+def _split_leading_axis(xs, microbatches: int):
+    """Every leaf reshaped to ``(microbatches, batch // microbatches, ...)``."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(xs)
+    if not leaves:
+        raise AccumulateError("accumulate got no arrays in xs to split into microbatches.")
+    out = []
+    for path, x in leaves:
+        shape = jnp.shape(x)
+        where = "xs" + jax.tree_util.keystr(path)
+        if not shape:
+            raise AccumulateError(f"{where} is a scalar; accumulate splits the leading axis of every leaf of xs.")
+        if shape[0] % microbatches:
+            raise AccumulateError(
+                f"{where} has leading size {shape[0]}, which {microbatches} microbatches do not "
+                f"divide; choose a microbatch count that divides every batch size."
+            )
+        out.append(jnp.reshape(x, (microbatches, shape[0] // microbatches, *shape[1:])))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _reductions(reduce, out_tree):
+    """One reduction name per output leaf (``reduce`` is a name or a pytree prefix of names)."""
+    outputs = jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    try:
+        per_leaf = jax.tree_util.tree_map(
+            lambda r, sub: [r] * len(jax.tree_util.tree_leaves(sub)), reduce, outputs,
+            is_leaf=lambda r: isinstance(r, str),
+        )
+    except ValueError as err:
+        raise AccumulateError(
+            f"reduce={reduce!r} does not match the structure of fn's outputs: {err}. Give one "
+            f"of {REDUCTIONS} or a pytree prefix of them."
+        ) from None
+    names = [r for group in jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda g: isinstance(g, list)) for r in group]
+    for r in names:
+        if r not in REDUCTIONS:
+            raise AccumulateError(f"unknown reduction {r!r}; use one of {', '.join(REDUCTIONS)}.")
+    return names
+
+
+def _combine(kind: str, acc, y):
+    if kind in ("sum", "mean"):
+        return acc + y
+    return jnp.maximum(acc, y)
+
+
+def _finish(kind: str, acc, microbatches: int):
+    return acc / microbatches if kind == "mean" else acc
+
+
+def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
+    """Run ``fn`` on each of ``microbatches`` slices of ``xs``'s leading axis; reduce the results.
+
+    ``reduce`` is ``"sum"``, ``"mean"``, ``"concat"`` (along the leading axis), ``"max"``
+    or a pytree prefix of these matching ``fn``'s outputs. ``schedule`` (a name, an
+    ``mpmdc.schedules.Schedule`` or per-mesh action lists) is how mpmdc orders the
+    microbatches' fragments on the meshes; it does not change the result.
+    """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise AccumulateError(f"microbatches must be a positive int, got {microbatches!r}.")
+    schedules.get(schedule)
+    stacked = _split_leading_axis(xs, microbatches)
+
+    def slice_of(i):
+        return jax.tree_util.tree_map(lambda x: x[i], stacked)
+
+    first = fn(slice_of(0))
+    first_leaves, out_tree = jax.tree_util.tree_flatten(first)
+    kinds = _reductions(reduce, out_tree)
+    for y, kind in zip(first_leaves, kinds):
+        if kind == "concat" and not jnp.shape(y):
+            raise AccumulateError("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
+
+    if _unrolling.get():
+        outs = [first_leaves] + [jax.tree_util.tree_leaves(fn(slice_of(i))) for i in range(1, microbatches)]
+        results = []
+        for k, kind in enumerate(kinds):
+            values = [o[k] for o in outs]
+            if kind == "concat":
+                results.append(jnp.concatenate(values))
+                continue
+            results.append(_finish(kind, functools.reduce(functools.partial(_combine, kind), values), microbatches))
+        return jax.tree_util.tree_unflatten(out_tree, results)
+
+    rest = jax.tree_util.tree_map(lambda x: x[1:], stacked)
+
+    def body(carry, mb):
+        leaves = jax.tree_util.tree_leaves(fn(mb))
+        new_carry = [c if kind == "concat" else _combine(kind, c, y) for c, y, kind in zip(carry, leaves, kinds)]
+        stacked_out = [y if kind == "concat" else None for y, kind in zip(leaves, kinds)]
+        return new_carry, stacked_out
+
+    init = [jnp.zeros(()) if kind == "concat" else y for y, kind in zip(first_leaves, kinds)]
+    carry, ys = jax.lax.scan(body, init, rest, length=microbatches - 1)
+    results = []
+    for y0, c, ys_k, kind in zip(first_leaves, carry, ys, kinds):
+        if kind == "concat":
+            results.append(jnp.concatenate([y0, jnp.reshape(ys_k, (-1, *jnp.shape(y0)[1:]))]))
+        else:
+            results.append(_finish(kind, c, microbatches))
+    return jax.tree_util.tree_unflatten(out_tree, results)
