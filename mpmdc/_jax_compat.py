@@ -7,6 +7,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 from jax._src import core as _core
 from jax._src import effects as _effects
 from jax._src import source_info_util as _source_info_util
+from jax._src import xla_bridge as _xla_bridge
 
 Var = _core.Var
 JaxprPpContext = _core.JaxprPpContext
@@ -25,6 +26,4 @@ def source_line(eqn) -> str:
 
 def backends_are_initialized() -> bool:
     """True once JAX has started its backends (device-count settings are then fixed)."""
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
+    return _xla_bridge.backends_are_initialized()
