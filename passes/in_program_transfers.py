@@ -88,13 +88,11 @@ def in_program_transfers(program: Program) -> Program:
     recvs = {i: {} for i in range(len(eqns))}
     forwards = {i: {} for i in range(len(eqns))}
     renames = {i: {} for i in range(len(eqns))}
-    kept_transfer_values = {}
     channels = itertools.count(FIRST_CHANNEL_ID)
-    for t, eqn in enumerate(eqns):
+    for eqn in eqns:
         if eqn.primitive is not transfer_p:
             continue
         src, dst = eqn.params["src"], eqn.params["dst"]
-        keep = []
         for x, y, spec in zip(eqn.invars, eqn.outvars, eqn.params["dst_specs"]):
             users = readers.get(y, [])
             movable = (
@@ -104,34 +102,25 @@ def in_program_transfers(program: Program) -> Program:
                 and bool(users)
                 and all(eqns[u].primitive is fragment_p for u in users)
             )
-            keep.append(not movable)
             if not movable:
                 continue
-            params = {"channel": next(channels), "src": src, "dst": dst, "aval": y.aval}
+            channel = {"channel": next(channels), "src": src, "dst": dst}
             f, k = producer[x]
             body_out = eqns[f].params["jaxpr"].jaxpr.outvars[k]
             sends[f].append(
-                jcore.new_jaxpr_eqn(
-                    [body_out], [], send_p, {k: params[k] for k in ("channel", "src", "dst")},
-                    {peer_transfer_effect}, eqn.source_info,
-                )
+                jcore.new_jaxpr_eqn([body_out], [], send_p, channel, {peer_transfer_effect}, eqn.source_info)
             )
             first, later = users[0], users[1:]
-            recvs[first][y] = params
+            recvs[first][y] = {**channel, "aval": y.aval}
             if later:
                 y_new = fresh_like(y)
                 forwards[first][y] = (y_new, spec)
                 for u in later:
                     renames[u][y] = y_new
-        kept_transfer_values[t] = keep
 
     new_eqns = []
     for i, eqn in enumerate(eqns):
-        if eqn.primitive is transfer_p:
-            keep = kept_transfer_values[i]
-            if any(keep):
-                new_eqns.append(_kept_transfer(eqn, keep))
-        elif recvs[i] or sends[i] or renames[i]:
+        if recvs[i] or sends[i] or renames[i]:
             new_eqns.append(_with_peer_transfers(eqn, recvs[i], sends[i], forwards[i], renames[i]))
         else:
             new_eqns.append(eqn)
@@ -140,20 +129,9 @@ def in_program_transfers(program: Program) -> Program:
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, new_eqns, jaxpr.debug_info
     )
-    # Sent values nobody else reads are now dead fragment outputs.
+    # Moved values are now dead transfer results (pruned by the transfer DCE rule), and
+    # sent values nobody else reads are dead fragment outputs.
     return dce(program.replace(jaxpr=closed))
-
-
-def _kept_transfer(eqn, keep):
-    def kept(values):
-        return [v for v, k in zip(values, keep) if k]
-
-    params = dict(
-        eqn.params,
-        src_specs=tuple(kept(eqn.params["src_specs"])),
-        dst_specs=tuple(kept(eqn.params["dst_specs"])),
-    )
-    return eqn.replace(invars=kept(eqn.invars), outvars=kept(eqn.outvars), params=params)
 
 
 class InProgramTransfers(FunctionPass):
