@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from mpmdc import schedules
 from mpmdc.errors import AccumulateError
+from mpmdc.pytrees import broadcast_prefix
 
 REDUCTIONS = ("sum", "mean", "concat", "max")
 
@@ -59,16 +60,12 @@ def _reductions(reduce, out_tree):
     """One reduction name per output leaf (``reduce`` is a name or a pytree prefix of names)."""
     outputs = jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
     try:
-        per_leaf = jax.tree_util.tree_map(
-            lambda r, sub: [r] * len(jax.tree_util.tree_leaves(sub)), reduce, outputs,
-            is_leaf=lambda r: isinstance(r, str),
-        )
+        names = broadcast_prefix(reduce, outputs, lambda r: isinstance(r, str))
     except ValueError as err:
         raise AccumulateError(
             f"reduce={reduce!r} does not match the structure of fn's outputs: {err}. Give one "
             f"of {REDUCTIONS} or a pytree prefix of them."
         ) from None
-    names = [r for group in jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda g: isinstance(g, list)) for r in group]
     for r in names:
         if r not in REDUCTIONS:
             raise AccumulateError(f"unknown reduction {r!r}; use one of {', '.join(REDUCTIONS)}.")

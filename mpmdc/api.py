@@ -21,6 +21,7 @@ from mpmdc.errors import ArgumentError, PassError, SpecError, StageError
 from mpmdc.ir import Program
 from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
+from mpmdc.pytrees import broadcast_prefix
 from mpmdc.runtime import Executable, Signature, leaf_dtype
 
 
@@ -61,29 +62,15 @@ def _path_text(prefix: str, path) -> str:
     return prefix + jax.tree_util.keystr(path)
 
 
-class _Repeated:
-    """One spec standing for ``count`` leaves (an opaque pytree leaf)."""
-
-    def __init__(self, spec, count):
-        self.spec, self.count = spec, count
-
-
 def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
     """Broadcast a spec pytree prefix over ``tree``; a mismatch is a ``SpecError``."""
     try:
-        per_subtree = jax.tree_util.tree_map(
-            lambda spec, sub: _Repeated(spec, len(jax.tree_util.tree_leaves(sub))),
-            specs,
-            tree,
-            is_leaf=_is_spec_leaf,
-        )
+        return broadcast_prefix(specs, tree, _is_spec_leaf)
     except ValueError as err:
         raise SpecError(
             f"{what} does not match the structure of {nleaves_prefix}: {err}. Give a "
             f"PartitionSpec (or None) per leaf, or a prefix of the pytree."
         ) from None
-    groups = jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, _Repeated))
-    return [g.spec for g in groups for _ in range(g.count)]
 
 
 class Lowered:
