@@ -3,8 +3,9 @@
 Under plain ``jax.jit`` (or eagerly) it is a sequential ``lax.scan`` over the
 microbatches, carrying the running reduction, so the training step that uses it is
 its own reference. While ``mpmdc.compile`` traces a function, the loop is unrolled
-instead, so every microbatch's stage markers are visible to the passes and each
-microbatch's fragments are separate calls. Both forms reduce in the same order
+instead: each microbatch's slice carries a ``microbatch`` marker, so ``partition``
+can tell the microbatches' work apart and the ``schedule`` pass can order their
+fragments, and the loop's schedule is recorded for that pass. Both forms reduce in the same order
 (microbatch 0 first), so they compute the same numbers.
 """
 
@@ -13,25 +14,42 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from mpmdc import schedules
 from mpmdc.errors import AccumulateError
+from mpmdc.primitives import mark_microbatch
 from mpmdc.pytrees import broadcast_prefix
 
 REDUCTIONS = ("sum", "mean", "concat", "max")
 
-_unrolling = contextvars.ContextVar("mpmdc_unroll_accumulate", default=False)
+
+@dataclass(frozen=True)
+class Loop:
+    """What an unrolled ``accumulate`` call leaves for the ``schedule`` pass."""
+
+    schedule: schedules.Schedule
+    microbatches: int
+
+
+_unrolling: contextvars.ContextVar[list[Loop] | None] = contextvars.ContextVar(
+    "mpmdc_unroll_accumulate", default=None
+)
 
 
 @contextlib.contextmanager
 def unrolled():
-    """While active, ``accumulate`` unrolls its loop (``mpmdc.compile`` traces under it)."""
-    token = _unrolling.set(True)
+    """While active, ``accumulate`` unrolls its loop; yields the list of loops it ran.
+
+    ``mpmdc.compile`` traces under it.
+    """
+    loops: list[Loop] = []
+    token = _unrolling.set(loops)
     try:
-        yield
+        yield loops
     finally:
         _unrolling.reset(token)
 
@@ -92,11 +110,19 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise AccumulateError(f"microbatches must be a positive int, got {microbatches!r}.")
-    schedules.get(schedule)
+    schedule = schedules.get(schedule)
     stacked = _split_leading_axis(xs, microbatches)
+    loops = _unrolling.get()
 
     def slice_of(i):
-        return jax.tree_util.tree_map(lambda x: x[i], stacked)
+        leaves, tree = jax.tree_util.tree_flatten(stacked)
+        sliced = [x[i] for x in leaves]
+        if loops is not None:
+            sliced = mark_microbatch(sliced, i)
+        return jax.tree_util.tree_unflatten(tree, sliced)
+
+    if loops is not None:
+        loops.append(Loop(schedule, microbatches))
 
     first = fn(slice_of(0))
     first_leaves, out_tree = jax.tree_util.tree_flatten(first)
@@ -105,7 +131,7 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
         if kind == "concat" and not jnp.shape(y):
             raise AccumulateError("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
 
-    if _unrolling.get():
+    if loops is not None:
         outs = [first_leaves] + [jax.tree_util.tree_leaves(fn(slice_of(i))) for i in range(1, microbatches)]
         results = []
         for k, kind in enumerate(kinds):

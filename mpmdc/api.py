@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 
 from mpmdc import backends
 from mpmdc.accumulate import unrolled
-from mpmdc.errors import ArgumentError, PassError, SpecError, StageError
+from mpmdc.errors import AccumulateError, ArgumentError, PassError, SpecError, StageError
 from mpmdc.ir import Program
 from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
@@ -249,8 +249,14 @@ class Compiled:
             out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
             return out_leaves
 
-        with unrolled():
+        with unrolled() as loops:
             closed = jax.make_jaxpr(flat_fn)(*leaf_types)
+        if len(loops) > 1:
+            raise AccumulateError(
+                f"the function runs mpmdc.accumulate {len(loops)} times; mpmdc.compile pipelines "
+                f"one microbatch loop per function. Put all per-microbatch work in one "
+                f"accumulate call (it can return a pytree of results)."
+            )
         out_tree = out_store["tree"]
         out_paths = [
             _path_text("out", p)
@@ -278,6 +284,8 @@ class Compiled:
             out_paths=tuple(out_paths),
             donated=tuple(donated),
             backend=self.backend,
+            schedule=loops[0].schedule if loops else None,
+            microbatches=loops[0].microbatches if loops else None,
         )
         dumps = []
         run_pipeline(

@@ -16,24 +16,35 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import StageError
+from mpmdc.schedules import Schedule
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Placement:
-    """Where one equation runs: pipeline stage and transpose count (0 forward, 1 backward...)."""
+    """Where one equation runs: pipeline stage, transpose count (0 forward, 1 backward...)
+    and, inside an ``mpmdc.accumulate`` loop, the microbatch (``None`` outside one)."""
 
     stage: int
     transpose: int
+    microbatch: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The schedule action kind: ``F`` for forward work, ``B`` for backward."""
+        return "F" if self.transpose % 2 == 0 else "B"
 
     @property
     def label(self) -> str:
-        """Short deterministic name, e.g. ``s2_fwd`` or ``s1_bwd``."""
+        """Short deterministic name, e.g. ``s2_fwd``, ``s1_bwd`` or ``s1_bwd_mb3``."""
         kind = {0: "fwd", 1: "bwd"}.get(self.transpose, f"t{self.transpose}")
-        return f"s{self.stage}_{kind}"
+        mb = "" if self.microbatch is None else f"_mb{self.microbatch}"
+        return f"s{self.stage}_{kind}{mb}"
 
-    def order_key(self) -> tuple[int, int]:
-        """Pipeline execution order: forward stages ascending, then backward descending."""
-        return (self.transpose, self.stage if self.transpose % 2 == 0 else -self.stage)
+    def order_key(self) -> tuple[int, int, int]:
+        """Pipeline execution order: forward stages ascending, then backward descending;
+        work outside a microbatch loop before the loop's microbatches."""
+        stage = self.stage if self.transpose % 2 == 0 else -self.stage
+        return (self.transpose, stage, -1 if self.microbatch is None else self.microbatch)
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,8 @@ class Program:
     in_meshes: tuple[int, ...] | None = None
     out_meshes: tuple[int, ...] | None = None
     modules: tuple[tuple[str, str], ...] | None = None  # (fragment, StableHLO) for ``backend``
+    schedule: Schedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
+    microbatches: int | None = None
 
     def replace(self, **changes) -> "Program":
         """A copy with ``changes`` applied (programs are immutable)."""
@@ -152,6 +165,8 @@ def format_program(program: Program) -> str:
     jaxpr = program.jaxpr.jaxpr
     lines = ["meshes:"]
     lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
+    if program.schedule is not None:
+        lines.append(f"schedule: {program.schedule!r} over {program.microbatches} microbatches")
     if program.jaxpr.consts:
         lines.append("consts:")
         for v, c in zip(jaxpr.constvars, program.jaxpr.consts):

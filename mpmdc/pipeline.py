@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Protocol
 
 from mpmdc.errors import PassError
 from mpmdc.ir import Program
-from mpmdc.passes import Dce, Inline, Lower, Partition, Split, VmaTypecheck
+from mpmdc.passes import Dce, Inline, Lower, Partition, SchedulePass, Split, VmaTypecheck
 
 
 class Pass(Protocol):
@@ -22,7 +22,9 @@ class Pass(Protocol):
     def run(self, program: Program) -> Program: ...
 
 
-PASSES: dict[str, Pass] = {p.name: p for p in (Inline(), Partition(), Dce(), VmaTypecheck(), Split(), Lower())}
+PASSES: dict[str, Pass] = {
+    p.name: p for p in (Inline(), Partition(), Dce(), VmaTypecheck(), Split(), SchedulePass(), Lower())
+}
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "inline",  # first: markers hidden in nested jit/custom_vjp calls must be visible
@@ -30,6 +32,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "dce",  # after placement, so work that only fed dropped outputs is gone before split
     "vma-typecheck",  # checks types, specs against the chosen meshes, shard_map meshes
     "split",  # cuts the checked, placed program into fragments and transfers
+    "schedule",  # needs fragments per microbatch; orders them as the loop's schedule says
     "lower",  # last: StableHLO per fragment
 )
 

@@ -1,9 +1,13 @@
-"""mpmdc's three primitives: the ``stage`` marker, ``fragment`` and ``transfer``.
+"""mpmdc's primitives: the ``stage`` and ``microbatch`` markers, ``fragment`` and ``transfer``.
 
 ``stage`` is what users write. It is an identity on a pytree whose JVP marks the
 tangent with the same stage and whose transpose marks the cotangent with the
 transpose count incremented, so the backward work of stage ``s`` can be found and
 placed on the mesh of stage ``s``.
+
+``microbatch`` is what ``mpmdc.accumulate`` puts on each microbatch's slice of the
+batch while ``mpmdc.compile`` traces: an identity whose index ``partition`` follows
+through the data flow, so each microbatch's work becomes its own fragments.
 
 ``fragment`` and ``transfer`` only appear after the ``split`` pass: a fragment is a
 sub-jaxpr that runs on one mesh, a transfer moves values between two meshes. Each
@@ -85,16 +89,16 @@ stage_p.def_impl(lambda *xs, stage, transpose: list(xs))
 stage_p.def_abstract_eval(lambda *avals, stage, transpose: list(avals))
 
 
-def _bind_nonzero(values, **params):
-    """Bind ``stage`` on the non-``Zero`` entries of ``values``; keep zeros as they are."""
+def _bind_nonzero(primitive, values, **params):
+    """Bind ``primitive`` on the non-``Zero`` entries of ``values``; keep zeros as they are."""
     live = [v for v in values if type(v) is not ad.Zero]
-    marked = iter(stage_p.bind(*live, **params) if live else [])
+    marked = iter(primitive.bind(*live, **params) if live else [])
     return [v if type(v) is ad.Zero else next(marked) for v in values]
 
 
 def _stage_jvp(primals, tangents, *, stage, transpose):
     out = stage_p.bind(*primals, stage=stage, transpose=transpose)
-    return out, _bind_nonzero(list(tangents), stage=stage, transpose=transpose)
+    return out, _bind_nonzero(stage_p, list(tangents), stage=stage, transpose=transpose)
 
 
 def _stage_transpose(cts, *args, stage, transpose):
@@ -102,7 +106,7 @@ def _stage_transpose(cts, *args, stage, transpose):
         ad.Zero(arg.aval) if type(ct) is ad.Zero and ad.is_undefined_primal(arg) else ct
         for ct, arg in zip(cts, args)
     ]
-    out = _bind_nonzero(cts, stage=stage, transpose=transpose + 1)
+    out = _bind_nonzero(stage_p, cts, stage=stage, transpose=transpose + 1)
     return [ct if ad.is_undefined_primal(arg) else None for ct, arg in zip(out, args)]
 
 
@@ -145,6 +149,44 @@ ad.primitive_transposes[stage_p] = _stage_transpose
 batching.primitive_batchers[stage_p] = lambda args, dims, **p: (stage_p.bind(*args, **p), dims)
 mlir.register_lowering(stage_p, lambda ctx, *args, stage, transpose: list(args))
 pe.dce_rules[stage_p] = _elementwise_dce()
+
+
+# ---------------------------------------------------------------- microbatch
+
+microbatch_p = jcore.Primitive("microbatch")
+microbatch_p.multiple_results = True
+
+
+def mark_microbatch(values: list, index: int) -> list:
+    """``values`` marked as belonging to microbatch ``index`` (an identity).
+
+    One marker per value, so each value is placed by its own users (the inputs go to
+    the first stage, the labels to the last).
+    """
+    return [microbatch_p.bind(v, index=index)[0] for v in values]
+
+
+def is_microbatch_marker(eqn) -> bool:
+    """True for a ``microbatch`` marker equation."""
+    return eqn.primitive is microbatch_p
+
+
+def _microbatch_jvp(primals, tangents, *, index):
+    return microbatch_p.bind(*primals, index=index), _bind_nonzero(microbatch_p, list(tangents), index=index)
+
+
+def _microbatch_transpose(cts, *args, index):
+    out = _bind_nonzero(microbatch_p, list(cts), index=index)
+    return [ct if ad.is_undefined_primal(arg) else None for ct, arg in zip(out, args)]
+
+
+microbatch_p.def_impl(lambda *xs, index: list(xs))
+microbatch_p.def_abstract_eval(lambda *avals, index: list(avals))
+ad.primitive_jvps[microbatch_p] = _microbatch_jvp
+ad.primitive_transposes[microbatch_p] = _microbatch_transpose
+batching.primitive_batchers[microbatch_p] = lambda args, dims, **p: (microbatch_p.bind(*args, **p), dims)
+mlir.register_lowering(microbatch_p, lambda ctx, *args, index: list(args))
+pe.dce_rules[microbatch_p] = _elementwise_dce()
 
 
 # ------------------------------------------------------------------ fragment

@@ -5,6 +5,7 @@ from mpmdc.passes.in_program_transfers import InProgramTransfers, in_program_tra
 from mpmdc.passes.inline import Inline, inline
 from mpmdc.passes.lower import Lower, lower
 from mpmdc.passes.partition import Partition, partition
+from mpmdc.passes.schedule import SchedulePass, schedule
 from mpmdc.passes.split import Split, split
 from mpmdc.passes.vma_typecheck import VmaTypecheck, vma_typecheck
 
@@ -14,6 +15,7 @@ __all__ = [
     "Inline",
     "Lower",
     "Partition",
+    "SchedulePass",
     "Split",
     "VmaTypecheck",
     "dce",
@@ -21,6 +23,7 @@ __all__ = [
     "inline",
     "lower",
     "partition",
+    "schedule",
     "split",
     "vma_typecheck",
 ]

@@ -15,7 +15,13 @@ Rules, in the order they apply:
    Rules 2 and 3 repeat until nothing changes, one transpose count at a time
    (forward first); then a cotangent leaving a transposed marker counts as an
    operand in that marker's stage; what is left runs in the first stage.
-4. Cheap equations, computed from literals alone (constants, ``iota``, broadcasts
+4. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
+   puts its outputs in microbatch ``i``. An equation reading values of several
+   microbatches belongs to the latest of them (so the running sum of gradients
+   moves from one microbatch's backward fragment to the next); one reading none
+   belongs to the microbatch all its users agree on, or to none (work outside the
+   loop).
+5. Cheap equations, computed from literals alone (constants, ``iota``, broadcasts
    of literals), are cloned into every stage that uses them instead of being
    transferred.
 
@@ -41,7 +47,12 @@ from mpmdc.ir import (
     substituted,
     vars_of,
 )
-from mpmdc.primitives import is_forward_marker, is_marker, is_transposed_marker
+from mpmdc.primitives import (
+    is_forward_marker,
+    is_marker,
+    is_microbatch_marker,
+    is_transposed_marker,
+)
 
 
 def _is_cheap(eqn, cheap_vars) -> bool:
@@ -116,6 +127,23 @@ def _infer_stages(eqns, producer, users, cheap, transpose):
     return stage
 
 
+def _infer_microbatches(eqns, producer, users, cheap):
+    """Microbatch per equation index (``None`` outside an ``accumulate`` loop and for cheap ones)."""
+    microbatch: list[int | None] = [None] * len(eqns)
+    for i, eqn in enumerate(eqns):
+        if is_microbatch_marker(eqn):
+            microbatch[i] = eqn.params["index"]
+        elif i not in cheap:
+            found = [microbatch[producer[a]] for a in vars_of(eqn.invars) if a in producer]
+            microbatch[i] = max((m for m in found if m is not None), default=None)
+    for i in reversed(range(len(eqns))):
+        if microbatch[i] is None and i not in cheap:
+            of_users = {microbatch[j] for v in eqns[i].outvars for j in users.get(v, ())}
+            if len(of_users) == 1:
+                microbatch[i] = of_users.pop()
+    return microbatch
+
+
 def partition(program: Program) -> Program:
     """Place every equation; clone cheap ones per user; choose input and output meshes."""
     jaxpr = program.jaxpr.jaxpr
@@ -135,8 +163,11 @@ def partition(program: Program) -> Program:
 
     transpose = _transpose_counts(eqns, producer)
     stage = _infer_stages(eqns, producer, users, cheap, transpose)
+    microbatch = _infer_microbatches(eqns, producer, users, cheap)
     placement = {
-        i: Placement(stage[i], transpose[i]) for i in range(len(eqns)) if i not in cheap
+        i: Placement(stage[i], transpose[i], microbatch[i])
+        for i in range(len(eqns))
+        if i not in cheap
     }
 
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))

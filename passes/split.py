@@ -2,9 +2,10 @@
 
 The contract of a ``split_module``: an assignment of every equation to a part
 comes in, one sub-program per part comes out, and the graph of parts is acyclic.
-Markers are dropped here (they are identities; their job was placement).
+Markers (``stage`` and ``microbatch``) are dropped here: they are identities and
+their job was placement.
 
-Equations of one placement (stage, transpose count) form one fragment unless that
+Equations of one placement (stage, transpose count, microbatch) form one fragment unless that
 would make a cycle: each equation first gets a level, the number of placement
 changes on the longest path reaching it, so every edge between parts climbs a
 level and the parts are acyclic by construction; then parts of one placement are
@@ -36,7 +37,7 @@ from mpmdc.ir import (
     substituted,
     vars_of,
 )
-from mpmdc.primitives import fragment_p, is_marker, transfer_p
+from mpmdc.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
 from mpmdc.sharding import fit_spec
 
 
@@ -92,7 +93,7 @@ def split(program: Program) -> Program:
     env = {}
     eqns, placements = [], []
     for eqn, placement in zip(jaxpr.eqns, program.placements):
-        if is_marker(eqn):
+        if is_marker(eqn) or is_microbatch_marker(eqn):
             env.update(zip(eqn.outvars, substituted(eqn.invars, env)))
         else:
             eqns.append(eqn.replace(invars=substituted(eqn.invars, env)))
@@ -188,6 +189,8 @@ def split(program: Program) -> Program:
             name=name,
             stage=placement.stage,
             transpose=placement.transpose,
+            microbatch=placement.microbatch,
+            kind=placement.kind,
             in_specs=tuple(spec_of[v] for v in operands),
             out_specs=out_specs,
         )

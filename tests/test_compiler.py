@@ -47,6 +47,7 @@ def test_as_text_is_identical_across_compilations(meshes4):
         "after-dce",
         "after-vma-typecheck",
         "after-split",
+        "after-schedule",
         "stablehlo",
     )
     for stage in a.stages:

@@ -1,0 +1,226 @@
+"""``schedule``: order a split program's fragment calls by its pipeline schedule.
+
+A program with an ``mpmdc.accumulate`` loop has one fragment per (stage, transpose
+count, microbatch), each standing for a schedule action: forward fragments for
+``F``, backward ones for ``B``. The pass
+
+1. builds the pipeline's layout (stages, microbatches, mesh per stage) and asks the
+   loop's schedule for its per-mesh action lists;
+2. for a schedule with ``I``/``W`` actions (zero-bubble), cuts each backward
+   fragment in two: the input-gradient part computes what earlier stages read (the
+   cotangents) and whatever that needs; the weight-gradient part is the rest and
+   reads what it needs of the first part's values;
+3. checks the action lists against the data dependencies and times them with
+   :func:`mpmdc.simulate.simulate` (a broken or deadlocking schedule is a
+   :class:`~mpmdc.errors.ScheduleError` here, before anything runs);
+4. reorders the top-level equations: a dependency-respecting order that, among the
+   equations ready to run, always takes the one whose action starts first in the
+   simulated timeline. Transfers and work outside the loop go as early as their
+   operands allow. So each mesh calls its fragments in the schedule's order, which
+   is what decides how many microbatches' activations it holds at once.
+
+The last stage's backward shares a fragment with its forward (see ``partition``),
+so its ``B`` action is run as part of its ``F`` action, as 1F1B does anyway.
+A program without an ``accumulate`` loop passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
+from mpmdc.passes.base import FunctionPass
+
+from mpmdc.ir import Program, copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted, vars_of
+from mpmdc.primitives import fragment_p, transfer_p
+from mpmdc.schedules import Action, Layout
+from mpmdc.simulate import simulate
+
+
+def layout_of(program: Program) -> Layout:
+    """Stages, microbatches and stage-to-mesh map of a split program with a loop."""
+    stages = [e.params["stage"] for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
+    num_stages = max(stages, default=0) + 1
+    return Layout.make(
+        num_stages,
+        program.microbatches,
+        tuple(program.mesh_of_stage(s) for s in range(num_stages)),
+    )
+
+
+def action_of(eqn) -> Action | None:
+    """The schedule action a fragment equation carries out (``None`` outside the loop)."""
+    if eqn.primitive is not fragment_p or eqn.params["microbatch"] is None:
+        return None
+    return Action(eqn.params["stage"], eqn.params["kind"], eqn.params["microbatch"])
+
+
+def _final_readers(eqns):
+    """For each variable, the fragment equations that read it, directly or via transfers."""
+    direct: dict = {}
+    for eqn in eqns:
+        for a in vars_of(eqn.invars):
+            direct.setdefault(a, []).append(eqn)
+    out: dict = {}
+
+    def readers(v):
+        if v not in out:
+            found = []
+            for r in direct.get(v, ()):
+                if r.primitive is transfer_p:
+                    found += readers(r.outvars[r.invars.index(v)])
+                else:
+                    found.append(r)
+            out[v] = found
+        return out[v]
+
+    return readers
+
+
+def _sub_fragment(eqn, members, outs, outer_in, name, kind):
+    """A fragment running ``members`` of ``eqn``'s body and returning body values ``outs``.
+
+    ``outer_in`` maps body variables to the top-level values they come from; returns
+    the new equation's pieces as (inputs as body variables, jaxpr, specs).
+    """
+    closed = eqn.params["jaxpr"]
+    const_of = dict(zip(closed.jaxpr.constvars, closed.consts))
+    defined = {v for e in members for v in e.outvars if is_var(v)}
+    inputs, consts = [], []
+    for a in [a for e in members for a in vars_of(e.invars)] + vars_of(outs):
+        if a not in defined:
+            target = consts if a in const_of else inputs
+            if a not in target:
+                target.append(a)
+    env = {v: fresh_like(v) for v in inputs + consts}
+    inner_eqns = [copy_eqn(e, env) for e in members]
+    inner = make_closed_jaxpr(
+        [env[c] for c in consts],
+        [const_of[c] for c in consts],
+        [env[v] for v in inputs],
+        substituted(outs, env),
+        inner_eqns,
+        name=name,
+    )
+    params = dict(
+        eqn.params,
+        jaxpr=inner,
+        name=name,
+        kind=kind,
+        in_specs=tuple(outer_in[v][1] for v in inputs),
+    )
+    return [outer_in[v][0] for v in inputs], params
+
+
+def _part_name(name: str, kind: str) -> str:
+    """``s1_bwd_mb3`` becomes ``s1_igrad_mb3`` or ``s1_wgrad_mb3``."""
+    part = f"_{kind.lower()}grad"
+    return name.replace("_bwd", part, 1) if "_bwd" in name else name + part
+
+
+def split_backward(eqn, is_cotangent: list[bool]) -> list:
+    """Cut backward fragment ``eqn`` into input-gradient (``I``) and weight-gradient (``W``) parts.
+
+    ``is_cotangent[k]`` says whether output ``k`` is read by another stage. A part
+    with no equations and no outputs is left out.
+    """
+    closed = eqn.params["jaxpr"]
+    body = closed.jaxpr
+    needed = {v for v, c in zip(body.outvars, is_cotangent) if c and is_var(v)}
+    in_input_part = [False] * len(body.eqns)
+    for k in reversed(range(len(body.eqns))):
+        if any(v in needed for v in body.eqns[k].outvars):
+            in_input_part[k] = True
+            needed.update(vars_of(body.eqns[k].invars))
+    input_eqns = [e for e, i in zip(body.eqns, in_input_part) if i]
+    weight_eqns = [e for e, i in zip(body.eqns, in_input_part) if not i]
+    weight_defined = {v for e in weight_eqns for v in e.outvars if is_var(v)}
+    input_defined = {v for e in input_eqns for v in e.outvars if is_var(v)}
+
+    # Input-part values the weight part reads cross between the two as replicated values.
+    bridges = []
+    for a in [a for e in weight_eqns for a in vars_of(e.invars)]:
+        if a in input_defined and a not in bridges:
+            bridges.append(a)
+    outer_in = {v: (o, s) for v, o, s in zip(body.invars, eqn.invars, eqn.params["in_specs"])}
+    bridge_outer = {v: fresh_like(v) for v in bridges}
+    outer_in.update((v, (bridge_outer[v], PartitionSpec())) for v in bridges)
+
+    in_weight = [is_var(v) and v in weight_defined for v in body.outvars]
+    parts = []
+    for kind, members, chosen, extra in (
+        ("I", input_eqns, [not w for w in in_weight], bridges),
+        ("W", weight_eqns, in_weight, []),
+    ):
+        outs = [v for v, c in zip(body.outvars, chosen) if c] + extra
+        if not members and not outs:
+            continue
+        name = _part_name(eqn.params["name"], kind)
+        invars, params = _sub_fragment(eqn, members, outs, outer_in, name, kind)
+        outvars = [o for o, c in zip(eqn.outvars, chosen) if c] + [bridge_outer[v] for v in extra]
+        params["out_specs"] = tuple(
+            s for s, c in zip(eqn.params["out_specs"], chosen) if c
+        ) + (PartitionSpec(),) * len(extra)
+        parts.append(
+            jcore.new_jaxpr_eqn(invars, outvars, fragment_p, params, params["jaxpr"].effects, eqn.source_info)
+        )
+    return parts
+
+
+def _with_split_backwards(eqns, wanted: set[Action]):
+    readers = _final_readers(eqns)
+    out = []
+    for eqn in eqns:
+        action = action_of(eqn)
+        if action is None or action.kind != "B" or Action(action.stage, "I", action.microbatch) not in wanted:
+            out.append(eqn)
+            continue
+        stage = eqn.params["stage"]
+        is_cotangent = [any(r.params["stage"] != stage for r in readers(v)) for v in eqn.outvars]
+        out += split_backward(eqn, is_cotangent)
+    return out
+
+
+def _ordered(eqns, start: dict[Action, float]):
+    """``eqns`` in dependency order, earliest simulated start first among the ready ones."""
+    producer = {}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(eqns)))
+    time = []
+    for i, eqn in enumerate(eqns):
+        deps = {producer[a] for a in vars_of(eqn.invars) if a in producer}
+        graph.add_edges_from((j, i) for j in deps)
+        action = action_of(eqn)
+        if action is not None and action in start:
+            time.append(start[action])
+        else:
+            time.append(max((time[j] for j in deps), default=-math.inf))
+        producer.update((v, i) for v in eqn.outvars if is_var(v))
+    order = nx.lexicographical_topological_sort(graph, key=lambda i: (time[i], i))
+    return [eqns[i] for i in order]
+
+
+def schedule(program: Program) -> Program:
+    """Order the fragments of ``program``'s microbatch loop by its schedule."""
+    if program.schedule is None:
+        return program
+    layout = layout_of(program)
+    per_mesh = program.schedule.actions(layout)
+    timeline = simulate(per_mesh, layout)
+    start = {slot.action: slot.start for row in timeline.meshes for slot in row}
+    jaxpr = program.jaxpr.jaxpr
+    eqns = _with_split_backwards(list(jaxpr.eqns), set(start))
+    closed = make_closed_jaxpr(
+        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, _ordered(eqns, start), jaxpr.debug_info
+    )
+    return program.replace(jaxpr=closed)
+
+
+class SchedulePass(FunctionPass):
+    """Pass object for :func:`schedule`."""
+
+    name = "schedule"
+    summary = "split backwards for zero-bubble schedules and order fragments by the schedule"
+    body = staticmethod(schedule)
