@@ -17,7 +17,13 @@ from jax.sharding import PartitionSpec
 
 from mpmdc import backends
 from mpmdc.accumulate import unrolled
-from mpmdc.errors import AccumulateError, ArgumentError, PassError, SpecError, StageError
+from mpmdc.errors import (
+    AccumulateError,
+    ArgumentError,
+    PassError,
+    SpecError,
+    StageError,
+)
 from mpmdc.ir import Program
 from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline

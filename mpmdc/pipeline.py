@@ -10,7 +10,15 @@ from typing import Callable, Iterable, Protocol
 
 from mpmdc.errors import PassError
 from mpmdc.ir import Program
-from mpmdc.passes import Dce, Inline, Lower, Partition, SchedulePass, Split, VmaTypecheck
+from mpmdc.passes import (
+    Dce,
+    Inline,
+    Lower,
+    Partition,
+    SchedulePass,
+    Split,
+    VmaTypecheck,
+)
 
 
 class Pass(Protocol):

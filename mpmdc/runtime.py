@@ -10,6 +10,8 @@ intermediate value is dropped right after its last use.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,10 +20,14 @@ import numpy as np
 
 from mpmdc import backends
 from mpmdc.errors import ArgumentError
-from mpmdc.ir import Program, is_var, vars_of
+from mpmdc.ir import Program, is_var
 from mpmdc.lowering import fragment_jit
+from mpmdc.memory import MeshMemory, memory_profile, release_plan
+from mpmdc.passes.schedule import action_of
 from mpmdc.primitives import fragment_p
+from mpmdc.schedules import Action
 from mpmdc.sharding import named
+from mpmdc.simulate import Slot, Timeline
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ class _Step:
     inputs: list
     outputs: list
     release: list
+    mesh: int  # where it runs (a transfer: where the values arrive)
+    name: str
+    action: Action | None
 
 
 class Executable:
@@ -79,19 +88,14 @@ class Executable:
             named(meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
         ]
         donated = {v for v, d in zip(jaxpr.invars, program.donated) if d}
-        last_use = {}
-        for i, eqn in enumerate(jaxpr.eqns):
-            last_use.update((a, i) for a in eqn.invars if is_var(a))
-        for v in vars_of(jaxpr.outvars):
-            last_use.pop(v, None)
-        releases = [[] for _ in jaxpr.eqns]
-        for v, i in last_use.items():
-            releases[i].append(v)
+        releases = release_plan(jaxpr)
+        last_use = {v: i for i, vs in enumerate(releases) for v in vs}
 
         executables: dict = {}
         self._steps = []
         for i, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive is fragment_p:
+                mesh, name = eqn.params["mesh"], eqn.params["name"]
                 donate = tuple(
                     k
                     for k, a in enumerate(eqn.invars)
@@ -109,14 +113,22 @@ class Executable:
                     executables[key] = backend.compile_fragment(jitted.trace(*arg_types))
                 call = executables[key]
             else:
-                dst_mesh = meshes[eqn.params["dst"]]
+                mesh, name = eqn.params["dst"], f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}"
+                dst_mesh = meshes[mesh]
                 call = _transfer_call(backend, [named(dst_mesh, s) for s in eqn.params["dst_specs"]])
-            self._steps.append(_Step(call, list(eqn.invars), list(eqn.outvars), releases[i]))
+            self._steps.append(
+                _Step(call, list(eqn.invars), list(eqn.outvars), releases[i], mesh, name, action_of(eqn))
+            )
         self._executables = executables
         self._outputs = []
         for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
             self._outputs.append((v, named(meshes[m], spec)))
         self._consts = dict(zip(jaxpr.constvars, program.jaxpr.consts))
+
+    @property
+    def memory(self) -> tuple[MeshMemory, ...]:
+        """Per mesh, the peak live intermediate buffers (and activations) of one call."""
+        return memory_profile(self.program)
 
     @property
     def num_executables(self) -> int:
@@ -131,21 +143,43 @@ class Executable:
 
     def call_flat(self, leaves):
         """Run with already-checked flat arguments; returns the output pytree."""
-        jaxpr = self.program.jaxpr.jaxpr
-        env = dict(self._consts)
-        env.update(
-            (v, jax.device_put(x, s)) for v, x, s in zip(jaxpr.invars, leaves, self._in_shardings)
-        )
+        env = self._start(leaves)
         for step in self._steps:
             results = step.call(*[env[a] if is_var(a) else a.val for a in step.inputs])
             env.update(zip(step.outputs, results))
             for v in step.release:
                 del env[v]
+        return self._finish(env)
+
+    def _start(self, leaves) -> dict:
+        env = dict(self._consts)
+        jaxpr = self.program.jaxpr.jaxpr
+        env.update(
+            (v, jax.device_put(x, s)) for v, x, s in zip(jaxpr.invars, leaves, self._in_shardings)
+        )
+        return env
+
+    def _finish(self, env):
         outs = []
         for v, target in self._outputs:
             value = env[v] if is_var(v) else v.val
             outs.append(jax.device_put(value, target))
         return jax.tree_util.tree_unflatten(self.signature.out_tree, outs)
+
+    def run_timed(self, *args, **kwargs):
+        """Run once, one thread per mesh, and measure when each fragment and transfer ran.
+
+        Returns ``(outputs, timeline)``: a :class:`~mpmdc.simulate.Timeline` in
+        milliseconds from the start of the step, with a slot per fragment (its schedule
+        action where it has one) and per transfer (on the receiving mesh). Each mesh
+        waits for its work to finish before timing the next piece, so this run is a
+        little slower than a plain call; ``timeline.chrome_trace()`` writes it for Perfetto.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        self.signature.check(leaves, treedef)
+        env = self._start(leaves)
+        timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
+        return self._finish(env), timeline
 
 
 def _transfer_call(backend, shardings):
@@ -153,3 +187,60 @@ def _transfer_call(backend, shardings):
         return backend.transfer(values, shardings)
 
     return transfer
+
+
+def run_per_mesh_threads(steps: list[_Step], env: dict, num_meshes: int) -> Timeline:
+    """Run ``steps`` with one thread per mesh, each in program order; bind results in ``env``.
+
+    A step waits until its inputs exist. Values are dropped once every reader has
+    run, as in a plain call. The first error stops every thread and is raised.
+    """
+    ready = {v: threading.Event() for step in steps for v in step.outputs}
+    readers: dict = {}
+    for step in steps:
+        for a in step.inputs:
+            if is_var(a) and a in ready:
+                readers[a] = readers.get(a, 0) + 1
+    released = {v for step in steps for v in step.release}
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+    slots: list[list[Slot]] = [[] for _ in range(num_meshes)]
+    t0 = time.perf_counter()
+
+    def wait(v) -> bool:
+        while not ready[v].wait(0.05):
+            if failed:
+                return False
+        return True
+
+    def worker(mesh: int):
+        try:
+            for step in (s for s in steps if s.mesh == mesh):
+                if not all(wait(a) for a in step.inputs if is_var(a) and a in ready):
+                    return
+                start = time.perf_counter()
+                results = jax.block_until_ready(
+                    step.call(*[env[a] if is_var(a) else a.val for a in step.inputs])
+                )
+                end = time.perf_counter()
+                slots[mesh].append(Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name))
+                with lock:
+                    env.update(zip(step.outputs, results))
+                    for a in step.inputs:
+                        if is_var(a) and a in readers:
+                            readers[a] -= 1
+                            if readers[a] == 0 and a in released:
+                                env.pop(a, None)
+                for v in step.outputs:
+                    ready[v].set()
+        except BaseException as err:  # re-raised by the caller's thread
+            failed.append(err)
+
+    threads = [threading.Thread(target=worker, args=(m,), name=f"mpmdc-mesh{m}") for m in range(num_meshes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    return Timeline(tuple(tuple(row) for row in slots))

@@ -29,11 +29,23 @@ UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 @dataclass(frozen=True)
 class Slot:
-    """One action on the timeline of its mesh."""
+    """One piece of work on the timeline of its mesh: a schedule action, or (in a
+    measured run) a fragment outside the microbatch loop or a transfer, with ``name``."""
 
-    action: Action
+    action: Action | None
     start: float
     end: float
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        """What the slot shows: its name, else its action (``0F3``)."""
+        return self.name or str(self.action)
+
+    @property
+    def kind(self) -> str:
+        """The action kind (F, B, I, W), or ``other``."""
+        return self.action.kind if self.action is not None else "other"
 
 
 @dataclass(frozen=True)
@@ -58,20 +70,25 @@ class Timeline:
         """Idle share of all meshes' time up to the makespan."""
         return self.bubble_time / self.makespan if self.makespan else 0.0
 
-    def ascii(self, width_per_unit: int | None = None) -> str:
-        """One row per mesh; each action a box starting with its label, idle time ``.``."""
+    def ascii(self, width_per_unit: int | None = None, max_columns: int = 240) -> str:
+        """One row per mesh; each action a box starting with its label, idle time ``.``.
+
+        The shortest slot gets ``width_per_unit`` columns (default: the longest label
+        plus one) unless the rows would exceed ``max_columns``.
+        """
         slots = [s for row in self.meshes for s in row]
         if not slots:
             return ""
-        unit = min(s.end - s.start for s in slots if s.end > s.start)
-        width = width_per_unit or max(len(str(s.action)) for s in slots) + 1
+        width = width_per_unit or max(len(s.label) for s in slots) + 1
+        unit = min((s.end - s.start for s in slots if s.end > s.start), default=1.0)
+        unit = max(unit, self.makespan * width / max_columns)
         columns = round(self.makespan / unit * width)
         rows = []
         for mesh, row in enumerate(self.meshes):
             line = ["."] * columns
             for slot in row:
                 a, b = round(slot.start / unit * width), round(slot.end / unit * width)
-                box = (str(slot.action) + " " * (b - a))[: b - a - 1] + "|"
+                box = (slot.label + " " * (b - a))[: b - a - 1] + "|" if b > a else ""
                 line[a:b] = box
             rows.append(f"mesh{mesh} |{''.join(line)}")
         return "\n".join(rows)
@@ -84,16 +101,19 @@ class Timeline:
         ]
         for mesh, row in enumerate(self.meshes):
             for slot in row:
+                args = {} if slot.action is None else {
+                    "stage": slot.action.stage, "microbatch": slot.action.microbatch
+                }
                 events.append(
                     {
-                        "name": str(slot.action),
-                        "cat": slot.action.kind,
+                        "name": slot.label,
+                        "cat": slot.kind,
                         "ph": "X",
                         "pid": 0,
                         "tid": mesh,
                         "ts": slot.start * time_unit_us,
                         "dur": (slot.end - slot.start) * time_unit_us,
-                        "args": {"stage": slot.action.stage, "microbatch": slot.action.microbatch},
+                        "args": args,
                     }
                 )
         return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)
@@ -110,15 +130,15 @@ class Timeline:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+        colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green", "other": "tab:gray"}
         fig, ax = plt.subplots(figsize=(max(6.0, self.makespan / 3), 0.6 * len(self.meshes) + 1))
         for mesh, row in enumerate(self.meshes):
             for slot in row:
                 ax.broken_barh(
                     [(slot.start, slot.end - slot.start)], (mesh - 0.4, 0.8),
-                    facecolors=colours[slot.action.kind], edgecolor="black", linewidth=0.5,
+                    facecolors=colours[slot.kind], edgecolor="black", linewidth=0.5,
                 )
-                ax.text((slot.start + slot.end) / 2, mesh, str(slot.action), ha="center", va="center", fontsize=7)
+                ax.text((slot.start + slot.end) / 2, mesh, slot.label, ha="center", va="center", fontsize=7)
         ax.set_yticks(range(len(self.meshes)), [f"mesh{m}" for m in range(len(self.meshes))])
         ax.invert_yaxis()
         ax.set_xlabel("time")

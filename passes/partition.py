@@ -10,8 +10,10 @@ Rules, in the order they apply:
    equations runs with the latest of them in pipeline order (forward stages
    ascending, then backward stages descending), so a sum of gradient
    contributions lands on the stage that holds the parameter.
-3. Users backward. An equation still unplaced runs with the earliest of its users;
-   a value several stages need (a tied weight) is produced once and transferred.
+3. Users backward. An equation still unplaced (it reads program inputs only) runs
+   with the earliest of its users, a marker counting as a user in its own stage, so
+   work before the first marker (an embedding lookup) runs in the first stage; a
+   value several stages need (a tied weight) is produced once and transferred.
    Rules 2 and 3 repeat until nothing changes, one transpose count at a time
    (forward first); then a cotangent leaving a transposed marker counts as an
    operand in that marker's stage; what is left runs in the first stage.
@@ -48,7 +50,6 @@ from mpmdc.ir import (
     vars_of,
 )
 from mpmdc.primitives import (
-    is_forward_marker,
     is_marker,
     is_microbatch_marker,
     is_transposed_marker,
@@ -98,7 +99,7 @@ def _infer_stages(eqns, producer, users, cheap, transpose):
     def from_users(i):
         for v in eqns[i].outvars:
             for j in users.get(v, ()):
-                if stage[j] is not None and not is_forward_marker(eqns[j]):
+                if stage[j] is not None:
                     yield j
 
     def settle(members, through_boundaries):

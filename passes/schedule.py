@@ -33,7 +33,15 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 from mpmdc.passes.base import FunctionPass
 
-from mpmdc.ir import Program, copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted, vars_of
+from mpmdc.ir import (
+    Program,
+    copy_eqn,
+    fresh_like,
+    is_var,
+    make_closed_jaxpr,
+    substituted,
+    vars_of,
+)
 from mpmdc.primitives import fragment_p, transfer_p
 from mpmdc.schedules import Action, Layout
 from mpmdc.simulate import simulate

@@ -7,53 +7,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_as_jit, mesh_index
+from training import assert_trees_close, hand_written_sgd_step, mlp_data, sgd_step
 
 import mpmdc
-from mpmdc.demo import init_params, mlp_loss
+from mpmdc.demo import init_params
 from mpmdc.errors import AccumulateError, ScheduleError
-
-
-def data(batch=32):
-    return jax.random.normal(jax.random.key(1), (batch, 16)), jax.random.normal(jax.random.key(2), (batch, 8))
-
-
-def sgd_step(params, x, y, microbatches=8, schedule="1f1b"):
-    """Mean loss and gradient over microbatches, then one SGD update."""
-    loss, grads = mpmdc.accumulate(
-        lambda mb: jax.value_and_grad(mlp_loss)(params, *mb),
-        (x, y), microbatches=microbatches, schedule=schedule, reduce="mean",
-    )
-    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
-
-
-def hand_written_step(params, x, y, microbatches=8):
-    """The same step as a plain per-microbatch Python loop."""
-    size = x.shape[0] // microbatches
-    total = None
-    for i in range(microbatches):
-        part = jax.value_and_grad(mlp_loss)(params, x[i * size : (i + 1) * size], y[i * size : (i + 1) * size])
-        total = part if total is None else jax.tree_util.tree_map(jnp.add, total, part)
-    loss, grads = jax.tree_util.tree_map(lambda a: a / microbatches, total)
-    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
-
-
-def assert_trees_close(got, want, rtol=2e-5):
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-6)
 
 
 def test_under_jit_it_is_the_per_microbatch_loop():
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
-    assert_trees_close(jax.jit(sgd_step)(params, *data()), jax.jit(hand_written_step)(params, *data()))
-    jaxpr = str(jax.make_jaxpr(sgd_step)(params, *data()))
+    assert_trees_close(jax.jit(sgd_step)(params, *mlp_data()), jax.jit(hand_written_sgd_step)(params, *mlp_data()))
+    jaxpr = str(jax.make_jaxpr(sgd_step)(params, *mlp_data()))
     assert "scan[" in jaxpr  # one loop body, not eight copies
 
 
 def test_four_stage_sgd_step_under_mpmdc(meshes4):
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
-    loss, new_params = mpmdc.compile(sgd_step, meshes4)(params, *data())
-    assert_trees_close((loss, new_params), jax.jit(hand_written_step)(params, *data()))
+    loss, new_params = mpmdc.compile(sgd_step, meshes4)(params, *mlp_data())
+    assert_trees_close((loss, new_params), jax.jit(hand_written_sgd_step)(params, *mlp_data()))
     # The update runs where each layer's parameters and gradients live.
     assert [mesh_index(w, meshes4) for w, _ in new_params] == [0, 1, 2, 3]
 

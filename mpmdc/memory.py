@@ -1,0 +1,92 @@
+"""When the runtime frees each value, and what that means for memory per mesh.
+
+The runtime runs a split program's top-level equations in order and drops every
+intermediate value right after the equation that reads it last. Because that plan
+is static, the live buffers on every mesh at every point of a step follow from the
+program alone; :func:`memory_profile` replays the plan and reports each mesh's peak.
+
+An *activation* is a value a microbatch's forward work produced (or a transfer of
+one) that is still waiting for its reader, typically the same microbatch's backward.
+How many microbatches' activations a mesh holds at once is what a pipeline schedule
+decides: all of them under GPipe, at most the number of stages under 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpmdc.ir import Program, is_var, vars_of
+from mpmdc.primitives import fragment_p
+
+
+def release_plan(jaxpr) -> list[list]:
+    """Per top-level equation, the variables to drop once it has run (their last read).
+
+    Program outputs are never dropped; neither is a value nobody reads (it was never
+    stored past its producer's results).
+    """
+    last_use = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        last_use.update((a, i) for a in vars_of(eqn.invars))
+    for v in vars_of(jaxpr.outvars):
+        last_use.pop(v, None)
+    releases = [[] for _ in jaxpr.eqns]
+    for v, i in last_use.items():
+        releases[i].append(v)
+    return releases
+
+
+@dataclass(frozen=True)
+class MeshMemory:
+    """Peaks over one step on one mesh, program inputs and constants left out."""
+
+    peak_buffers: int
+    peak_bytes: int
+    peak_activation_buffers: int
+    peak_activation_bytes: int
+    peak_microbatches: int  # most microbatches with activations live at the same time
+
+
+def _nbytes(var) -> int:
+    return int(np.prod(var.aval.shape, dtype=np.int64)) * np.dtype(var.aval.dtype).itemsize
+
+
+def memory_profile(program: Program) -> tuple[MeshMemory, ...]:
+    """Each mesh's peak live intermediate buffers when ``program`` runs in order.
+
+    Peaks are taken after an equation's results exist and before its operands are
+    dropped, since both are live while it runs.
+    """
+    jaxpr = program.jaxpr.jaxpr
+    # value -> (mesh, bytes, microbatch of the forward work it comes from, or None)
+    live: dict = {}
+    origin: dict = {}
+    peaks = [[0, 0, 0, 0, 0] for _ in program.meshes]
+    for eqn, release in zip(jaxpr.eqns, release_plan(jaxpr)):
+        if eqn.primitive is fragment_p:
+            mesh = eqn.params["mesh"]
+            forward_mb = eqn.params["microbatch"] if eqn.params["kind"] == "F" else None
+            for v in vars_of(eqn.outvars):
+                origin[v] = forward_mb
+                live[v] = (mesh, _nbytes(v), forward_mb)
+        else:
+            for a, v in zip(eqn.invars, eqn.outvars):
+                origin[v] = origin.get(a) if is_var(a) else None
+                live[v] = (eqn.params["dst"], _nbytes(v), origin[v])
+        touched = {eqn.params["mesh"]} if eqn.primitive is fragment_p else {eqn.params["dst"]}
+        for mesh in touched:
+            held = [(b, mb) for m, b, mb in live.values() if m == mesh]
+            acts = [(b, mb) for b, mb in held if mb is not None]
+            now = (
+                len(held),
+                sum(b for b, _ in held),
+                len(acts),
+                sum(b for b, _ in acts),
+                len({mb for _, mb in acts}),
+            )
+            peaks[mesh] = [max(p, n) for p, n in zip(peaks[mesh], now)]
+        for v in release:
+            live.pop(v, None)
+    return tuple(MeshMemory(*p) for p in peaks)
