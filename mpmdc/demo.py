@@ -1,4 +1,4 @@
-"""``mpmdc demo``: a 4-stage MLP gradient on 4 meshes of 2 virtual CPU devices."""
+"""``mpmdc demo``: a pipelined SGD step of a 4-stage MLP on 4 meshes of 2 virtual CPU devices."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpmdc.accumulate import accumulate
 from mpmdc.api import compile
 from mpmdc.ir import fragment_summary
 from mpmdc.meshes import make_meshes
@@ -29,32 +30,59 @@ def init_params(key, widths):
     ]
 
 
-def run(print_fn=print) -> float:
-    """Run the demo, print its report and return the largest difference from ``jax.jit``."""
-    meshes = make_meshes(4, {"data": 2})
-    key = jax.random.key(0)
-    params = init_params(key, [16, 32, 32, 32, 8])
-    x = jax.random.normal(jax.random.key(1), (8, 16))
-    y = jax.random.normal(jax.random.key(2), (8, 8))
+def train_step(params, x, y, schedule="1f1b", microbatches=8):
+    """Mean loss and gradient over microbatches (``mpmdc.accumulate``), then SGD."""
+    loss, grads = accumulate(
+        lambda mb: jax.value_and_grad(mlp_loss)(params, *mb),
+        (x, y), microbatches=microbatches, schedule=schedule, reduce="mean",
+    )
+    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
-    step = compile(jax.value_and_grad(mlp_loss), meshes)
-    loss, grads = step(params, x, y)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
+
+def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> float:
+    """Run the demo, print its report and return the largest difference from ``jax.jit``.
+
+    With ``trace`` the measured timeline is written there as Chrome/Perfetto JSON.
+    """
+    meshes = make_meshes(4, {"data": 2})
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+    x = jax.random.normal(jax.random.key(1), (64, 16))
+    y = jax.random.normal(jax.random.key(2), (64, 8))
+
+    def step(params, x, y):
+        return train_step(params, x, y, schedule)
+
+    executable = compile(step, meshes).lower(params, x, y).compile()
+    loss, new_params = executable(params, x, y)
+    _, timeline = executable.run_timed(params, x, y)  # after a first call, so nothing is cold
+    ref_loss, ref_params = jax.jit(step)(params, x, y)
     diffs = [
         float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree_util.tree_leaves((loss, grads)), jax.tree_util.tree_leaves((ref_loss, ref_grads)))
+        for a, b in zip(jax.tree_util.tree_leaves((loss, new_params)), jax.tree_util.tree_leaves((ref_loss, ref_params)))
     ]
     mesh_of = {tuple(d.id for d in m.devices.flat): i for i, m in enumerate(meshes)}
 
     def where(a):
         return f"mesh{mesh_of[tuple(d.id for d in a.sharding.mesh.devices.flat)]}"
 
-    print_fn(f"mpmdc demo: 4-stage MLP value_and_grad on {len(meshes)} meshes x {meshes[0].size} CPU devices")
+    print_fn(
+        f"mpmdc demo: one SGD step of a 4-stage MLP, 8 microbatches under {schedule}, "
+        f"on {len(meshes)} meshes x {meshes[0].size} CPU devices"
+    )
     print_fn(f"loss = {float(loss):.6f}  (on {where(loss)})")
-    for i, (gw, gb) in enumerate(grads):
-        print_fn(f"grad layer {i}: w{list(gw.shape)} on {where(gw)}, b{list(gb.shape)} on {where(gb)}")
+    for i, (w, b) in enumerate(new_params):
+        print_fn(f"layer {i} updated: w{list(w.shape)} on {where(w)}, b{list(b.shape)} on {where(b)}")
     print_fn(f"max |mpmdc - jax.jit| = {max(diffs):.3g}")
-    print_fn("fragments:")
-    for line in fragment_summary(step.lower(params, x, y).program("after-split")):
+    program = executable.program
+    print_fn(f"{sum(1 for _ in fragment_summary(program))} fragment calls, {executable.num_executables} distinct executables")
+    print_fn("peak live activations per mesh (microbatches, buffers, bytes):")
+    for i, m in enumerate(executable.memory):
+        print_fn(f"  mesh{i}: {m.peak_microbatches}, {m.peak_activation_buffers}, {m.peak_activation_bytes}")
+    print_fn(f"measured timeline (ms), bubble fraction {timeline.bubble_fraction:.2f}:")
+    for line in timeline.ascii(max_columns=100).splitlines():
         print_fn("  " + line)
+    if trace:
+        with open(trace, "w") as f:
+            f.write(timeline.chrome_trace())
+        print_fn(f"wrote the measured timeline to {trace} (open it in https://ui.perfetto.dev)")
     return max(diffs)

@@ -39,8 +39,8 @@ class Slot:
 
     @property
     def label(self) -> str:
-        """What the slot shows: its name, else its action (``0F3``)."""
-        return self.name or str(self.action)
+        """What the slot shows: its action (``0F3``), else its name."""
+        return self.name if self.action is None else str(self.action)
 
     @property
     def kind(self) -> str:
@@ -101,9 +101,9 @@ class Timeline:
         ]
         for mesh, row in enumerate(self.meshes):
             for slot in row:
-                args = {} if slot.action is None else {
-                    "stage": slot.action.stage, "microbatch": slot.action.microbatch
-                }
+                args = {"fragment": slot.name} if slot.name else {}
+                if slot.action is not None:
+                    args.update(stage=slot.action.stage, microbatch=slot.action.microbatch)
                 events.append(
                     {
                         "name": slot.label,
@@ -149,6 +149,16 @@ class Timeline:
 
 
 Costs = Mapping[str, float] | Callable[[Action], float]
+
+
+def measured_costs(timeline: Timeline) -> Callable[[Action], float]:
+    """Costs for :func:`simulate` from a measured run (``Executable.run_timed``).
+
+    Each action costs what its fragment took; an action without a fragment of its own
+    (the last stage's backward, done inside its forward) costs nothing.
+    """
+    took = {slot.action: slot.end - slot.start for row in timeline.meshes for slot in row if slot.action}
+    return lambda action: took.get(action, 0.0)
 
 
 def cost_of(costs: Costs | None, action: Action) -> float:

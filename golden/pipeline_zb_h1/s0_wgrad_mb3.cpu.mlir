@@ -1,0 +1,32 @@
+module @jit_s0_wgrad_mb3 attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32} {
+  sdy.mesh @mesh = <["data"=2]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}]}}
+  func.func public @main(%arg0: tensor<4x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<4x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg2: tensor<4x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg3: tensor<4x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg4: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg5: tensor<16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg6: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg7: tensor<16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}) -> (tensor<8x16xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<16xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}]>}) {
+    %0 = stablehlo.multiply %arg0, %arg1 : tensor<4x16xf32>
+    %1 = stablehlo.multiply %0, %arg2 : tensor<4x16xf32>
+    %2 = stablehlo.add %0, %1 : tensor<4x16xf32>
+    %cst = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %3 = stablehlo.reduce(%2 init: %cst) applies stablehlo.add across dimensions = [0] : (tensor<4x16xf32>, tensor<f32>) -> tensor<16xf32>
+    %4 = stablehlo.reshape %3 : (tensor<16xf32>) -> tensor<1x16xf32>
+    %cst_0 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %5 = stablehlo.reduce(%4 init: %cst_0) applies stablehlo.add across dimensions = [0] : (tensor<1x16xf32>, tensor<f32>) -> tensor<16xf32>
+    %6 = stablehlo.dot_general %2, %arg3, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<4x8xf32>) -> tensor<16x8xf32>
+    %7 = stablehlo.transpose %6, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+    %8 = stablehlo.add %arg4, %7 : tensor<8x16xf32>
+    %cst_1 = stablehlo.constant dense<4.000000e+00> : tensor<f32>
+    %9 = stablehlo.broadcast_in_dim %cst_1, dims = [] : (tensor<f32>) -> tensor<8x16xf32>
+    %10 = stablehlo.divide %8, %9 : tensor<8x16xf32>
+    %11 = stablehlo.add %arg5, %5 : tensor<16xf32>
+    %cst_2 = stablehlo.constant dense<4.000000e+00> : tensor<f32>
+    %12 = stablehlo.broadcast_in_dim %cst_2, dims = [] : (tensor<f32>) -> tensor<16xf32>
+    %13 = stablehlo.divide %11, %12 : tensor<16xf32>
+    %cst_3 = stablehlo.constant dense<1.000000e-01> : tensor<f32>
+    %14 = stablehlo.broadcast_in_dim %cst_3, dims = [] : (tensor<f32>) -> tensor<8x16xf32>
+    %15 = stablehlo.multiply %14, %10 : tensor<8x16xf32>
+    %16 = stablehlo.subtract %arg6, %15 : tensor<8x16xf32>
+    %cst_4 = stablehlo.constant dense<1.000000e-01> : tensor<f32>
+    %17 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<16xf32>
+    %18 = stablehlo.multiply %17, %13 : tensor<16xf32>
+    %19 = stablehlo.subtract %arg7, %18 : tensor<16xf32>
+    return %16, %19 : tensor<8x16xf32>, tensor<16xf32>
+  }
+}

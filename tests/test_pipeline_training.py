@@ -1,0 +1,226 @@
+"""Pipeline training under each schedule: numerics, fragment order, memory, timelines, errors."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import mesh_index
+from mpmdc.passes.schedule import action_of, layout_of
+from training import (
+    adam_init,
+    assert_trees_close,
+    hand_written_sgd_step,
+    hand_written_transformer_step,
+    init_transformer,
+    mlp_data,
+    sgd_step,
+    transformer_step,
+)
+
+import mpmdc
+from mpmdc.demo import init_params
+from mpmdc.errors import AccumulateError, ScheduleError
+from mpmdc.primitives import fragment_p
+from mpmdc.schedules import ActionLists
+from mpmdc.simulate import measured_costs, simulate
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
+
+
+def widths(schedule):
+    """Interleaved runs 8 stages on the 4 meshes, the others 4."""
+    return [16] + [32] * (7 if schedule == "interleaved-1f1b" else 3) + [8]
+
+
+def fragments(lowered, stage="after-schedule"):
+    return [e for e in lowered.program(stage).jaxpr.jaxpr.eqns if e.primitive is fragment_p]
+
+
+@pytest.fixture(scope="module")
+def sgd_runs():
+    """(lowered, executable, result) per schedule, compiled once for the module."""
+    return {}
+
+
+def run_sgd(schedule, meshes, cache):
+    if schedule not in cache:
+        params = init_params(jax.random.key(0), widths(schedule))
+        step = mpmdc.compile(lambda p, x, y: sgd_step(p, x, y, schedule=schedule), meshes)
+        lowered = step.lower(params, *mlp_data())
+        executable = lowered.compile()
+        cache[schedule] = (params, lowered, executable, executable(params, *mlp_data()))
+    return cache[schedule]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sgd_step_matches_the_hand_written_loop(schedule, meshes4, sgd_runs):
+    params, _, _, (loss, new_params) = run_sgd(schedule, meshes4, sgd_runs)
+    want = jax.jit(hand_written_sgd_step)(params, *mlp_data())
+    assert_trees_close((loss, new_params), want, rtol=2e-5)
+    # The update of layer s runs on the mesh of stage s (s mod 4 when interleaved).
+    assert [mesh_index(w, meshes4) for w, _ in new_params] == [s % 4 for s in range(len(new_params))]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_mesh_calls_its_fragments_in_schedule_order(schedule, meshes4, sgd_runs):
+    _, lowered, _, _ = run_sgd(schedule, meshes4, sgd_runs)
+    program = lowered.program("after-schedule")
+    wanted = program.schedule.actions(layout_of(program))
+    frags = fragments(lowered)
+    assert len({f.params["name"] for f in frags}) == len(frags)
+    for mesh, actions in enumerate(wanted):
+        ran = [action_of(f) for f in frags if f.params["mesh"] == mesh and action_of(f) is not None]
+        present = set(ran)
+        # Every action that has a fragment, in the schedule's order. The last stage's
+        # backward is part of its forward fragment, so its B actions have none, and
+        # stage 0 sends no input gradient anywhere, so its I actions have none.
+        assert ran == [a for a in actions if a in present]
+        last = layout_of(program).num_stages - 1
+        without = {a for a in actions if (a.stage == last and a.kind != "F") or (a.stage == 0 and a.kind == "I")}
+        assert present == set(actions) - without
+
+
+def test_zero_bubble_splits_backward_into_input_and_weight_gradients(meshes4, sgd_runs):
+    _, lowered, _, _ = run_sgd("zb-h1", meshes4, sgd_runs)
+    names = [f.params["name"] for f in fragments(lowered)]
+    for s in (1, 2):
+        assert f"s{s}_igrad_mb0" in names and f"s{s}_wgrad_mb0" in names
+    assert not any("_bwd" in n for n in names)
+    by_name = {f.params["name"]: f for f in fragments(lowered)}
+    # The input-gradient part of stage 2 sends the cotangent on; weight gradients stay.
+    igrad, wgrad = by_name["s2_igrad_mb3"], by_name["s2_wgrad_mb3"]
+    readers = {a for f in fragments(lowered) if f.params["stage"] == 1 for a in f.invars}
+    transfers = [e for e in lowered.program("after-schedule").jaxpr.jaxpr.eqns if e.primitive.name == "transfer"]
+    sent = {v for t in transfers if t.params["src"] == 2 and t.params["dst"] == 1 for v in t.invars}
+    assert sent & set(igrad.outvars) and not sent & set(wgrad.outvars)
+    assert not readers & set(wgrad.outvars)
+
+
+def test_one_f_one_b_holds_at_most_p_microbatches_and_gpipe_all(meshes4, sgd_runs):
+    p, m = 4, 8
+    gpipe = run_sgd("gpipe", meshes4, sgd_runs)[2].memory
+    one_f_one_b = run_sgd("1f1b", meshes4, sgd_runs)[2].memory
+    assert gpipe[0].peak_microbatches == m
+    assert one_f_one_b[0].peak_microbatches <= p
+    assert one_f_one_b[0].peak_activation_buffers < gpipe[0].peak_activation_buffers
+    assert one_f_one_b[0].peak_activation_bytes < gpipe[0].peak_activation_bytes
+    for mesh in range(p):
+        assert one_f_one_b[mesh].peak_microbatches <= p - mesh + 1
+        assert one_f_one_b[mesh].peak_buffers >= one_f_one_b[mesh].peak_activation_buffers
+
+
+def test_memory_without_a_loop_counts_buffers_but_no_microbatches(meshes4):
+    from mpmdc.demo import mlp_loss
+
+    params = init_params(jax.random.key(0), widths("1f1b"))
+    x, y = mlp_data(8)
+    memory = mpmdc.compile(jax.grad(mlp_loss), meshes4).lower(params, x, y).compile().memory
+    assert len(memory) == 4
+    assert all(m.peak_microbatches == 0 and m.peak_buffers > 0 for m in memory)
+
+
+def test_timed_run_measures_every_fragment_and_exports_a_trace(meshes4, sgd_runs, tmp_path):
+    params, lowered, executable, result = run_sgd("1f1b", meshes4, sgd_runs)
+    outputs, timeline = executable.run_timed(params, *mlp_data())
+    assert_trees_close(outputs, result, rtol=0, atol=0)
+    names = sorted(slot.name for row in timeline.meshes for slot in row)
+    frags = fragments(lowered)
+    assert sorted(n for n in names if not n.startswith("transfer")) == sorted(f.params["name"] for f in frags)
+    for mesh, row in enumerate(timeline.meshes):
+        assert all(a.end <= b.start for a, b in zip(row, row[1:]))  # one thing at a time per mesh
+        assert {f.params["name"] for f in frags if f.params["mesh"] == mesh} <= {s.name for s in row}
+    assert 0 <= timeline.bubble_fraction < 1
+    # The simulator, fed the measured costs, reproduces each mesh's busy time.
+    program = lowered.program("after-schedule")
+    layout = layout_of(program)
+    simulated = simulate(program.schedule.actions(layout), layout, measured_costs(timeline))
+    for measured, sim in zip(timeline.meshes, simulated.meshes):
+        busy = sum(s.end - s.start for s in measured if s.action is not None)
+        assert sum(s.end - s.start for s in sim) == pytest.approx(busy)
+    trace = json.loads(timeline.chrome_trace())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(names)
+    assert {e["args"].get("microbatch") for e in spans if e["cat"] == "F"} == set(range(8))
+
+
+def test_a_user_action_list_schedule_runs(meshes2):
+    params = init_params(jax.random.key(0), [16, 32, 8])
+    lists = ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"]
+
+    def step(p, x, y):
+        return sgd_step(p, x, y, microbatches=4, schedule=ActionLists(lists))
+
+    got = mpmdc.compile(step, meshes2)(params, *mlp_data())
+    assert_trees_close(got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data()))
+
+
+def test_transformer_with_tied_embedding_trains_three_adam_steps(meshes4):
+    params = init_transformer(jax.random.key(0))
+    state = adam_init(params)
+    tokens = jax.random.randint(jax.random.key(3), (8, 9), 0, 32)
+    step = mpmdc.compile(transformer_step, meshes4)
+    reference = jax.jit(hand_written_transformer_step)
+    got, want = (params, state), (params, state)
+    losses = []
+    for _ in range(3):
+        *got, loss = step(*got, tokens)
+        *want, want_loss = reference(*want, tokens)
+        assert_trees_close(loss, want_loss, rtol=1e-4)
+        losses.append(float(loss))
+    assert_trees_close(tuple(got), tuple(want), rtol=1e-4, atol=1e-5)
+    assert losses[2] < losses[0]
+    # The tied embedding's two gradient contributions (lookup on stage 0, logits on
+    # stage 3) are summed across meshes and the update runs with the lookup.
+    new_params = got[0]
+    assert mesh_index(new_params["embed"], meshes4) == 0
+    assert [mesh_index(b["q"], meshes4) for b in new_params["blocks"]] == [0, 1, 2, 3]
+    assert mesh_index(new_params["norm"], meshes4) == 3
+
+
+def mlp_step_with(schedule, microbatches=8):
+    def step(p, x, y):
+        return sgd_step(p, x, y, microbatches=microbatches, schedule=schedule)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "error", "says"),
+    [
+        ("1f1b", 5, AccumulateError, "xs[0] has leading size 32, which 5 microbatches do not divide"),
+        ("pipedream", 8, ScheduleError, "unknown schedule 'pipedream'; known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+        (["0F0 0B0 0F1 0B1", "1F0 1B0 1F1 1B1"], 2, ScheduleError, "has 2 action list(s) but the pipeline uses 4 meshes"),
+        (
+            ["0F0 0B0 0F1 0B1", "1B0 1F0 1F1 1B1", "2F0 2B0 2F1 2B1", "3F0 3B0 3F1 3B1"], 2,
+            ScheduleError, "mesh 1 runs 1B0 before 1F0, which 1B0 needs; put 1F0 first",
+        ),
+        (
+            ["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1", "2F0 2B0 2F1 2B1", "3F0 3B0 3F1 3B1"], 2,
+            ScheduleError, "the schedule deadlocks: mesh 0 waits at 0B0 for 1B0; mesh 1 waits at 1F1 for 0F1",
+        ),
+        (["0F0 0B0", "1F0 1B0", "2F0 2B0", "3F0 3B0"], 2, ScheduleError, "the schedule never runs 0F1"),
+        ("interleaved-1f1b", 2, ScheduleError, "groups of 4 (one per mesh); 2 microbatches is not a multiple of 4"),
+    ],
+)
+def test_bad_schedules_fail_before_anything_runs(meshes4, schedule, microbatches, error, says):
+    params = init_params(jax.random.key(0), widths("1f1b"))
+    with pytest.raises(error, match=re.escape(says)):
+        mpmdc.compile(mlp_step_with(schedule, microbatches), meshes4).lower(params, *mlp_data())
+
+
+def test_eight_stages_on_four_meshes_need_the_interleaved_schedule(meshes4):
+    params = init_params(jax.random.key(0), widths("interleaved-1f1b"))
+    with pytest.raises(ScheduleError, match="mesh 0 has stages \\[0, 4\\]; use interleaved-1f1b"):
+        mpmdc.compile(mlp_step_with("1f1b"), meshes4).lower(params, *mlp_data())
+
+
+def test_two_accumulate_loops_in_one_function_are_refused(meshes2):
+    def step(w, x):
+        a = mpmdc.accumulate(lambda mb: jnp.sum(mpmdc.stage(mb, 1) * w), x, microbatches=2)
+        b = mpmdc.accumulate(lambda mb: jnp.sum(mb * w), x, microbatches=2)
+        return a + b
+
+    with pytest.raises(AccumulateError, match="runs mpmdc.accumulate 2 times"):
+        mpmdc.compile(step, meshes2).lower(jnp.ones(3), jnp.ones((4, 3)))
