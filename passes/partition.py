@@ -22,7 +22,7 @@ Rules, in the order they apply:
    microbatches belongs to the latest of them (so the running sum of gradients
    moves from one microbatch's backward fragment to the next); one reading none
    belongs to the microbatch all its users agree on, or to none (work outside the
-   loop).
+   loop, such as slicing the batch into microbatches).
 5. Cheap equations, computed from literals alone (constants, ``iota``, broadcasts
    of literals), are cloned into every stage that uses them instead of being
    transferred.
@@ -139,7 +139,14 @@ def _infer_microbatches(eqns, producer, users, cheap):
             microbatch[i] = max((m for m in found if m is not None), default=None)
     for i in reversed(range(len(eqns))):
         if microbatch[i] is None and i not in cheap:
-            of_users = {microbatch[j] for v in eqns[i].outvars for j in users.get(v, ())}
+            # Slicing the batch stays before the loop, so every microbatch's forward
+            # fragment has the same body (and shares one executable).
+            of_users = {
+                microbatch[j]
+                for v in eqns[i].outvars
+                for j in users.get(v, ())
+                if not is_microbatch_marker(eqns[j])
+            }
             if len(of_users) == 1:
                 microbatch[i] = of_users.pop()
     return microbatch
