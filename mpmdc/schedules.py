@@ -106,7 +106,8 @@ def _one_stage_per_mesh(schedule: Schedule, layout: Layout) -> None:
             raise ScheduleError(
                 f"{schedule.name} runs exactly one stage per mesh, but mesh {mesh} has stages "
                 f"{layout.stages_of(mesh)}; use interleaved-1f1b for {layout.num_stages} stages "
-                f"on {layout.num_meshes} meshes."
+                f"on {layout.num_meshes} meshes (stage s on mesh s mod {layout.num_meshes}), or "
+                f"gpipe, which takes any stage-to-mesh map."
             )
 
 

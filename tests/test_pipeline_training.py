@@ -224,3 +224,11 @@ def test_two_accumulate_loops_in_one_function_are_refused(meshes2):
 
     with pytest.raises(AccumulateError, match="runs mpmdc.accumulate 2 times"):
         mpmdc.compile(step, meshes2).lower(jnp.ones(3), jnp.ones((4, 3)))
+
+
+def test_gpipe_takes_any_stage_to_mesh_map(meshes2):
+    params = init_params(jax.random.key(0), widths("1f1b"))
+    step = mpmdc.compile(mlp_step_with("gpipe", 4), meshes2, stage_to_mesh=(0, 0, 1, 1))
+    got = step(params, *mlp_data())
+    assert_trees_close(got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data()))
+    assert [mesh_index(w, meshes2) for w, _ in got[1]] == [0, 0, 1, 1]
