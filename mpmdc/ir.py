@@ -147,6 +147,33 @@ def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None,
     return jcore.ClosedJaxpr(jaxpr, list(consts))
 
 
+def sub_jaxpr(eqns, outputs, const_values: dict, name: str):
+    """``eqns`` as a closed jaxpr of their own, with fresh variables, returning ``outputs``.
+
+    Its inputs are the variables ``eqns`` and ``outputs`` read but ``eqns`` do not
+    define, in first-read order; those in ``const_values`` become bound constants.
+    Returns ``(inputs, closed_jaxpr)`` with ``inputs`` the outer variables to pass in.
+    """
+    defined = {v for e in eqns for v in e.outvars if is_var(v)}
+    inputs, consts = [], []
+    for a in [a for e in eqns for a in vars_of(e.invars)] + vars_of(outputs):
+        if a not in defined:
+            target = consts if a in const_values else inputs
+            if a not in target:
+                target.append(a)
+    env = {v: fresh_like(v) for v in inputs + consts}
+    inner_eqns = [copy_eqn(e, env) for e in eqns]
+    closed = make_closed_jaxpr(
+        [env[c] for c in consts],
+        [const_values[c] for c in consts],
+        [env[v] for v in inputs],
+        substituted(outputs, env),
+        inner_eqns,
+        name=name,
+    )
+    return inputs, closed
+
+
 # ----------------------------------------------------------------- printing
 
 

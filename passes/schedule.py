@@ -35,11 +35,10 @@ from mpmdc.passes.base import FunctionPass
 
 from mpmdc.ir import (
     Program,
-    copy_eqn,
     fresh_like,
     is_var,
     make_closed_jaxpr,
-    substituted,
+    sub_jaxpr,
     vars_of,
 )
 from mpmdc.primitives import fragment_p, transfer_p
@@ -88,37 +87,12 @@ def _final_readers(eqns):
 
 
 def _sub_fragment(eqn, members, outs, outer_in, name, kind):
-    """A fragment running ``members`` of ``eqn``'s body and returning body values ``outs``.
-
-    ``outer_in`` maps body variables to the top-level values they come from; returns
-    the new equation's pieces as (inputs as body variables, jaxpr, specs).
-    """
+    """``(operands, params)`` of a fragment running ``members`` of ``eqn``'s body, returning
+    body values ``outs``; ``outer_in`` maps body variables to (top-level value, spec)."""
     closed = eqn.params["jaxpr"]
     const_of = dict(zip(closed.jaxpr.constvars, closed.consts))
-    defined = {v for e in members for v in e.outvars if is_var(v)}
-    inputs, consts = [], []
-    for a in [a for e in members for a in vars_of(e.invars)] + vars_of(outs):
-        if a not in defined:
-            target = consts if a in const_of else inputs
-            if a not in target:
-                target.append(a)
-    env = {v: fresh_like(v) for v in inputs + consts}
-    inner_eqns = [copy_eqn(e, env) for e in members]
-    inner = make_closed_jaxpr(
-        [env[c] for c in consts],
-        [const_of[c] for c in consts],
-        [env[v] for v in inputs],
-        substituted(outs, env),
-        inner_eqns,
-        name=name,
-    )
-    params = dict(
-        eqn.params,
-        jaxpr=inner,
-        name=name,
-        kind=kind,
-        in_specs=tuple(outer_in[v][1] for v in inputs),
-    )
+    inputs, inner = sub_jaxpr(members, outs, const_of, name)
+    params = dict(eqn.params, jaxpr=inner, name=name, kind=kind, in_specs=tuple(outer_in[v][1] for v in inputs))
     return [outer_in[v][0] for v in inputs], params
 
 

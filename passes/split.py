@@ -30,10 +30,10 @@ from mpmdc.passes.base import FunctionPass
 from mpmdc.ir import (
     Placement,
     Program,
-    copy_eqn,
     fresh_like,
     is_var,
     make_closed_jaxpr,
+    sub_jaxpr,
     substituted,
     vars_of,
 )
@@ -161,24 +161,8 @@ def split(program: Program) -> Program:
         seen[placement] = seen.get(placement, 0) + 1
         body = [eqns[i] for i in members[part]]
         defined = {v for e in body for v in e.outvars if is_var(v)}
-        inputs, consts = [], []
-        for e in body:
-            for a in vars_of(e.invars):
-                if a not in defined:
-                    target = consts if a in const_values else inputs
-                    if a not in target:
-                        target.append(a)
         outputs = [v for e in body for v in e.outvars if v in defined and v in used_outside]
-        inner_env = {v: fresh_like(v) for v in inputs + consts}
-        inner_eqns = [copy_eqn(e, inner_env) for e in body]
-        inner = make_closed_jaxpr(
-            [inner_env[c] for c in consts],
-            [const_values[c] for c in consts],
-            [inner_env[v] for v in inputs],
-            substituted(outputs, inner_env),
-            inner_eqns,
-            name=name,
-        )
+        inputs, inner = sub_jaxpr(body, outputs, const_values, name)
         operands = bring(inputs, mesh)
         out_specs = tuple(
             fit_spec(out_spec_of.get((v, mesh)), program.meshes[mesh], v.aval.shape) for v in outputs
