@@ -9,19 +9,17 @@ import pytest
 from helpers import mesh_index
 from mpmdc.passes.schedule import action_of, layout_of
 from training import (
-    adam_init,
     assert_trees_close,
     hand_written_sgd_step,
     hand_written_transformer_step,
-    init_transformer,
     mlp_data,
     sgd_step,
-    transformer_step,
 )
 
 import mpmdc
 from mpmdc.demo import init_params
 from mpmdc.errors import AccumulateError, ScheduleError
+from mpmdc.models import adam_init, init_transformer, transformer_step
 from mpmdc.primitives import fragment_p
 from mpmdc.schedules import ActionLists
 from mpmdc.simulate import measured_costs, simulate
