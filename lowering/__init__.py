@@ -1,5 +1,10 @@
 """StableHLO emission for fragments, importable as ``mpmdc.lowering``."""
 
-from mpmdc.lowering.stablehlo import fragment_function, fragment_jit, lower_fragment
+from mpmdc.lowering.stablehlo import (
+    fragment_function,
+    fragment_jit,
+    fragment_key,
+    lower_fragment,
+)
 
-__all__ = ["fragment_function", "fragment_jit", "lower_fragment"]
+__all__ = ["fragment_function", "fragment_jit", "fragment_key", "lower_fragment"]

@@ -40,7 +40,17 @@ def fragment_jit(eqn, program: Program, donate_argnums=()):
     return jitted, args
 
 
-def lower_fragment(program: Program, eqn, platform: str) -> str:
-    """StableHLO text of fragment ``eqn`` for ``platform``."""
-    jitted, args = fragment_jit(eqn, program)
-    return jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+def fragment_key(eqn, donate_argnums=()) -> tuple:
+    """Fragments with equal keys lower to the same module and share one executable.
+
+    The body's text (JAX's printer renames variables canonically), the mesh, the specs
+    and the donated arguments: everything the module depends on except its name.
+    """
+    p = eqn.params
+    return (str(p["jaxpr"]), p["mesh"], p["in_specs"], p["out_specs"], tuple(donate_argnums))
+
+
+def lower_fragment(program: Program, eqn, backend, donate_argnums=()):
+    """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``)."""
+    jitted, args = fragment_jit(eqn, program, donate_argnums)
+    return backend.lower_fragment(jitted.trace(*args))

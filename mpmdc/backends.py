@@ -61,9 +61,15 @@ class Backend:
             f"is a jax.jit executable compiled by XLA{options}, run with asynchronous dispatch"
         )
 
-    def compile_fragment(self, traced):
-        """Compile a traced fragment (``jax.jit(...).trace(...)``) into a callable executable."""
-        lowered = traced.lower(lowering_platforms=(self.platform,))
+    def lower_fragment(self, traced):
+        """Lower a traced fragment (``jax.jit(...).trace(...)``) for this backend's platform."""
+        return traced.lower(lowering_platforms=(self.platform,))
+
+    def compile_fragment(self, lowered):
+        """Compile a lowered fragment (from :meth:`lower_fragment`) into a callable executable.
+
+        Called from several threads at once for a program's distinct fragments.
+        """
         return lowered.compile(dict(self.compiler_options) or None)
 
     def check_can_run(self, meshes) -> None:

@@ -71,6 +71,8 @@ class Program:
     modules: tuple[tuple[str, str], ...] | None = None  # (fragment, StableHLO) for ``backend``
     schedule: Schedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
     microbatches: int | None = None
+    # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
+    lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def replace(self, **changes) -> "Program":
         """A copy with ``changes`` applied (programs are immutable)."""
@@ -226,17 +228,21 @@ def format_program(program: Program) -> str:
 
 
 def format_modules(program: Program) -> str:
-    """The StableHLO modules of a lowered program, each under a header naming fragment and mesh."""
+    """The StableHLO modules of a lowered program, each under a header naming the
+    fragment it was lowered from, its mesh, and the fragments sharing it."""
+    from mpmdc.lowering import fragment_key
     from mpmdc.primitives import fragment_p
 
-    mesh_of = {
-        eqn.params["name"]: eqn.params["mesh"]
-        for eqn in program.jaxpr.jaxpr.eqns
-        if eqn.primitive is fragment_p
-    }
+    fragments = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
+    sharing: dict = {}
+    for eqn in fragments:
+        sharing.setdefault(fragment_key(eqn), []).append(eqn.params["name"])
+    by_name = {names[0]: (key, names) for key, names in sharing.items()}
     lines = []
     for name, text in program.modules:
-        lines.append(f"// ----- fragment {name} @mesh{mesh_of[name]} ({program.backend})")
+        key, names = by_name[name]
+        also = f", also {', '.join(names[1:])}" if len(names) > 1 else ""
+        lines.append(f"// ----- fragment {name} @mesh{key[1]} ({program.backend}){also}")
         lines.append(text.rstrip("\n"))
     return "\n".join(lines) + "\n"
 

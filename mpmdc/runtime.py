@@ -10,24 +10,30 @@ intermediate value is dropped right after its last use.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from mpmdc import backends
 from mpmdc.errors import ArgumentError
 from mpmdc.ir import Program, is_var
-from mpmdc.lowering import fragment_jit
+from mpmdc.lowering import fragment_key, lower_fragment
 from mpmdc.memory import MeshMemory, memory_profile, release_plan
 from mpmdc.passes.schedule import action_of
 from mpmdc.primitives import fragment_p
 from mpmdc.schedules import Action
 from mpmdc.sharding import named
 from mpmdc.simulate import Slot, Timeline
+
+PROGRESS_MIN_FRAGMENTS = 8  # fewer distinct fragments compile too fast to need a bar
 
 
 @dataclass(frozen=True)
@@ -91,27 +97,27 @@ class Executable:
         releases = release_plan(jaxpr)
         last_use = {v: i for i, vs in enumerate(releases) for v in vs}
 
-        executables: dict = {}
-        self._steps = []
+        # Lower what `lower` did not (donation changes the module), then compile every
+        # distinct fragment once, in parallel: XLA releases the GIL while it compiles.
+        lowerings = dict(program.lowerings or {})
+        keys = {}
         for i, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive is fragment_p:
-                mesh, name = eqn.params["mesh"], eqn.params["name"]
                 donate = tuple(
                     k
                     for k, a in enumerate(eqn.invars)
                     if a in donated and last_use.get(a) == i and eqn.invars.count(a) == 1
                 )
-                key = (
-                    str(eqn.params["jaxpr"]),
-                    eqn.params["mesh"],
-                    eqn.params["in_specs"],
-                    eqn.params["out_specs"],
-                    donate,
-                )
-                if key not in executables:
-                    jitted, arg_types = fragment_jit(eqn, program, donate)
-                    executables[key] = backend.compile_fragment(jitted.trace(*arg_types))
-                call = executables[key]
+                keys[i] = fragment_key(eqn, donate)
+                if keys[i] not in lowerings:
+                    lowerings[keys[i]] = lower_fragment(program, eqn, backend, donate)
+        executables = compile_all(backend, {k: lowerings[k] for k in keys.values()})
+
+        self._steps = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.primitive is fragment_p:
+                mesh, name = eqn.params["mesh"], eqn.params["name"]
+                call = executables[keys[i]]
             else:
                 mesh, name = eqn.params["dst"], f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}"
                 dst_mesh = meshes[mesh]
@@ -180,6 +186,31 @@ class Executable:
         env = self._start(leaves)
         timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
         return self._finish(env), timeline
+
+
+def compile_all(backend, lowerings: dict) -> dict:
+    """``{key: executable}`` for ``{key: jax.stages.Lowered}``, compiled by ``backend``.
+
+    Compiles run in a thread pool; on a terminal a progress bar counts them (silent
+    when stderr is not a TTY, and for a handful of fragments).
+    """
+    if not lowerings:
+        return {}
+    workers = min(len(lowerings), os.cpu_count() or 1)
+    bar = tqdm(
+        total=len(lowerings),
+        desc="mpmdc: compiling fragments",
+        unit="fragment",
+        disable=len(lowerings) < PROGRESS_MIN_FRAGMENTS or not sys.stderr.isatty(),
+        leave=False,
+    )
+    with bar, ThreadPoolExecutor(workers, thread_name_prefix="mpmdc-compile") as pool:
+        futures = {pool.submit(backend.compile_fragment, lowered): key for key, lowered in lowerings.items()}
+        out = {}
+        for future in as_completed(futures):
+            out[futures[future]] = future.result()
+            bar.update()
+    return out
 
 
 def _transfer_call(backend, shardings):

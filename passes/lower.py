@@ -1,16 +1,19 @@
 """``lower``: StableHLO for every fragment, through the backend registry.
 
 Needs a split program. For a backend with ``transfers="in-program"`` the
-fragment-to-fragment transfers are first rewritten into send/recv pairs. The
-modules are attached to the program in fragment order, and the program records the
-backend they were lowered for; the stage called ``stablehlo`` prints them.
+fragment-to-fragment transfers are first rewritten into send/recv pairs. Fragments
+with the same body, mesh and specs (every microbatch's forward of a stage, say) are
+lowered once and share a module, named after the first of them. The modules are
+attached to the program in fragment order, with the backend they were lowered for
+(the stage called ``stablehlo`` prints them), and the ``jax.stages.Lowered`` objects
+are kept for the runtime, which compiles them without tracing again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpmdc.lowering import lower_fragment
+from mpmdc.lowering import fragment_key, lower_fragment
 from mpmdc.passes.base import FunctionPass
 from mpmdc.passes.in_program_transfers import in_program_transfers
 
@@ -27,12 +30,14 @@ def lower(program: Program, backend: str | None = None) -> Program:
     chosen = backends.get(backend or program.backend)
     if chosen.transfers == "in-program":
         program = in_program_transfers(program)
-    modules = tuple(
-        (eqn.params["name"], lower_fragment(program, eqn, chosen.platform))
-        for eqn in program.jaxpr.jaxpr.eqns
-        if eqn.primitive is fragment_p
-    )
-    return program.replace(modules=modules, backend=chosen.name)
+    lowerings, modules = {}, []
+    for eqn in program.jaxpr.jaxpr.eqns:
+        if eqn.primitive is fragment_p:
+            key = fragment_key(eqn)
+            if key not in lowerings:
+                lowerings[key] = lower_fragment(program, eqn, chosen)
+                modules.append((eqn.params["name"], lowerings[key].as_text()))
+    return program.replace(modules=tuple(modules), backend=chosen.name, lowerings=lowerings)
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,9 @@ def _plugin_dist(root: Path) -> None:
             COMPILED = []
 
             class CountingBackend(Backend):
-                def compile_fragment(self, traced):
-                    COMPILED.append(traced.jaxpr)
-                    return super().compile_fragment(traced)
+                def compile_fragment(self, lowered):
+                    COMPILED.append(lowered.as_text())
+                    return super().compile_fragment(lowered)
 
             def make():
                 return CountingBackend("counting-cpu", "cpu")
