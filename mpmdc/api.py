@@ -9,6 +9,7 @@ not retrace.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -82,11 +83,13 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
 class Lowered:
     """A program taken through every pass, with the IR after each one kept for inspection."""
 
-    def __init__(self, dumps: list[tuple[str, Program]], signature: Signature):
+    def __init__(self, dumps: list[tuple[str, Program]], signature: Signature, seconds=None):
         self._dumps = dict(dumps)
         self._order = tuple(name for name, _ in dumps)
         self.signature = signature
         self._by_backend: dict[str, Program] = {}
+        # Wall time per stage: ``input`` is tracing, ``after-<pass>`` that pass.
+        self.seconds: dict[str, float] = dict(seconds or {})
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -255,6 +258,7 @@ class Compiled:
             out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
             return out_leaves
 
+        started = time.perf_counter()
         with unrolled() as loops:
             closed = jax.make_jaxpr(flat_fn)(*leaf_types)
         if len(loops) > 1:
@@ -293,20 +297,23 @@ class Compiled:
             schedule=loops[0].schedule if loops else None,
             microbatches=loops[0].microbatches if loops else None,
         )
-        dumps = []
-        run_pipeline(
-            program,
-            self.passes,
-            lambda name, p: dumps.append((name, p)),
-            verify=os.environ.get("MPMDC_VERIFY") == "1",
-        )
+        dumps, seconds = [], {}
+
+        def record(name, p):
+            now = time.perf_counter()
+            seconds[name] = now - record.last
+            record.last = now
+            dumps.append((name, p))
+
+        record.last = started
+        run_pipeline(program, self.passes, record, verify=os.environ.get("MPMDC_VERIFY") == "1")
         signature = Signature(
             in_tree=in_tree,
             in_types=tuple((tuple(t.shape), np.dtype(t.dtype)) for t in leaf_types),
             in_paths=tuple(in_paths),
             out_tree=out_tree,
         )
-        return Lowered(dumps, signature)
+        return Lowered(dumps, signature, seconds)
 
     def _flat_in_specs(self, args, static, kwargs):
         if self.in_specs is None:

@@ -1,0 +1,80 @@
+"""What the benchmark scripts share: 8 virtual CPU devices, the model, timing, tables, JSON.
+
+Import this first: it sets the device count before JAX starts.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+import mpmdc  # noqa: E402
+from mpmdc.models import TransformerConfig, adam_init, init_transformer, transformer_step  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b", stages: int = 4):
+    """(step function, arguments) of the benchmark transformer's training step."""
+    config = TransformerConfig(vocab=256, width=64, heads=4, hidden=256, layers=layers, stages=stages)
+    params = init_transformer(jax.random.key(0), config)
+    tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, config.vocab)
+
+    def step(params, state, tokens):
+        return transformer_step(params, state, tokens, config, microbatches=microbatches, schedule=schedule)
+
+    return step, (params, adam_init(params), tokens)
+
+
+def four_meshes():
+    """4 meshes of 2 CPU devices."""
+    return mpmdc.make_meshes(4, {"data": 2})
+
+
+def seconds(fn, *, repeat: int = 1) -> float:
+    """Median wall time of ``fn()`` (which should block until its work is done)."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    """One line naming this machine."""
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{sys.version.split()[0]}, jax {jax.__version__}, {jax.device_count()} virtual CPU devices"
+    )
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table of ``rows`` (floats with 3 significant digits)."""
+
+    def cell(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def report(name: str, rows: list[dict], columns: list[str], notes: str = "") -> None:
+    """Print the table and write ``results/<name>.json``."""
+    RESULTS.mkdir(exist_ok=True)
+    print(f"# {name} ({machine()})")
+    print(table(rows, columns))
+    if notes:
+        print(notes)
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"machine": machine(), "rows": rows, "notes": notes}, indent=1) + "\n"
+    )

@@ -1,0 +1,84 @@
+"""Compile time of a transformer training step: mpmdc against jax.jit.
+
+The step: next-token loss and gradient over 8 microbatches under 1F1B, then Adam, for
+4 to 32 layers in 4 stages on 4 meshes of 2 CPU devices. For mpmdc it times tracing,
+the passes alone (inline..schedule, and per equation of the traced program), the
+`lower` pass (StableHLO), the whole `lower()`, and `lower().compile()`; for jax.jit,
+`jax.jit(step).lower(...).compile()` of the same step on one device (where
+`accumulate` is a `lax.scan`). Writes results/compile_time.json and, with
+matplotlib, results/compile_time.png.
+
+    python benchmarks/compile_time.py [--layers 4 8 16 32]
+"""
+
+import argparse
+import time
+
+import _common
+import jax
+
+import mpmdc
+
+PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
+
+
+def measure(layers: int) -> dict:
+    step, args = _common.transformer_setup(layers)
+    start = time.perf_counter()
+    lowered = mpmdc.compile(step, _common.four_meshes()).lower(*args)
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    lowered.compile()
+    compile_s = time.perf_counter() - start
+    jit_s = _common.seconds(lambda: jax.jit(step).lower(*args).compile())
+    passes = sum(lowered.seconds[p] for p in PASSES)
+    eqns = len(lowered.program("input").jaxpr.jaxpr.eqns)
+    return {
+        "layers": layers,
+        "equations": eqns,
+        "trace s": lowered.seconds["input"],
+        "passes s": passes,
+        "passes us/eqn": passes / eqns * 1e6,
+        "StableHLO s": lowered.seconds["stablehlo"],
+        "lower() s": lower_s,
+        "compile() s": compile_s,
+        "mpmdc total s": lower_s + compile_s,
+        "jax.jit total s": jit_s,
+        "ratio": (lower_s + compile_s) / jit_s,
+    }
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [r["layers"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(layers, [r["mpmdc total s"] for r in rows], "o-", label="mpmdc lower() + compile()")
+    ax.plot(layers, [r["passes s"] for r in rows], "o-", label="mpmdc passes alone")
+    ax.plot(layers, [r["jax.jit total s"] for r in rows], "o-", label="jax.jit lower + compile (1 device)")
+    ax.set_xlabel("transformer layers (8 microbatches, 1F1B, 4 meshes)")
+    ax.set_ylabel("seconds")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(layers, [str(n) for n in layers])
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    rows = [measure(n) for n in parser.parse_args().layers]
+    columns = list(rows[0])
+    _common.report("compile_time", rows, columns)
+    plot(rows, _common.RESULTS / "compile_time.png")
+
+
+if __name__ == "__main__":
+    main()
