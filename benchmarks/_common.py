@@ -11,13 +11,18 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax
 
-import jax  # noqa: E402
+import mpmdc
+from mpmdc.models import (
+    TransformerConfig,
+    adam_init,
+    init_transformer,
+    transformer_step,
+)
 
-import mpmdc  # noqa: E402
-from mpmdc.models import TransformerConfig, adam_init, init_transformer, transformer_step  # noqa: E402
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
