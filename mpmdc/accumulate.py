@@ -100,6 +100,30 @@ def _finish(kind: str, acc, microbatches: int):
     return acc / microbatches if kind == "mean" else acc
 
 
+def _unrolled_reduction(kind: str, values: list, microbatches: int):
+    """Reduce one output over the unrolled microbatches, marking where the loop ends.
+
+    A running sum starts from zeros made outside the loop, and every result crosses a
+    ``microbatch[None]`` marker on its way out: so each microbatch's fragment has the
+    same body (receive the sum, add, pass it on) and work after the loop, such as the
+    optimizer, gets fragments of its own. ``0 + x == x`` exactly, so the numbers are
+    those of the ``lax.scan`` form.
+    """
+    if kind == "concat":
+        return jnp.concatenate(mark_microbatch(values, None))
+    if kind == "max":
+        total = functools.reduce(jnp.maximum, values)
+    else:
+        # Built by an equation (a scalar zero would be a literal, which `split` folds into
+        # the first microbatch's fragment instead of passing it in).
+        shape, dtype = jnp.shape(values[0]), jnp.result_type(values[0])
+        zeros = jnp.reshape(jnp.zeros((1, *shape), dtype), shape)
+        total = mark_microbatch([zeros], None)[0]
+        for value in values:
+            total = total + value
+    return _finish(kind, mark_microbatch([total], None)[0], microbatches)
+
+
 def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     """Run ``fn`` on each of ``microbatches`` slices of ``xs``'s leading axis; reduce the results.
 
@@ -133,13 +157,7 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
 
     if loops is not None:
         outs = [first_leaves] + [jax.tree_util.tree_leaves(fn(slice_of(i))) for i in range(1, microbatches)]
-        results = []
-        for k, kind in enumerate(kinds):
-            values = [o[k] for o in outs]
-            if kind == "concat":
-                results.append(jnp.concatenate(values))
-                continue
-            results.append(_finish(kind, functools.reduce(functools.partial(_combine, kind), values), microbatches))
+        results = [_unrolled_reduction(kind, [o[k] for o in outs], microbatches) for k, kind in enumerate(kinds)]
         return jax.tree_util.tree_unflatten(out_tree, results)
 
     rest = jax.tree_util.tree_map(lambda x: x[1:], stacked)

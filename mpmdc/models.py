@@ -76,7 +76,8 @@ def transformer_loss(params, tokens, config: TransformerConfig = TransformerConf
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = params["embed"][inputs]
     for i, p in enumerate(params["blocks"]):
-        x = stage(x, config.stage_of(i))
+        if i == 0 or config.stage_of(i) != config.stage_of(i - 1):
+            x = stage(x, config.stage_of(i))
         x = x + _attention(_norm(x, p["norm1"]), p, config.heads)
         x = x + jax.nn.gelu(_norm(x, p["norm2"]) @ p["up"]) @ p["down"]
     logits = _norm(x, params["norm"]) @ params["embed"].T

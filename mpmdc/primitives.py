@@ -157,8 +157,9 @@ microbatch_p = jcore.Primitive("microbatch")
 microbatch_p.multiple_results = True
 
 
-def mark_microbatch(values: list, index: int) -> list:
-    """``values`` marked as belonging to microbatch ``index`` (an identity).
+def mark_microbatch(values: list, index: int | None) -> list:
+    """``values`` marked as belonging to microbatch ``index`` (an identity); with
+    ``None``, as crossing the loop's boundary (a running sum's start, a result).
 
     One marker per value, so each value is placed by its own users (the inputs go to
     the first stage, the labels to the last).
@@ -171,7 +172,7 @@ def is_microbatch_marker(eqn) -> bool:
     return eqn.primitive is microbatch_p
 
 
-def _microbatch_jvp(primals, tangents, *, index):
+def _microbatch_jvp(primals, tangents, *, index):  # index: int or None
     return microbatch_p.bind(*primals, index=index), _bind_nonzero(microbatch_p, list(tangents), index=index)
 
 

@@ -18,7 +18,8 @@ Rules, in the order they apply:
    (forward first); then a cotangent leaving a transposed marker counts as an
    operand in that marker's stage; what is left runs in the first stage.
 4. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
-   puts its outputs in microbatch ``i``. An equation reading values of several
+   puts its outputs in microbatch ``i``, and ``microbatch[None]`` outside the loop
+   (the start of a running sum, the loop's results). An equation reading values of several
    microbatches belongs to the latest of them (so the running sum of gradients
    moves from one microbatch's backward fragment to the next); one reading none
    belongs to the microbatch all its users agree on, or to none (work outside the
@@ -60,6 +61,7 @@ def _is_cheap(eqn, cheap_vars) -> bool:
     """Computed from literals (or other cheap values) alone, with no effects or bodies."""
     return (
         not is_marker(eqn)
+        and not is_microbatch_marker(eqn)
         and not eqn.effects
         and not list(jcore.jaxprs_in_params(eqn.params))
         and all(not is_var(a) or a in cheap_vars for a in eqn.invars)
@@ -138,7 +140,7 @@ def _infer_microbatches(eqns, producer, users, cheap):
             found = [microbatch[producer[a]] for a in vars_of(eqn.invars) if a in producer]
             microbatch[i] = max((m for m in found if m is not None), default=None)
     for i in reversed(range(len(eqns))):
-        if microbatch[i] is None and i not in cheap:
+        if microbatch[i] is None and i not in cheap and not is_microbatch_marker(eqns[i]):
             # Slicing the batch stays before the loop, so every microbatch's forward
             # fragment has the same body (and shares one executable).
             of_users = {
