@@ -5,13 +5,20 @@ meshes (:func:`make_meshes`), and get per-mesh programs joined by explicit
 transfers that run with the same numbers as ``jax.jit``.
 """
 
-from mpmdc import backends, errors, schedules
+import os as _os
+
+from mpmdc import _jax_compat, backends, errors, lowering, passes, schedules
 from mpmdc.accumulate import accumulate
 from mpmdc.api import Compiled, Lowered, compile
 from mpmdc.errors import MpmdcError
 from mpmdc.meshes import make_meshes
 from mpmdc.primitives import stage
 from mpmdc.runtime import Executable
+
+# An equation's source line should be the user's call of mpmdc.stage or
+# mpmdc.accumulate, not the line inside mpmdc that binds the primitive.
+for _package in (_jax_compat, lowering, passes):
+    _jax_compat.exclude_from_source_lines(_os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep)
 
 __all__ = [
     "Compiled",

@@ -19,6 +19,11 @@ custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
 
 
+def exclude_from_source_lines(path: str) -> None:
+    """Make source lines skip frames under ``path`` (mpmdc's own), as JAX skips its own."""
+    _source_info_util.register_exclusion(path)
+
+
 def source_line(eqn) -> str:
     """Return ``file:line (function)`` of the user code that created ``eqn``."""
     return _source_info_util.summarize(eqn.source_info)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from mpmdc import schedules
 from mpmdc.errors import AccumulateError
@@ -124,6 +125,32 @@ def _unrolled_reduction(kind: str, values: list, microbatches: int):
     return _finish(kind, mark_microbatch([total], None)[0], microbatches)
 
 
+def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
+    kinds = _reductions(reduce, out_tree)
+    for shape, kind in zip(shapes, kinds):
+        if kind == "concat" and not shape:
+            raise AccumulateError("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
+    return kinds
+
+
+def _unrolled(fn, stacked, microbatches: int, reduce):
+    """The loop unrolled for mpmdc: ``fn`` traced once, its jaxpr replayed per microbatch.
+
+    Replaying the equations (``jaxpr_as_fun`` keeps their source lines) costs a fraction
+    of tracing ``fn`` again, which for a training step means differentiating the model
+    again. Values ``fn`` closes over (the parameters) are the jaxpr's constants.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(stacked)
+    one = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves])
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(one)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    kinds = _checked_reductions(reduce, out_tree, [y.shape for y in out_leaves])
+    replay = jcore.jaxpr_as_fun(closed)
+    outs = [replay(*mark_microbatch([x[i] for x in leaves], i)) for i in range(microbatches)]
+    results = [_unrolled_reduction(kind, [o[k] for o in outs], microbatches) for k, kind in enumerate(kinds)]
+    return jax.tree_util.tree_unflatten(out_tree, results)
+
+
 def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     """Run ``fn`` on each of ``microbatches`` slices of ``xs``'s leading axis; reduce the results.
 
@@ -138,27 +165,13 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     stacked = _split_leading_axis(xs, microbatches)
     loops = _unrolling.get()
 
-    def slice_of(i):
-        leaves, tree = jax.tree_util.tree_flatten(stacked)
-        sliced = [x[i] for x in leaves]
-        if loops is not None:
-            sliced = mark_microbatch(sliced, i)
-        return jax.tree_util.tree_unflatten(tree, sliced)
-
     if loops is not None:
         loops.append(Loop(schedule, microbatches))
+        return _unrolled(fn, stacked, microbatches, reduce)
 
-    first = fn(slice_of(0))
+    first = fn(jax.tree_util.tree_map(lambda x: x[0], stacked))
     first_leaves, out_tree = jax.tree_util.tree_flatten(first)
-    kinds = _reductions(reduce, out_tree)
-    for y, kind in zip(first_leaves, kinds):
-        if kind == "concat" and not jnp.shape(y):
-            raise AccumulateError("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
-
-    if loops is not None:
-        outs = [first_leaves] + [jax.tree_util.tree_leaves(fn(slice_of(i))) for i in range(1, microbatches)]
-        results = [_unrolled_reduction(kind, [o[k] for o in outs], microbatches) for k, kind in enumerate(kinds)]
-        return jax.tree_util.tree_unflatten(out_tree, results)
+    kinds = _checked_reductions(reduce, out_tree, [jnp.shape(y) for y in first_leaves])
 
     rest = jax.tree_util.tree_map(lambda x: x[1:], stacked)
 

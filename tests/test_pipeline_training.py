@@ -230,3 +230,16 @@ def test_gpipe_takes_any_stage_to_mesh_map(meshes2):
     got = step(params, *mlp_data())
     assert_trees_close(got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data()))
     assert [mesh_index(w, meshes2) for w, _ in got[1]] == [0, 0, 1, 1]
+
+
+def test_a_marker_inside_accumulate_is_reported_at_the_users_line(meshes2):
+    def step(w, x):
+        def per_microbatch(mb):
+            return jnp.sum(mpmdc.stage(mb @ w, 5))
+
+        return mpmdc.accumulate(per_microbatch, x, microbatches=2)
+
+    from mpmdc.errors import StageError
+
+    with pytest.raises(StageError, match=r"stage 5 \(marker at .*test_pipeline_training.py:\d+:\d+ \(.*per_microbatch\)\)"):
+        mpmdc.compile(step, meshes2, stage_to_mesh=(0, 1)).lower(jnp.ones((3, 3)), jnp.ones((4, 3)))
