@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
 from mpmdc import backends
@@ -69,7 +70,8 @@ def leaf_dtype(x) -> np.dtype:
 
 @dataclass
 class _Step:
-    """One top-level equation, ready to run: read ``inputs``, call, bind ``outputs``."""
+    """One top-level equation, ready to run: read the ``inputs`` slots of the environment,
+    call, write the ``outputs`` slots, clear the ``release`` slots."""
 
     call: Callable
     inputs: list
@@ -113,6 +115,21 @@ class Executable:
                     lowerings[keys[i]] = lower_fragment(program, eqn, backend, donate)
         executables = compile_all(backend, {k: lowerings[k] for k in keys.values()})
 
+        # The environment is a list: every value (constant, literal, input, result) has a
+        # slot, so the call loop reads and writes by index.
+        slots: dict = {}
+        self._initial: list = []
+
+        def slot_of(atom, value=None):
+            key = atom if is_var(atom) or isinstance(atom, jcore.DropVar) else object()
+            if key not in slots:
+                slots[key] = len(self._initial)
+                self._initial.append(atom.val if key is not atom else value)
+            return slots[key]
+
+        for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
+            slot_of(v, c)
+        self._input_slots = [slot_of(v) for v in jaxpr.invars]
         self._steps = []
         for i, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive is fragment_p:
@@ -123,13 +140,20 @@ class Executable:
                 dst_mesh = meshes[mesh]
                 call = _transfer_call(backend, [named(dst_mesh, s) for s in eqn.params["dst_specs"]])
             self._steps.append(
-                _Step(call, list(eqn.invars), list(eqn.outvars), releases[i], mesh, name, action_of(eqn))
+                _Step(
+                    call,
+                    [slot_of(a) for a in eqn.invars],
+                    [slot_of(v) for v in eqn.outvars],
+                    [slots[v] for v in releases[i]],
+                    mesh,
+                    name,
+                    action_of(eqn),
+                )
             )
         self._executables = executables
         self._outputs = []
         for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
-            self._outputs.append((v, named(meshes[m], spec)))
-        self._consts = dict(zip(jaxpr.constvars, program.jaxpr.consts))
+            self._outputs.append((slot_of(v), named(meshes[m], spec)))
 
     @property
     def memory(self) -> tuple[MeshMemory, ...]:
@@ -151,24 +175,23 @@ class Executable:
         """Run with already-checked flat arguments; returns the output pytree."""
         env = self._start(leaves)
         for step in self._steps:
-            results = step.call(*[env[a] if is_var(a) else a.val for a in step.inputs])
-            env.update(zip(step.outputs, results))
-            for v in step.release:
-                del env[v]
+            results = step.call(*[env[i] for i in step.inputs])
+            for i, value in zip(step.outputs, results):
+                env[i] = value
+            for i in step.release:
+                env[i] = None
         return self._finish(env)
 
-    def _start(self, leaves) -> dict:
-        env = dict(self._consts)
-        jaxpr = self.program.jaxpr.jaxpr
-        env.update(
-            (v, jax.device_put(x, s)) for v, x, s in zip(jaxpr.invars, leaves, self._in_shardings)
-        )
+    def _start(self, leaves) -> list:
+        env = list(self._initial)
+        for i, x, sharding in zip(self._input_slots, leaves, self._in_shardings):
+            env[i] = jax.device_put(x, sharding)
         return env
 
     def _finish(self, env):
         outs = []
         for v, target in self._outputs:
-            value = env[v] if is_var(v) else v.val
+            value = env[v]
             outs.append(jax.device_put(value, target))
         return jax.tree_util.tree_unflatten(self.signature.out_tree, outs)
 
@@ -220,7 +243,7 @@ def _transfer_call(backend, shardings):
     return transfer
 
 
-def run_per_mesh_threads(steps: list[_Step], env: dict, num_meshes: int) -> Timeline:
+def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Timeline:
     """Run ``steps`` with one thread per mesh, each in program order; bind results in ``env``.
 
     A step waits until its inputs exist. Values are dropped once every reader has
@@ -230,7 +253,7 @@ def run_per_mesh_threads(steps: list[_Step], env: dict, num_meshes: int) -> Time
     readers: dict = {}
     for step in steps:
         for a in step.inputs:
-            if is_var(a) and a in ready:
+            if a in ready:
                 readers[a] = readers.get(a, 0) + 1
     released = {v for step in steps for v in step.release}
     lock = threading.Lock()
@@ -247,21 +270,22 @@ def run_per_mesh_threads(steps: list[_Step], env: dict, num_meshes: int) -> Time
     def worker(mesh: int):
         try:
             for step in (s for s in steps if s.mesh == mesh):
-                if not all(wait(a) for a in step.inputs if is_var(a) and a in ready):
+                if not all(wait(a) for a in step.inputs if a in ready):
                     return
                 start = time.perf_counter()
                 results = jax.block_until_ready(
-                    step.call(*[env[a] if is_var(a) else a.val for a in step.inputs])
+                    step.call(*[env[i] for i in step.inputs])
                 )
                 end = time.perf_counter()
                 slots[mesh].append(Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name))
                 with lock:
-                    env.update(zip(step.outputs, results))
+                    for i, value in zip(step.outputs, results):
+                        env[i] = value
                     for a in step.inputs:
-                        if is_var(a) and a in readers:
+                        if a in readers:
                             readers[a] -= 1
                             if readers[a] == 0 and a in released:
-                                env.pop(a, None)
+                                env[a] = None
                 for v in step.outputs:
                     ready[v].set()
         except BaseException as err:  # re-raised by the caller's thread
