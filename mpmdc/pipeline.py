@@ -6,6 +6,7 @@ the ``lower`` pass's result is called ``stablehlo``.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Iterable, Protocol
 
 from mpmdc.errors import PassError
@@ -76,10 +77,19 @@ def run_pipeline(
     """
     if callback is not None:
         callback("input", program)
-    for p in passes:
-        program = p.run(program)
-        if verify:
-            PASSES["vma-typecheck"].run(program)
-        if callback is not None:
-            callback(stage_name(p.name), program)
+    # Passes allocate millions of small objects and free them by reference counting;
+    # the cyclic collector's passes over them took a quarter of the time (57 vs 78
+    # microseconds per equation on a 100k-equation program), so it waits until the end.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for p in passes:
+            program = p.run(program)
+            if verify:
+                PASSES["vma-typecheck"].run(program)
+            if callback is not None:
+                callback(stage_name(p.name), program)
+    finally:
+        if was_enabled:
+            gc.enable()
     return program
