@@ -150,6 +150,8 @@ class Executable:
                     action_of(eqn),
                 )
             )
+        # What the call loop reads, unpacked once: (call, inputs, outputs, release).
+        self._plan = [(st.call, st.inputs, st.outputs, st.release) for st in self._steps]
         self._executables = executables
         self._outputs = []
         for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
@@ -174,25 +176,24 @@ class Executable:
     def call_flat(self, leaves):
         """Run with already-checked flat arguments; returns the output pytree."""
         env = self._start(leaves)
-        for step in self._steps:
-            results = step.call(*[env[i] for i in step.inputs])
-            for i, value in zip(step.outputs, results):
+        for call, inputs, outputs, release in self._plan:
+            results = call(*[env[i] for i in inputs])
+            for i, value in zip(outputs, results):
                 env[i] = value
-            for i in step.release:
+            for i in release:
                 env[i] = None
         return self._finish(env)
 
     def _start(self, leaves) -> list:
         env = list(self._initial)
         for i, x, sharding in zip(self._input_slots, leaves, self._in_shardings):
-            env[i] = jax.device_put(x, sharding)
+            env[i] = _placed(x, sharding)
         return env
 
     def _finish(self, env):
         outs = []
         for v, target in self._outputs:
-            value = env[v]
-            outs.append(jax.device_put(value, target))
+            outs.append(_placed(env[v], target))
         return jax.tree_util.tree_unflatten(self.signature.out_tree, outs)
 
     def run_timed(self, *args, **kwargs):
@@ -209,6 +210,13 @@ class Executable:
         env = self._start(leaves)
         timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
         return self._finish(env), timeline
+
+
+def _placed(x, sharding):
+    """``x`` with ``sharding``; an array already placed so is passed through untouched."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
 
 
 def compile_all(backend, lowerings: dict) -> dict:
