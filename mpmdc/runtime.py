@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
 from mpmdc import backends
-from mpmdc.errors import ArgumentError
+from mpmdc.errors import ArgumentError, MpmdRuntimeError
 from mpmdc.ir import Program, is_var
 from mpmdc.lowering import fragment_key, lower_fragment
 from mpmdc.memory import MeshMemory, memory_profile, release_plan
@@ -150,8 +150,13 @@ class Executable:
                     action_of(eqn),
                 )
             )
-        # What the call loop reads, unpacked once: (call, inputs, outputs, release).
-        self._plan = [(st.call, st.inputs, st.outputs, st.release) for st in self._steps]
+        # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
+        # A fragment with effects (a callback) is waited for, so an error it raises
+        # surfaces here, where the fragment can be named, not at some later read.
+        effectful = {k for k, eqn in enumerate(jaxpr.eqns) if eqn.primitive is fragment_p and eqn.effects}
+        self._plan = [
+            (st.call, st.inputs, st.outputs, st.release, k in effectful) for k, st in enumerate(self._steps)
+        ]
         self._executables = executables
         self._outputs = []
         for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
@@ -176,12 +181,22 @@ class Executable:
     def call_flat(self, leaves):
         """Run with already-checked flat arguments; returns the output pytree."""
         env = self._start(leaves)
-        for call, inputs, outputs, release in self._plan:
-            results = call(*[env[i] for i in inputs])
-            for i, value in zip(outputs, results):
-                env[i] = value
-            for i in release:
-                env[i] = None
+        k, results = 0, None
+        try:
+            for call, inputs, outputs, release, wait in self._plan:
+                results = call(*[env[i] for i in inputs])
+                if wait:
+                    jax.block_until_ready(results)
+                for i, value in zip(outputs, results):
+                    env[i] = value
+                for i in release:
+                    env[i] = None
+                k += 1
+        except Exception as err:
+            # The traceback keeps this frame alive; the buffers it holds need not live on.
+            env.clear()
+            results = None  # noqa: F841
+            raise _fault(self._steps[k], err) from err
         return self._finish(env)
 
     def _start(self, leaves) -> list:
@@ -210,6 +225,21 @@ class Executable:
         env = self._start(leaves)
         timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
         return self._finish(env), timeline
+
+
+def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
+    """``err``, raised while ``step`` ran, as an error naming the fragment and where it ran."""
+    where = f"{step.name} on mesh{step.mesh}"
+    if step.action is not None:
+        where += f" (stage {step.action.stage}, microbatch {step.action.microbatch})"
+    detail = str(err).strip().splitlines()
+    summary = detail[-1] if detail else ""
+    error = MpmdRuntimeError(
+        f"{where} failed while running: {type(err).__name__}: {summary}. The call was "
+        f"abandoned and its intermediate buffers freed; the executable can be called again."
+    )
+    error.__cause__ = err
+    return error
 
 
 def _placed(x, sharding):
@@ -265,7 +295,7 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
                 readers[a] = readers.get(a, 0) + 1
     released = {v for step in steps for v in step.release}
     lock = threading.Lock()
-    failed: list[BaseException] = []
+    failed: list[BaseException] = []  # the first error, as raised to the caller
     slots: list[list[Slot]] = [[] for _ in range(num_meshes)]
     t0 = time.perf_counter()
 
@@ -296,8 +326,9 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
                                 env[a] = None
                 for v in step.outputs:
                     ready[v].set()
-        except BaseException as err:  # re-raised by the caller's thread
-            failed.append(err)
+        except Exception as err:  # re-raised by the caller's thread
+            results = None  # noqa: F841 (the traceback keeps this frame, not its buffers)
+            failed.append(_fault(step, err))
 
     threads = [threading.Thread(target=worker, args=(m,), name=f"mpmdc-mesh{m}") for m in range(num_meshes)]
     for t in threads:
@@ -305,5 +336,6 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
     for t in threads:
         t.join()
     if failed:
-        raise failed[0]
+        env.clear()
+        raise failed[0] from failed[0].__cause__
     return Timeline(tuple(tuple(row) for row in slots))

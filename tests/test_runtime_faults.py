@@ -1,0 +1,61 @@
+"""A fragment that fails while running: a named error, no leaked buffers, a working next call."""
+
+import gc
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpmdc
+from mpmdc.errors import MpmdRuntimeError
+
+
+def refuse_large(h):
+    if np.any(np.asarray(h) > 100):
+        raise ValueError("activation above 100")
+
+
+def step(w, x):
+    def per_microbatch(mb):
+        h = mpmdc.stage(jnp.tanh(mb @ w), 1) * 1000.0
+        jax.debug.callback(refuse_large, h)
+        return jnp.sum(h)
+
+    return mpmdc.accumulate(per_microbatch, x, microbatches=4, schedule="gpipe")
+
+
+def args(bad_microbatch=None):
+    x = jnp.full((8, 3), -1.0)
+    if bad_microbatch is not None:
+        x = x.at[2 * bad_microbatch : 2 * bad_microbatch + 2].set(1.0)
+    return jnp.full((3, 3), 0.5), x
+
+
+def live_buffers() -> int:
+    gc.collect()
+    return len(jax.live_arrays())
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_failing_fragment_is_named_and_the_next_call_works(meshes2, timed, monkeypatch):
+    # JAX logs the callback's exception; pytest keeps log records, and a record's
+    # traceback keeps the failed call's arguments alive, which would count as a leak.
+    monkeypatch.setattr(logging.getLogger("jax._src.debugging"), "disabled", True)
+    executable = mpmdc.compile(step, meshes2).lower(*args()).compile()
+    good, bad = args(), args(bad_microbatch=2)
+    want = jax.jit(step)(*good)
+    run = executable.run_timed if timed else executable
+    run(*good)
+    before = live_buffers()
+    with pytest.raises(MpmdRuntimeError) as caught:
+        run(*bad)
+    message = str(caught.value)
+    assert re.search(r"s1_fwd_mb2 on mesh1 \(stage 1, microbatch 2\) failed while running", message)
+    assert "ValueError: activation above 100" in message
+    del caught
+    assert live_buffers() == before
+    got = run(*good)
+    np.testing.assert_allclose(np.asarray(got[0] if timed else got), np.asarray(want), rtol=1e-6)
