@@ -37,10 +37,14 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
         same_shape = dict(inner.shape) == dict(mesh.shape)
         same_devices = not isinstance(inner, Mesh) or inner.device_ids.tolist() == mesh.device_ids.tolist()
         if not (same_shape and same_devices):
+            other = f"{dict(inner.shape)}"
+            if isinstance(inner, Mesh):
+                other += f" on devices {inner.device_ids.flatten().tolist()}"
             raise TypeCheckError(
                 f"shard_map at {compat.source_line(eqn)} is in {where}, which runs on "
-                f"mesh{mesh_index} {dict(mesh.shape)}, but it was built for another mesh "
-                f"{dict(inner.shape)}; build it with that stage's mesh (meshes[{mesh_index}])."
+                f"mesh{mesh_index} {dict(mesh.shape)} on devices {mesh.device_ids.flatten().tolist()}, "
+                f"but it was built for the mesh {other}; build it with that stage's mesh "
+                f"(meshes[{mesh_index}])."
             )
 
 

@@ -1,0 +1,216 @@
+"""The catalog of user mistakes: each raises an ``MpmdcError`` subclass whose message names
+the culprit and says what to do, and leaves a compiled object that still works.
+
+``golden/error_catalog/catalog.md`` is the documentation: one row per mistake with the
+error class and the exact message, rendered from the errors raised here (so it cannot
+drift from the code; ``pytest --update-golden`` rewrites it).
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import mpmdc
+from golden import check_golden
+from mpmdc import backends, errors
+from mpmdc.cli import main as cli_main
+from mpmdc.schedules import ActionLists
+
+REPO = str(Path(__file__).resolve().parent.parent) + "/"
+
+
+def two_stage(w, x):
+    h = jnp.tanh(mpmdc.stage(x, 0) @ w)
+    return jnp.sum(mpmdc.stage(h, 1) ** 2)
+
+
+def accumulating(w, x, **kwargs):
+    def per_microbatch(mb):
+        return two_stage(w, mb)
+
+    return mpmdc.accumulate(per_microbatch, x, **{"microbatches": 2, **kwargs})
+
+
+@dataclass
+class World:
+    """What the mistakes are made against: meshes, a working compiled step, its arguments."""
+
+    meshes: list
+    step: mpmdc.Compiled
+    w: jax.Array
+    x: jax.Array
+    tmp: Path
+
+
+@dataclass(frozen=True)
+class Mistake:
+    what: str  # what the user did, as the catalog's first column
+    error: type
+    says: str  # a regular expression the message must match
+    make: Callable[[World], object]
+
+
+def lower(fn, world, *args, **compile_kwargs):
+    return mpmdc.compile(fn, world.meshes, **compile_kwargs).lower(*(args or (world.w, world.x)))
+
+
+def marker_in_scan(w, x):
+    return jax.lax.scan(lambda c, _: (mpmdc.stage(c @ w, 1), None), x, None, length=2)[0].sum()
+
+
+def cli_fails(world, *argv, status):
+    code = cli_main(list(argv))
+    assert code == status
+    raise errors.UsageError("see stderr") if status == 2 else errors.TargetError("see stderr")
+
+
+MISTAKES = [
+    # meshes and stages
+    Mistake("two meshes share a device", errors.MeshError, r"meshes\[0\] and meshes\[1\] share device",
+            lambda w: mpmdc.compile(two_stage, [w.meshes[0], w.meshes[0]])),
+    Mistake("an empty list of meshes", errors.MeshError, "non-empty sequence of jax.sharding.Mesh",
+            lambda w: mpmdc.compile(two_stage, [])),
+    Mistake("a negative stage index", errors.StageError, "non-negative, got -1",
+            lambda w: mpmdc.stage(w.x, -1)),
+    Mistake("a stage index that is a traced value", errors.StageError, "depends on a traced value",
+            lambda w: jax.jit(lambda x: mpmdc.stage(x, jnp.int32(0) + x.shape[0] * 0))(w.x)),
+    Mistake("stage_to_mesh shorter than the stages", errors.StageError, r"stage 1 .*no entry in stage_to_mesh=\[0\]",
+            lambda w: lower(two_stage, w, stage_to_mesh=(0,))),
+    Mistake("stage_to_mesh naming a mesh that does not exist", errors.StageError, "only 2 meshes",
+            lambda w: mpmdc.compile(two_stage, w.meshes, stage_to_mesh=(0, 5))),
+    Mistake("a stage marker inside a scan body", errors.PlacementError, r"inside `(scan|while)` at",
+            lambda w: lower(marker_in_scan, w)),
+    # specs and arguments
+    Mistake("in_specs with the wrong pytree structure", errors.SpecError, r"in_specs\[0\] does not match",
+            lambda w: lower(two_stage, w, in_specs=([P(), P()], P()))),
+    Mistake("in_specs with the wrong number of entries", errors.SpecError, "one entry per argument",
+            lambda w: lower(two_stage, w, in_specs=(P(),))),
+    Mistake("in_specs naming an axis the mesh lacks", errors.SpecError, r"args\[1\].*names axis 'model'",
+            lambda w: lower(two_stage, w, in_specs=(P(), P("model")))),
+    Mistake("in_specs splitting a dimension the axis does not divide", errors.SpecError, "does not divide",
+            lambda w: lower(two_stage, w, jnp.ones((3, 3)), jnp.ones((3, 3)), in_specs=(P(), P("data")))),
+    Mistake("out_specs that do not match the outputs", errors.SpecError, "out_specs does not match",
+            lambda w: lower(two_stage, w, out_specs=[P(), P()])),
+    Mistake("donate_argnums out of range", errors.ArgumentError, r"donate_argnums contains 5",
+            lambda w: lower(two_stage, w, donate_argnums=5)),
+    Mistake("calling with a different shape", errors.ArgumentError, r"args\[1\] is float32\[4, 9\]",
+            lambda w: w.step.lower(w.w, w.x).compile()(w.w, jnp.ones((4, 9)))),
+    Mistake("calling with a different dtype", errors.ArgumentError, r"args\[0\] is int32",
+            lambda w: w.step.lower(w.w, w.x).compile()(w.w.astype(jnp.int32), w.x)),
+    Mistake("calling with a different pytree", errors.ArgumentError, "pytree structure",
+            lambda w: w.step.lower(w.w, w.x).compile()((w.w,), w.x)),
+    Mistake("a shard_map built for another stage's mesh", errors.TypeCheckError, r"shard_map at .* mesh1",
+            lambda w: lower(lambda a, x: mpmdc.stage(jax.shard_map(
+                lambda v: v * 2, mesh=w.meshes[0], in_specs=P("data"), out_specs=P("data"))(
+                mpmdc.stage(x, 1)), 1).sum(), w)),
+    # names: passes, stages, backends
+    Mistake("an unknown pass", errors.PassError, "known passes: inline, partition",
+            lambda w: lower(two_stage, w, passes=["inline", "fuse"])),
+    Mistake("an unknown dump stage", errors.PassError, "stages: input, after-inline",
+            lambda w: w.step.lower(w.w, w.x).as_text("after-fusion")),
+    Mistake("an unknown backend", errors.BackendError, r"unknown backend 'metal'; available backends: .*cpu",
+            lambda w: mpmdc.compile(two_stage, w.meshes, backend="metal")),
+    Mistake("running a TPU backend on CPU meshes", errors.BackendError, "compiles for tpu, but mesh 0 has cpu devices",
+            lambda w: mpmdc.compile(two_stage, w.meshes, backend="tpu")(w.w, w.x)),
+    Mistake("running an in-program-transfer backend", errors.BackendError, "multi-process runtime",
+            lambda w: mpmdc.compile(two_stage, w.meshes, backend="catalog-p2p")(w.w, w.x)),
+    # accumulate
+    Mistake("microbatches that do not divide the batch", errors.AccumulateError, "5 microbatches do not divide",
+            lambda w: lower(lambda a, x: accumulating(a, x, microbatches=5), w)),
+    Mistake("zero microbatches", errors.AccumulateError, "positive int, got 0",
+            lambda w: lower(lambda a, x: accumulating(a, x, microbatches=0), w)),
+    Mistake("an unknown reduction", errors.AccumulateError, "unknown reduction 'median'",
+            lambda w: lower(lambda a, x: accumulating(a, x, reduce="median"), w)),
+    Mistake("a reduction pytree not matching the outputs", errors.AccumulateError, "does not match the structure",
+            lambda w: lower(lambda a, x: accumulating(a, x, reduce=["sum", "sum"]), w)),
+    Mistake("concat of scalar outputs", errors.AccumulateError, "needs outputs with a leading axis",
+            lambda w: lower(lambda a, x: accumulating(a, x, reduce="concat"), w)),
+    Mistake("a scalar leaf in the batch", errors.AccumulateError, r"xs\[1\] is a scalar",
+            lambda w: lower(lambda a, x: mpmdc.accumulate(lambda mb: mb[0].sum(), (x, 2.0), microbatches=2), w)),
+    Mistake("two accumulate loops in one function", errors.AccumulateError, "runs mpmdc.accumulate 2 times",
+            lambda w: lower(lambda a, x: accumulating(a, x) + accumulating(a, x), w)),
+    # schedules
+    Mistake("an unknown schedule name", errors.ScheduleError, "known schedules: gpipe, 1f1b",
+            lambda w: lower(lambda a, x: accumulating(a, x, schedule="pipedream"), w)),
+    Mistake("an action that is not <stage><F|B|I|W><microbatch>", errors.ScheduleError, "'0X1' is not an action",
+            lambda w: ActionLists(["0F0 0X1"])),
+    Mistake("action lists that deadlock", errors.ScheduleError, "the schedule deadlocks",
+            lambda w: lower(lambda a, x: accumulating(a, x, schedule=["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"]), w)),
+    Mistake("action lists that miss an action", errors.ScheduleError, "never runs 0F1",
+            lambda w: lower(lambda a, x: accumulating(a, x, schedule=["0F0 0B0", "1F0 1B0"]), w)),
+    Mistake("1F1B with two stages on one mesh", errors.ScheduleError, "use interleaved-1f1b",
+            lambda w: lower(lambda a, x: accumulating(a, x), w, stage_to_mesh=(0, 0))),
+    # the command line (exit status 2: usage; 1: the program failed)
+    Mistake("`mpmdc dump` of a file that does not exist", errors.UsageError, "see stderr",
+            lambda w: cli_fails(w, "dump", str(w.tmp / "missing.py") + ":f", status=2)),
+    Mistake("`mpmdc dump --args` that is not a type list", errors.UsageError, "see stderr",
+            lambda w: cli_fails(w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[8,", status=2)),
+    Mistake("`mpmdc dump --dump-dir` into a folder with other files", errors.UsageError, "see stderr",
+            lambda w: cli_fails(w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[4,4], f32[4,4]",
+                                "--meshes", "2x(data=2)", "--dump-dir", str(w.tmp / "occupied"), status=2)),
+    Mistake("`mpmdc dump --args` that the function cannot take", errors.TargetError, "see stderr",
+            lambda w: cli_fails(w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[4,4], f32[4,5]",
+                                "--meshes", "2x(data=2)", "--dump-dir", str(w.tmp / "new"), status=1)),
+]
+
+
+@pytest.fixture(scope="module")
+def world(meshes2, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("catalog")
+    (tmp / "model.py").write_text(
+        "import jax.numpy as jnp, mpmdc\n"
+        "def f(w, x):\n    return jnp.sum(mpmdc.stage(x @ w, 1))\n"
+    )
+    (tmp / "occupied").mkdir()
+    (tmp / "occupied" / "notes.txt").write_text("mine\n")
+    w, x = jnp.full((4, 4), 0.25), jnp.arange(16.0).reshape(4, 4) / 16
+    return World(meshes2, mpmdc.compile(two_stage, meshes2), w, x, tmp)
+
+
+@pytest.fixture(autouse=True)
+def in_program_backend(monkeypatch):
+    monkeypatch.setattr(backends, "_registry", dict(backends._registry))
+    backends.register(backends.Backend("catalog-p2p", "cuda", transfers="in-program"))
+
+
+def test_the_catalog_has_at_least_25_distinct_mistakes():
+    assert len({m.what for m in MISTAKES}) == len(MISTAKES) >= 25
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[m.what for m in MISTAKES])
+def test_each_mistake_is_named_and_leaves_things_working(mistake, world):
+    want = jax.jit(two_stage)(world.w, world.x)
+    world.step(world.w, world.x)
+    with pytest.raises(errors.MpmdcError) as caught:
+        mistake.make(world)
+    assert type(caught.value) is mistake.error, caught.value
+    assert re.search(mistake.says, str(caught.value)), str(caught.value)
+    # The compiled step made before the mistake still runs and still agrees with jax.jit.
+    np.testing.assert_allclose(np.asarray(world.step(world.w, world.x)), np.asarray(want), rtol=1e-6)
+    # Nothing half-written: the occupied folder is untouched, no dump folder appeared.
+    assert sorted(p.name for p in (world.tmp / "occupied").iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in world.tmp.iterdir()) == ["model.py", "occupied"]
+
+
+def _message(mistake, world, capsys) -> str:
+    capsys.readouterr()
+    try:
+        mistake.make(world)
+    except errors.MpmdcError as err:
+        text = capsys.readouterr().err.strip() if str(err) == "see stderr" else str(err)
+    text = text.replace(REPO, "").replace(str(world.tmp) + "/", "<tmp>/")
+    return re.sub(r" at 0x[0-9a-f]+", "", text).replace("|", "\\|").replace("\n", " ")
+
+
+def test_catalog_document(world, capsys, update_golden):
+    rows = ["| mistake | error | message |", "|---|---|---|"]
+    for mistake in MISTAKES:
+        rows.append(f"| {mistake.what} | `{mistake.error.__name__}` | {_message(mistake, world, capsys)} |")
+    check_golden("error_catalog", {"catalog.md": "\n".join(rows) + "\n"}, update_golden)
