@@ -1,6 +1,7 @@
 """Shared test helpers: reference comparison against ``jax.jit`` and mesh lookups."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import mpmdc
@@ -28,3 +29,21 @@ def mesh_index(array, meshes):
         if sorted(d.id for d in m.devices.flat) == ids:
             return i
     raise AssertionError(f"array lives on devices {ids}, which are no mesh")
+
+
+@jax.custom_vjp
+def clipped_tanh(x):
+    """``tanh`` whose gradient is clipped to [-0.5, 0.5]: a ``custom_vjp`` for tests."""
+    return jnp.tanh(x)
+
+
+def _clipped_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _clipped_bwd(y, g):
+    return (jnp.clip(g * (1 - y**2), -0.5, 0.5),)
+
+
+clipped_tanh.defvjp(_clipped_fwd, _clipped_bwd)

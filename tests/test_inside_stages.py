@@ -2,7 +2,7 @@
 
 import jax
 import jax.numpy as jnp
-from helpers import assert_same_as_jit, mesh_index
+from helpers import assert_same_as_jit, clipped_tanh, mesh_index
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
@@ -11,23 +11,6 @@ import mpmdc
 def params_and_data():
     k = jax.random.split(jax.random.key(3), 3)
     return [jax.random.normal(kk, (8, 8)) * 0.3 for kk in k], jax.random.normal(jax.random.key(4), (4, 8))
-
-
-@jax.custom_vjp
-def clipped_tanh(x):
-    return jnp.tanh(x)
-
-
-def _clipped_fwd(x):
-    y = jnp.tanh(x)
-    return y, y
-
-
-def _clipped_bwd(y, g):
-    return (jnp.clip(g * (1 - y**2), -0.5, 0.5),)
-
-
-clipped_tanh.defvjp(_clipped_fwd, _clipped_bwd)
 
 
 def control_flow_loss(ws, x):

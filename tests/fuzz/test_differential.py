@@ -18,6 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import clipped_tanh
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -26,23 +27,6 @@ import mpmdc
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "150"))
 SIZE = 4
-
-
-@jax.custom_vjp
-def clipped_tanh(x):
-    return jnp.tanh(x)
-
-
-def _clipped_fwd(x):
-    y = jnp.tanh(x)
-    return y, y
-
-
-def _clipped_bwd(y, g):
-    return (jnp.clip(g * (1 - y * y), -1.0, 1.0),)
-
-
-clipped_tanh.defvjp(_clipped_fwd, _clipped_bwd)
 
 
 def _scan_rows(x):
