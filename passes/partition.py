@@ -2,7 +2,8 @@
 
 Rules, in the order they apply:
 
-1. Seeds. A marker ``stage[s, t]`` runs in stage ``s``. A forward marker (even
+1. Seeds. A marker ``stage[s, t]`` runs in stage ``s``, and so does a ``shard_map``
+   built for the mesh of stage ``s`` (when only that stage uses the mesh). A forward marker (even
    ``t``) is where values *enter* stage ``s``: its outputs tell their users where
    they are. A transposed marker (odd ``t``) is where cotangents *leave* the
    backward of stage ``s``: its inputs tell their producers where they are.
@@ -39,6 +40,7 @@ their producer.
 from __future__ import annotations
 
 from jax.extend import core as jcore
+from jax.sharding import Mesh
 from mpmdc.passes.base import FunctionPass
 
 from mpmdc.ir import (
@@ -78,15 +80,36 @@ def _transpose_counts(eqns, producer):
     return counts
 
 
-def _infer_stages(eqns, producer, users, cheap, transpose):
+def _shard_map_seeds(program: Program, eqns) -> dict[int, int]:
+    """Stage of each top-level ``shard_map`` built for a mesh that exactly one stage uses.
+
+    A ``shard_map`` can only run on the mesh it was built for. Its forward is placed by
+    the marker before it anyway, but its transpose reads only cotangents, which may come
+    from any stage; pinning both to the stage of their mesh keeps them there.
+    """
+    stages = sorted({e.params["stage"] for e in eqns if is_marker(e)})
+    seeds = {}
+    for i, eqn in enumerate(eqns):
+        if eqn.primitive.name != "shard_map" or not isinstance(eqn.params["mesh"], Mesh):
+            continue
+        ids = eqn.params["mesh"].device_ids.tolist()
+        on_mesh = [
+            s for s in stages if program.meshes[program.mesh_of_stage(s)].device_ids.tolist() == ids
+        ]
+        if len(on_mesh) == 1:
+            seeds[i] = on_mesh[0]
+    return seeds
+
+
+def _infer_stages(eqns, producer, users, cheap, transpose, seeds):
     """Stage per equation index (``None`` for cheap equations).
 
     Placement runs one transpose count at a time (forward first), so the backward
     of the code before the first marker follows its forward's residuals instead of
     whichever gradient happens to be summed into it.
     """
-    stage = [eqn.params["stage"] if is_marker(eqn) else None for eqn in eqns]
-    default = min((s for s in stage if s is not None), default=0)
+    stage = [eqn.params["stage"] if is_marker(eqn) else seeds.get(i) for i, eqn in enumerate(eqns)]
+    default = min((eqn.params["stage"] for eqn in eqns if is_marker(eqn)), default=0)
 
     def key(i):
         return Placement(stage[i], transpose[i]).order_key()
@@ -172,7 +195,7 @@ def partition(program: Program) -> Program:
             program.mesh_of_stage(eqn.params["stage"], eqn)
 
     transpose = _transpose_counts(eqns, producer)
-    stage = _infer_stages(eqns, producer, users, cheap, transpose)
+    stage = _infer_stages(eqns, producer, users, cheap, transpose, _shard_map_seeds(program, eqns))
     microbatch = _infer_microbatches(eqns, producer, users, cheap)
     placement = {
         i: Placement(stage[i], transpose[i], microbatch[i])

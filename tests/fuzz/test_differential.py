@@ -1,7 +1,8 @@
 """Differential fuzzing: random JAX programs through mpmdc must give ``jax.jit``'s numbers.
 
 A program is a DAG of 3 to 60 operations on 4x4 float32 values (elementwise, matmul,
-reductions, transpose, slicing and concatenation, ``scan``, ``cond``, ``custom_vjp``),
+reductions, transpose, slicing and concatenation, ``scan``, ``cond``, ``custom_vjp``,
+``shard_map`` with ``psum`` on the mesh of the stage its operand is marked into),
 with stage markers at random places (non-monotonic, repeated, skipped, on pytrees),
 compiled over 1 to 4 meshes of 1 or 2 devices, with random ``in_specs``, with and
 without ``value_and_grad``, with and without ``accumulate`` under a random valid
@@ -64,14 +65,6 @@ BINARY = {
 def programs(draw):
     """A random program description: operations, markers, meshes, specs, mode."""
     num_inputs = draw(st.integers(1, 3))
-    ops = []
-    for k in range(draw(st.integers(3, 60))):
-        available = num_inputs + k
-        if draw(st.booleans()):
-            ops.append(("unary", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, available - 1))))
-        else:
-            a, b = draw(st.integers(0, available - 1)), draw(st.integers(0, available - 1))
-            ops.append(("binary", draw(st.sampled_from(sorted(BINARY))), a, b))
     # sampled_from shrinks towards its first entry; put the interesting layouts first.
     num_meshes = draw(st.sampled_from([2, 4, 3, 1]))
     mesh_size = draw(st.sampled_from([2, 1]))
@@ -79,6 +72,20 @@ def programs(draw):
     schedule = draw(st.sampled_from(["zb-h1", "1f1b", "gpipe"]))
     one_per_mesh = mode == "accumulate" and schedule != "gpipe"
     stages = num_meshes if one_per_mesh else draw(st.integers(1, 5))
+    # jax.jit (the reference) runs every shard_map of a program on one set of devices,
+    # so all of a program's shard_maps are on the mesh of one stage.
+    shard_stage = draw(st.integers(0, stages - 1))
+    ops = []
+    for k in range(draw(st.integers(3, 60))):
+        available = num_inputs + k
+        kind = draw(st.sampled_from(["unary", "binary", "unary", "binary", "shard_map"]))
+        if kind == "unary":
+            ops.append(("unary", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, available - 1))))
+        elif kind == "binary":
+            a, b = draw(st.integers(0, available - 1)), draw(st.integers(0, available - 1))
+            ops.append(("binary", draw(st.sampled_from(sorted(BINARY))), a, b))
+        else:  # a psum over the mesh of a stage the operand is marked into first
+            ops.append(("shard_map", shard_stage, draw(st.integers(0, available - 1))))
     markers = {}
     for k in draw(st.lists(st.integers(0, len(ops) - 1), max_size=8)):
         group = draw(st.lists(st.integers(0, num_inputs + k), min_size=1, max_size=2))
@@ -93,7 +100,7 @@ def programs(draw):
     )
 
 
-def build(desc):
+def build(desc, meshes):
     """``(function, arguments, compile keyword arguments)`` for a program description."""
 
     def body(*inputs):
@@ -101,6 +108,13 @@ def build(desc):
         for k, op in enumerate(ops):
             if op[0] == "unary":
                 values.append(UNARY[op[1]](values[op[2]]))
+            elif op[0] == "shard_map":
+                _, stage, i = op
+                summed = jax.shard_map(
+                    lambda t: jax.lax.psum(t, "d") * 0.5,
+                    mesh=meshes[stage % len(meshes)], in_specs=P("d"), out_specs=P("d"),
+                )
+                values.append(summed(mpmdc.stage(values[i], stage)))
             else:
                 values.append(BINARY[op[1]](values[op[2]], values[op[3]]))
             if k in desc["markers"]:
@@ -141,8 +155,8 @@ def schedule_of(desc):
 
 
 def check(desc):
-    fn, args, kwargs = build(desc)
     meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    fn, args, kwargs = build(desc, meshes)
     got = mpmdc.compile(fn, meshes, **kwargs)(*args)
     want = jax.jit(fn)(*args)
     got_leaves, got_tree = jax.tree_util.tree_flatten(got)
@@ -161,6 +175,7 @@ def check(desc):
 @given(programs())
 def test_random_programs_match_jax_jit(desc):
     event(f"mode={desc['mode']}")
+    event(f"shard_map={any(op[0] == 'shard_map' for op in desc['ops'])}")
     event(f"meshes={desc['num_meshes']}x{desc['mesh_size']}")
     event(f"markers={min(len(desc['markers']), 3)}{'+' if len(desc['markers']) >= 3 else ''}")
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")
