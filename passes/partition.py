@@ -3,7 +3,8 @@
 Rules, in the order they apply:
 
 1. Seeds. A marker ``stage[s, t]`` runs in stage ``s``, and so does a ``shard_map``
-   built for the mesh of stage ``s`` (when only that stage uses the mesh). A forward marker (even
+   built for the mesh of stage ``s`` (when only that stage uses the mesh; when several
+   do, it ends up in one of them that its neighbours are in). A forward marker (even
    ``t``) is where values *enter* stage ``s``: its outputs tell their users where
    they are. A transposed marker (odd ``t``) is where cotangents *leave* the
    backward of stage ``s``: its inputs tell their producers where they are.
@@ -80,29 +81,35 @@ def _transpose_counts(eqns, producer):
     return counts
 
 
-def _shard_map_seeds(program: Program, eqns) -> dict[int, int]:
-    """Stage of each top-level ``shard_map`` built for a mesh that exactly one stage uses.
+def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
+    """For each top-level ``shard_map`` built for one of the meshes: the stages on that mesh.
 
     A ``shard_map`` can only run on the mesh it was built for. Its forward is placed by
     the marker before it anyway, but its transpose reads only cotangents, which may come
-    from any stage; pinning both to the stage of their mesh keeps them there.
+    from any stage, so the placement rules alone could put it on another mesh.
     """
     stages = sorted({e.params["stage"] for e in eqns if is_marker(e)})
-    seeds = {}
+    out = {}
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name != "shard_map" or not isinstance(eqn.params["mesh"], Mesh):
+        if eqn.primitive.name == "shard_map" and isinstance(eqn.params["mesh"], Mesh):
+            ids = eqn.params["mesh"].device_ids.tolist()
+            out[i] = [s for s in stages if program.meshes[program.mesh_of_stage(s)].device_ids.tolist() == ids]
+    return out
+
+
+def _pin_shard_maps(stage, candidates, eqns, producer, users) -> None:
+    """Move each ``shard_map`` placed on a stage of another mesh to a stage of its own mesh:
+    one its operands or users are in if there is one, else the first."""
+    for i, on_mesh in candidates.items():
+        if not on_mesh or stage[i] in on_mesh:
             continue
-        ids = eqn.params["mesh"].device_ids.tolist()
-        on_mesh = [
-            s for s in stages if program.meshes[program.mesh_of_stage(s)].device_ids.tolist() == ids
-        ]
-        if len(on_mesh) == 1:
-            seeds[i] = on_mesh[0]
-    return seeds
+        near = [stage[producer[a]] for a in vars_of(eqns[i].invars) if a in producer]
+        near += [stage[j] for v in eqns[i].outvars for j in users.get(v, ())]
+        stage[i] = next((s for s in near if s in on_mesh), on_mesh[0])
 
 
 def _infer_stages(eqns, producer, users, cheap, transpose, seeds):
-    """Stage per equation index (``None`` for cheap equations).
+    """Stage per equation index (``None`` for cheap equations); ``seeds`` are fixed ones.
 
     Placement runs one transpose count at a time (forward first), so the backward
     of the code before the first marker follows its forward's residuals instead of
@@ -195,7 +202,10 @@ def partition(program: Program) -> Program:
             program.mesh_of_stage(eqn.params["stage"], eqn)
 
     transpose = _transpose_counts(eqns, producer)
-    stage = _infer_stages(eqns, producer, users, cheap, transpose, _shard_map_seeds(program, eqns))
+    candidates = _shard_map_stages(program, eqns)
+    seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
+    stage = _infer_stages(eqns, producer, users, cheap, transpose, seeds)
+    _pin_shard_maps(stage, candidates, eqns, producer, users)
     microbatch = _infer_microbatches(eqns, producer, users, cheap)
     placement = {
         i: Placement(stage[i], transpose[i], microbatch[i])
