@@ -298,14 +298,14 @@ class Compiled:
             microbatches=loops[0].microbatches if loops else None,
         )
         dumps, seconds = [], {}
+        last = started
 
         def record(name, p):
+            nonlocal last
             now = time.perf_counter()
-            seconds[name] = now - record.last
-            record.last = now
+            seconds[name], last = now - last, now
             dumps.append((name, p))
 
-        record.last = started
         run_pipeline(program, self.passes, record, verify=os.environ.get("MPMDC_VERIFY") == "1")
         signature = Signature(
             in_tree=in_tree,

@@ -196,7 +196,7 @@ class Executable:
             # The traceback keeps this frame alive; the buffers it holds need not live on.
             env.clear()
             results = None  # noqa: F841
-            raise _fault(self._steps[k], err) from err
+            raise _fault(self._steps[k], err)
         return self._finish(env)
 
     def _start(self, leaves) -> list:
@@ -228,7 +228,8 @@ class Executable:
 
 
 def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
-    """``err``, raised while ``step`` ran, as an error naming the fragment and where it ran."""
+    """``err``, raised while ``step`` ran, as an error naming the fragment and where it ran
+    (with ``err`` as its cause, also when raised from another thread)."""
     where = f"{step.name} on mesh{step.mesh}"
     if step.action is not None:
         where += f" (stage {step.action.stage}, microbatch {step.action.microbatch})"
@@ -337,5 +338,5 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
         t.join()
     if failed:
         env.clear()
-        raise failed[0] from failed[0].__cause__
+        raise failed[0]
     return Timeline(tuple(tuple(row) for row in slots))
