@@ -84,11 +84,16 @@ def _transpose_counts(eqns, producer):
 def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
     """For each top-level ``shard_map`` built for one of the meshes: the stages on that mesh.
 
-    A ``shard_map`` can only run on the mesh it was built for. Its forward is placed by
-    the marker before it anyway, but its transpose reads only cotangents, which may come
-    from any stage, so the placement rules alone could put it on another mesh.
+    A ``shard_map`` can only run on the mesh it was built for, but the placement rules
+    follow data: its operand may come from another stage, and its transpose reads only
+    cotangents, which may come from any stage. A mesh has stages even where no marker
+    names them.
     """
-    stages = sorted({e.params["stage"] for e in eqns if is_marker(e)})
+    if program.stage_to_mesh:
+        stages = range(len(program.stage_to_mesh))
+    else:  # stage s runs on mesh s % len(meshes)
+        marked = [e.params["stage"] for e in eqns if is_marker(e)]
+        stages = range(max(len(program.meshes), max(marked, default=0) + 1))
     out = {}
     for i, eqn in enumerate(eqns):
         if eqn.primitive.name == "shard_map" and isinstance(eqn.params["mesh"], Mesh):

@@ -106,10 +106,11 @@ MISTAKES = [
             lambda w: w.step.lower(w.w, w.x).compile()(w.w.astype(jnp.int32), w.x)),
     Mistake("calling with a different pytree", errors.ArgumentError, "pytree structure",
             lambda w: w.step.lower(w.w, w.x).compile()((w.w,), w.x)),
-    Mistake("a shard_map built for another stage's mesh", errors.TypeCheckError, r"shard_map at .* mesh1",
+    Mistake("a shard_map built for devices no mesh has", errors.TypeCheckError,
+            r"shard_map at .* mesh1 .* built for the mesh \{'data': 2\} on devices \[6, 7\]",
             lambda w: lower(lambda a, x: mpmdc.stage(jax.shard_map(
-                lambda v: v * 2, mesh=w.meshes[0], in_specs=P("data"), out_specs=P("data"))(
-                mpmdc.stage(x, 1)), 1).sum(), w)),
+                lambda v: v * 2, mesh=jax.sharding.Mesh(jax.devices()[6:8], ("data",)),
+                in_specs=P("data"), out_specs=P("data"))(mpmdc.stage(x, 1)), 1).sum(), w)),
     # names: passes, stages, backends
     Mistake("an unknown pass", errors.PassError, "known passes: inline, partition",
             lambda w: lower(two_stage, w, passes=["inline", "fuse"])),

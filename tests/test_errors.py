@@ -129,10 +129,19 @@ def test_unknown_stage_name(meshes2):
         lowered.as_text("after-magic")
 
 
-def test_shard_map_on_the_wrong_mesh(meshes2):
-    def fn(x):
-        x = mpmdc.stage(x, 1)
-        return jax.shard_map(lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data"))(x)
+def shard_map_on_mesh0(x, meshes):
+    x = mpmdc.stage(x, 1)
+    return jax.shard_map(lambda t: t * 2, mesh=meshes[0], in_specs=P("data"), out_specs=P("data"))(x)
 
+
+def test_a_shard_map_runs_on_the_mesh_it_was_built_for(meshes2):
+    compiled = mpmdc.compile(lambda x: shard_map_on_mesh0(x, meshes2), meshes2)
+    program = compiled.lower(X).program("after-partition")
+    (placement,) = [p for e, p in zip(program.jaxpr.eqns, program.placements) if e.primitive.name == "shard_map"]
+    assert placement.stage == 0
+    np.testing.assert_allclose(np.asarray(compiled(X)), np.asarray(X) * 2)
+
+
+def test_shard_map_on_a_mesh_no_stage_runs_on(meshes2):
     with pytest.raises(errors.TypeCheckError, match=r"shard_map at .*test_errors.py.*mesh1"):
-        mpmdc.compile(fn, meshes2)(X)
+        mpmdc.compile(lambda x: shard_map_on_mesh0(x, meshes2), meshes2, stage_to_mesh=(1, 1))(X)

@@ -1,0 +1,90 @@
+"""Named regression tests for failures the differential fuzzer found (``tests/fuzz``).
+
+Each program is checked against ``jax.jit`` of the same program with every
+``shard_map`` on one mesh (a ``psum`` over two devices gives the same numbers on any
+two devices; ``jax.jit`` cannot run ``shard_map``s on several device sets). Every pass
+is re-checked by ``vma-typecheck`` (the test configuration sets ``MPMDC_VERIFY=1``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import mpmdc
+
+
+def psum_on(mesh):
+    return jax.shard_map(lambda t: jax.lax.psum(t, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+
+
+def unmarked_operand(x, mesh_of):
+    """A shard_map on mesh 1 reads a stage-0 value that was never marked into stage 1,
+    and one on mesh 0 reads a stage-1 value: the shard_map's own mesh must place it."""
+    y = jnp.tanh(mpmdc.stage(x, 0))
+    a = psum_on(mesh_of(1))(y)
+    b = mpmdc.stage(jnp.sin(a), 1)
+    return jnp.sum(psum_on(mesh_of(0))(b))
+
+
+def transpose_reads_later_stage(x, mesh_of):
+    """The shard_map's transpose reads only a cotangent computed in stage 1 (``w`` is
+    read across stages without a marker), so operand rules alone would put it there."""
+    a = psum_on(mesh_of(0))(mpmdc.stage(x, 0))
+    w = mpmdc.stage(x, 1)
+    return jnp.sum(jnp.sin(w * a))
+
+
+def stages_share_a_mesh(x, mesh_of):
+    """Stages 0 and 2 share mesh 0: the shard_map reads stage 1 and feeds stage 2, and its
+    transpose's cotangent comes from stage 2's backward."""
+    h = mpmdc.stage(jnp.tanh(mpmdc.stage(x, 0)), 1) * 2.0
+    a = psum_on(mesh_of(0))(h)
+    return jnp.sum(jnp.cos(mpmdc.stage(a, 2) * x))
+
+
+def marker_between_shard_maps_of_two_meshes(x, mesh_of):
+    """Non-monotonic markers with shard_maps on both meshes, both inside one gradient."""
+    a = psum_on(mesh_of(1))(mpmdc.stage(x, 1))
+    b = mpmdc.stage(jnp.tanh(a) + x, 0)
+    c = psum_on(mesh_of(0))(b * a)
+    return jnp.sum(jnp.sin(mpmdc.stage(c, 1)) * b)
+
+
+def no_marker_names_the_mesh(x, mesh_of):
+    """Only stage 1 is marked; the shard_map on mesh 0 must still run there, in stage 0
+    (found by the fuzzer inside ``accumulate`` under ZB-H1)."""
+    a = psum_on(mesh_of(0))(x * 0.5)
+    return jnp.sum(mpmdc.stage(a, 1))
+
+
+CASES = {
+    "no_marker_names_the_mesh": (no_marker_names_the_mesh, None),
+    "unmarked_operand": (unmarked_operand, None),
+    "transpose_reads_later_stage": (transpose_reads_later_stage, None),
+    "stages_share_a_mesh": (stages_share_a_mesh, (0, 1, 0)),
+    "marker_between_shard_maps_of_two_meshes": (marker_between_shard_maps_of_two_meshes, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_shard_map_runs_on_its_own_mesh_also_in_the_backward(name):
+    body, stage_to_mesh = CASES[name]
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    reference_mesh = mpmdc.make_meshes(1, {"d": 2})[0]
+    x = jnp.arange(16.0, dtype=jnp.float32).reshape(4, 4) / 10
+
+    compiled = mpmdc.compile(
+        jax.value_and_grad(lambda x: body(x, lambda m: meshes[m])), meshes, stage_to_mesh=stage_to_mesh
+    )
+    program = compiled.lower(x).program("after-partition")
+    for eqn, placement in zip(program.jaxpr.eqns, program.placements):
+        if eqn.primitive.name == "shard_map":
+            runs_on = program.meshes[program.mesh_of_stage(placement.stage)]
+            assert runs_on.device_ids.tolist() == eqn.params["mesh"].device_ids.tolist(), placement.label
+
+    got = compiled(x)
+    want = jax.jit(jax.value_and_grad(lambda x: body(x, lambda m: reference_mesh)))(x)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
