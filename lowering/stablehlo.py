@@ -10,15 +10,42 @@ from __future__ import annotations
 import weakref
 
 import jax
+from jax.experimental import checkify
 from jax.extend import core as jcore
 
-from mpmdc.ir import Program
+from mpmdc.ir import Program, find_eqns
 from mpmdc.sharding import named
+
+
+def _throw(error) -> None:
+    error.throw()
+
+
+def _raising_checks(body):
+    """``body`` with its ``checkify.check``s raising from inside the running fragment.
+
+    ``jax.jit`` refuses a check that was not functionalized by ``checkify.checkify``;
+    mpmdc functionalizes it per fragment and throws the error from a host callback, so
+    a failed check surfaces like any other fragment failure: an ``MpmdRuntimeError``
+    naming the fragment, mesh, stage and microbatch. (A function wrapped in
+    ``checkify.checkify`` has no checks left here and returns its error as ``jax.jit``
+    does.)
+    """
+    checked = checkify.checkify(body, errors=checkify.user_checks)
+
+    def run(*args):
+        error, outs = checked(*args)
+        jax.debug.callback(_throw, error)
+        return outs
+
+    return run
 
 
 def fragment_function(eqn):
     """A Python callable running fragment ``eqn``'s body, named after the fragment."""
     body = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
+    if any(find_eqns(eqn.params["jaxpr"].jaxpr.eqns, lambda e: e.primitive.name == "check")):
+        body = _raising_checks(body)
 
     def run(*args):
         return body(*args)

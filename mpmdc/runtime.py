@@ -11,6 +11,7 @@ intermediate value is dropped right after its last use.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -235,8 +236,10 @@ def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
         where += f" (stage {step.action.stage}, microbatch {step.action.microbatch})"
     detail = str(err).strip().splitlines()
     summary = detail[-1] if detail else ""
+    if not re.match(r"[\w.]+(Error|Exception): ", summary):  # XLA's text often names the cause
+        summary = f"{type(err).__name__}: {summary}"
     error = MpmdRuntimeError(
-        f"{where} failed while running: {type(err).__name__}: {summary}. The call was "
+        f"{where} failed while running: {summary}. The call was "
         f"abandoned and its intermediate buffers freed; the executable can be called again."
     )
     error.__cause__ = err

@@ -1,4 +1,8 @@
-"""A fragment that fails while running: a named error, no leaked buffers, a working next call."""
+"""A fragment that fails while running: a named error, no leaked buffers, a working next call.
+
+Two ways to fail: a ``jax.debug.callback`` that raises, and a ``checkify.check`` (which
+``jax.jit`` accepts only under ``checkify.checkify``; mpmdc runs it inside the fragment).
+"""
 
 import gc
 import logging
@@ -8,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import mpmdc
 from mpmdc.errors import MpmdRuntimeError
@@ -18,13 +23,28 @@ def refuse_large(h):
         raise ValueError("activation above 100")
 
 
-def step(w, x):
+def step_with_callback(w, x):
     def per_microbatch(mb):
         h = mpmdc.stage(jnp.tanh(mb @ w), 1) * 1000.0
         jax.debug.callback(refuse_large, h)
         return jnp.sum(h)
 
     return mpmdc.accumulate(per_microbatch, x, microbatches=4, schedule="gpipe")
+
+
+def step_with_check(w, x):
+    def per_microbatch(mb):
+        h = mpmdc.stage(jnp.tanh(mb @ w), 1) * 1000.0
+        checkify.check(jnp.all(h <= 100), "activation above 100: {}", jnp.max(h))
+        return jnp.sum(h)
+
+    return mpmdc.accumulate(per_microbatch, x, microbatches=4, schedule="gpipe")
+
+
+FAILURES = {
+    "callback": (step_with_callback, "ValueError: activation above 100"),
+    "check": (step_with_check, "JaxRuntimeError: activation above 100: 905.14"),
+}
 
 
 def args(bad_microbatch=None):
@@ -39,14 +59,23 @@ def live_buffers() -> int:
     return len(jax.live_arrays())
 
 
+def reference(step):
+    """``jax.jit`` needs ``checkify.checkify`` around a function with checks."""
+    if step is step_with_check:
+        return lambda *a: jax.jit(checkify.checkify(step))(*a)[1]
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
 @pytest.mark.parametrize("timed", [False, True])
-def test_a_failing_fragment_is_named_and_the_next_call_works(meshes2, timed, monkeypatch):
+def test_a_failing_fragment_is_named_and_the_next_call_works(meshes2, timed, failure, monkeypatch):
     # JAX logs the callback's exception; pytest keeps log records, and a record's
     # traceback keeps the failed call's arguments alive, which would count as a leak.
     monkeypatch.setattr(logging.getLogger("jax._src.debugging"), "disabled", True)
+    step, cause = FAILURES[failure]
     executable = mpmdc.compile(step, meshes2).lower(*args()).compile()
     good, bad = args(), args(bad_microbatch=2)
-    want = jax.jit(step)(*good)
+    want = reference(step)(*good)
     run = executable.run_timed if timed else executable
     run(*good)
     before = live_buffers()
@@ -54,8 +83,19 @@ def test_a_failing_fragment_is_named_and_the_next_call_works(meshes2, timed, mon
         run(*bad)
     message = str(caught.value)
     assert re.search(r"s1_fwd_mb2 on mesh1 \(stage 1, microbatch 2\) failed while running", message)
-    assert "ValueError: activation above 100" in message
+    assert cause in message
     del caught
     assert live_buffers() == before
     got = run(*good)
     np.testing.assert_allclose(np.asarray(got[0] if timed else got), np.asarray(want), rtol=1e-6)
+
+
+def test_a_checkified_function_returns_its_error_as_jax_jit_does(meshes2):
+    checked = checkify.checkify(step_with_check)
+    bad = args(bad_microbatch=2)
+    error, total = mpmdc.compile(checked, meshes2)(*bad)
+    want_error, want_total = jax.jit(checked)(*bad)
+    assert error.get() == want_error.get()
+    assert "activation above 100" in error.get()
+    np.testing.assert_allclose(np.asarray(total), np.asarray(want_total), rtol=1e-6)
+    assert mpmdc.compile(checked, meshes2)(*args())[0].get() is None
