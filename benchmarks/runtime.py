@@ -1,8 +1,9 @@
 """Steady-state step time and per-fragment dispatch overhead: mpmdc against jax.jit.
 
-Step: the 8-layer transformer training step (8 microbatches, 1F1B, 4 meshes of 2 CPU
-devices) under mpmdc, against `jax.jit` of the same step on one device and
-data-parallel over all 8 (batch sharded, parameters replicated). Median of `--steps`
+Step: the 8-layer transformer training step (8 microbatches, 1F1B) under mpmdc on 4
+meshes of 2 CPU devices (batch sharded over each mesh's devices, and replicated) and
+of 1 device, against `jax.jit` of the same step on one device and data-parallel over 2
+and over all 8 devices (batch sharded, parameters replicated). Median of `--steps`
 steps after two warm-up steps.
 
 Dispatch: a chain of `--fragments` tiny fragments on one mesh (a stage marker before
@@ -26,29 +27,35 @@ def blocked(fn, *args):
     return lambda: jax.block_until_ready(fn(*args))
 
 
-def step_times(steps: int) -> list[dict]:
-    step, args = _common.transformer_setup(8)
-    mpmdc_step = mpmdc.compile(step, _common.four_meshes())
-    mpmdc_small = mpmdc.compile(step, mpmdc.make_meshes(4, {"data": 1}))
-    one = jax.jit(step)
-    mesh = jax.sharding.Mesh(jax.devices(), ("data",))
+def data_parallel(step, args, devices):
+    """``jax.jit`` of ``step`` over ``devices``: batch sharded, parameters replicated."""
+    mesh = jax.sharding.Mesh(devices, ("data",))
     replicated, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     params, state, tokens = args
-    dp_args = (jax.device_put(params, replicated), jax.device_put(state, replicated), jax.device_put(tokens, batch))
-    dp = jax.jit(step)
+    return jax.jit(step), (jax.device_put(params, replicated), jax.device_put(state, replicated),
+                           jax.device_put(tokens, batch))
+
+
+def step_times(steps: int) -> list[dict]:
+    step, args = _common.transformer_setup(8)
+    batch_sharded = (None, None, PartitionSpec("data"))
     rows = []
     for name, fn, fn_args in (
-        ("mpmdc, 4 meshes x 2 devices", mpmdc_step, args),
-        ("mpmdc, 4 meshes x 1 device", mpmdc_small, args),
-        ("jax.jit, 1 device", one, args),
-        ("jax.jit, data-parallel over 8 devices", dp, dp_args),
+        ("mpmdc, 4 meshes x 2 devices, batch sharded",
+         mpmdc.compile(step, _common.four_meshes(), in_specs=batch_sharded), args),
+        ("mpmdc, 4 meshes x 2 devices, batch replicated", mpmdc.compile(step, _common.four_meshes()), args),
+        ("mpmdc, 4 meshes x 1 device", mpmdc.compile(step, mpmdc.make_meshes(4, {"data": 1})), args),
+        ("jax.jit, 1 device", jax.jit(step), args),
+        ("jax.jit, data-parallel over 2 devices", *data_parallel(step, args, jax.devices()[:2])),
+        ("jax.jit, data-parallel over 8 devices", *data_parallel(step, args, jax.devices())),
     ):
         run = blocked(fn, *fn_args)
         run(), run()
         rows.append({"step": name, "median ms": _common.seconds(run, repeat=steps) * 1e3})
-    base = rows[2]["median ms"]
+    by_name = {r["step"]: r["median ms"] for r in rows}
     for r in rows:
-        r["vs 1-device jit"] = r["median ms"] / base
+        r["vs 1-device jit"] = r["median ms"] / by_name["jax.jit, 1 device"]
+        r["vs 2-device DP jit"] = r["median ms"] / by_name["jax.jit, data-parallel over 2 devices"]
     return rows
 
 
@@ -92,7 +99,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fragments", type=int, default=64)
     args = parser.parse_args()
-    _common.report("runtime_step", step_times(args.steps), ["step", "median ms", "vs 1-device jit"])
+    _common.report("runtime_step", step_times(args.steps), ["step", "median ms", "vs 1-device jit", "vs 2-device DP jit"])
     _common.report("runtime_dispatch", dispatch(args.fragments, 20), ["call", "us per call", "ratio"])
 
 

@@ -55,12 +55,12 @@ def unrolled():
         _unrolling.reset(token)
 
 
-def _split_leading_axis(xs, microbatches: int):
-    """Every leaf reshaped to ``(microbatches, batch // microbatches, ...)``."""
+def _batch_leaves(xs, microbatches: int):
+    """``(leaves, treedef)`` of ``xs``, every leaf checked to have a leading axis that
+    ``microbatches`` divides."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(xs)
     if not leaves:
         raise AccumulateError("accumulate got no arrays in xs to split into microbatches.")
-    out = []
     for path, x in leaves:
         shape = jnp.shape(x)
         where = "xs" + jax.tree_util.keystr(path)
@@ -71,8 +71,7 @@ def _split_leading_axis(xs, microbatches: int):
                 f"{where} has leading size {shape[0]}, which {microbatches} microbatches do not "
                 f"divide; choose a microbatch count that divides every batch size."
             )
-        out.append(jnp.reshape(x, (microbatches, shape[0] // microbatches, *shape[1:])))
-    return jax.tree_util.tree_unflatten(tree, out)
+    return [jnp.asarray(x) for _, x in leaves], jax.tree_util.tree_structure(xs)
 
 
 def _reductions(reduce, out_tree):
@@ -133,20 +132,28 @@ def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
     return kinds
 
 
-def _unrolled(fn, stacked, microbatches: int, reduce):
+def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     """The loop unrolled for mpmdc: ``fn`` traced once, its jaxpr replayed per microbatch.
 
     Replaying the equations (``jaxpr_as_fun`` keeps their source lines) costs a fraction
     of tracing ``fn`` again, which for a training step means differentiating the model
-    again. Values ``fn`` closes over (the parameters) are the jaxpr's constants.
+    again. Values ``fn`` closes over (the parameters) are the jaxpr's constants. A
+    microbatch is a contiguous slice of the leading axis, so a batch sharded along that
+    axis gives microbatches sharded the same way.
     """
-    leaves, tree = jax.tree_util.tree_flatten(stacked)
-    one = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves])
+    sizes = [x.shape[0] // microbatches for x in leaves]
+    one = jax.tree_util.tree_unflatten(
+        tree, [jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) for x, n in zip(leaves, sizes)]
+    )
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(one)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     kinds = _checked_reductions(reduce, out_tree, [y.shape for y in out_leaves])
     replay = jcore.jaxpr_as_fun(closed)
-    outs = [replay(*mark_microbatch([x[i] for x in leaves], i)) for i in range(microbatches)]
+
+    def microbatch(i):
+        return mark_microbatch([jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)], i)
+
+    outs = [replay(*microbatch(i)) for i in range(microbatches)]
     results = [_unrolled_reduction(kind, [o[k] for o in outs], microbatches) for k, kind in enumerate(kinds)]
     return jax.tree_util.tree_unflatten(out_tree, results)
 
@@ -162,12 +169,16 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise AccumulateError(f"microbatches must be a positive int, got {microbatches!r}.")
     schedule = schedules.get(schedule)
-    stacked = _split_leading_axis(xs, microbatches)
+    leaves, tree = _batch_leaves(xs, microbatches)
     loops = _unrolling.get()
 
     if loops is not None:
         loops.append(Loop(schedule, microbatches))
-        return _unrolled(fn, stacked, microbatches, reduce)
+        return _unrolled(fn, leaves, tree, microbatches, reduce)
+
+    stacked = jax.tree_util.tree_unflatten(
+        tree, [jnp.reshape(x, (microbatches, x.shape[0] // microbatches, *x.shape[1:])) for x in leaves]
+    )
 
     first = fn(jax.tree_util.tree_map(lambda x: x[0], stacked))
     first_leaves, out_tree = jax.tree_util.tree_flatten(first)

@@ -15,8 +15,9 @@ fragments on one mesh are passed directly.
 
 Every top-level value gets a static ``PartitionSpec`` inside its mesh: program
 inputs their ``in_specs``, fragment results their ``out_specs`` where they are
-program outputs, transferred values the source's spec as far as the destination
-mesh has those axes, everything else replicated. Fragments and transfers carry
+program outputs (replicated where none was given), other fragment results the spec
+their inputs' sharded dimensions carry to them (``mpmdc.spec_propagation``),
+transferred values the source's spec as far as the destination mesh has those axes. Fragments and transfers carry
 these specs, so the StableHLO that ``lower`` emits is exactly what runs.
 """
 
@@ -39,6 +40,7 @@ from mpmdc.ir import (
 )
 from mpmdc.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
 from mpmdc.sharding import fit_spec
+from mpmdc.spec_propagation import propagate_specs
 
 
 def _parts(eqns, placements):
@@ -123,11 +125,10 @@ def split(program: Program) -> Program:
 
     location = {v: program.in_meshes[k] for v, k in in_index.items()}
     spec_of = {v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)}
-    out_spec_of = {
-        (v, m): spec
-        for v, m, spec in zip(outvars, program.out_meshes, program.out_specs)
-        if is_var(v) and spec is not None
-    }
+    # Program outputs have the caller's out_specs (replicated where none was given);
+    # other values crossing fragments keep the batch sharding their inputs had.
+    out_spec_of = {(v, m): spec for v, m, spec in zip(outvars, program.out_meshes, program.out_specs) if is_var(v)}
+    propagated = propagate_specs(jaxpr, program.in_specs)
     copies: dict = {}
     top_eqns = []
 
@@ -165,7 +166,8 @@ def split(program: Program) -> Program:
         inputs, inner = sub_jaxpr(body, outputs, const_values, name)
         operands = bring(inputs, mesh)
         out_specs = tuple(
-            fit_spec(out_spec_of.get((v, mesh)), program.meshes[mesh], v.aval.shape) for v in outputs
+            fit_spec(out_spec_of.get((v, mesh), propagated.get(v)), program.meshes[mesh], v.aval.shape)
+            for v in outputs
         )
         params = dict(
             jaxpr=inner,

@@ -1,21 +1,16 @@
 module @jit_s2_fwd_0 attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32} {
   sdy.mesh @mesh = <["data"=2]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}]}}
   func.func public @main(%arg0: tensor<16x4xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<4x4xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<4x4xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<4x4xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<4x4xf32> {jax.result_info = "result[3]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<16x4xf32> {jax.result_info = "result[4]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<4xf32> {jax.result_info = "result[5]", sdy.sharding = #sdy.sharding<@mesh, [{}]>}) {
-    %0 = stablehlo.reshape %arg0 : (tensor<16x4xf32>) -> tensor<4x4x4xf32>
-    %1 = stablehlo.slice %0 [0:1, 0:4, 0:4] : (tensor<4x4x4xf32>) -> tensor<1x4x4xf32>
-    %2 = stablehlo.reshape %1 : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
-    %3 = stablehlo.slice %0 [1:2, 0:4, 0:4] : (tensor<4x4x4xf32>) -> tensor<1x4x4xf32>
-    %4 = stablehlo.reshape %3 : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
-    %5 = stablehlo.slice %0 [2:3, 0:4, 0:4] : (tensor<4x4x4xf32>) -> tensor<1x4x4xf32>
-    %6 = stablehlo.reshape %5 : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
-    %7 = stablehlo.slice %0 [3:4, 0:4, 0:4] : (tensor<4x4x4xf32>) -> tensor<1x4x4xf32>
-    %8 = stablehlo.reshape %7 : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+    %0 = stablehlo.slice %arg0 [0:4, 0:4] : (tensor<16x4xf32>) -> tensor<4x4xf32>
+    %1 = stablehlo.slice %arg0 [4:8, 0:4] : (tensor<16x4xf32>) -> tensor<4x4xf32>
+    %2 = stablehlo.slice %arg0 [8:12, 0:4] : (tensor<16x4xf32>) -> tensor<4x4xf32>
+    %3 = stablehlo.slice %arg0 [12:16, 0:4] : (tensor<16x4xf32>) -> tensor<4x4xf32>
     %cst = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-    %9 = stablehlo.broadcast_in_dim %cst, dims = [] : (tensor<f32>) -> tensor<1x16x4xf32>
-    %10 = stablehlo.reshape %9 : (tensor<1x16x4xf32>) -> tensor<16x4xf32>
+    %4 = stablehlo.broadcast_in_dim %cst, dims = [] : (tensor<f32>) -> tensor<1x16x4xf32>
+    %5 = stablehlo.reshape %4 : (tensor<1x16x4xf32>) -> tensor<16x4xf32>
     %cst_0 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-    %11 = stablehlo.broadcast_in_dim %cst_0, dims = [] : (tensor<f32>) -> tensor<1x4xf32>
-    %12 = stablehlo.reshape %11 : (tensor<1x4xf32>) -> tensor<4xf32>
-    return %2, %4, %6, %8, %10, %12 : tensor<4x4xf32>, tensor<4x4xf32>, tensor<4x4xf32>, tensor<4x4xf32>, tensor<16x4xf32>, tensor<4xf32>
+    %6 = stablehlo.broadcast_in_dim %cst_0, dims = [] : (tensor<f32>) -> tensor<1x4xf32>
+    %7 = stablehlo.reshape %6 : (tensor<1x4xf32>) -> tensor<4xf32>
+    return %0, %1, %2, %3, %5, %7 : tensor<4x4xf32>, tensor<4x4xf32>, tensor<4x4xf32>, tensor<4x4xf32>, tensor<16x4xf32>, tensor<4xf32>
   }
 }

@@ -1,0 +1,95 @@
+"""Batch sharding carried from the inputs to intermediate values (``mpmdc.spec_propagation``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import mpmdc
+from mpmdc.primitives import fragment_p
+from mpmdc.spec_propagation import propagate_specs
+
+
+def specs_of(fn, in_specs, *args):
+    """Spec of each output of ``fn`` (``P()`` where replicated)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    found = propagate_specs(jaxpr, in_specs)
+    return [found.get(v, P()) for v in jaxpr.outvars]
+
+
+X = jnp.ones((8, 6, 4))
+W = jnp.ones((4, 5))
+
+
+def test_rules_keep_the_batch_dimension_and_drop_reduced_ones():
+    def fn(x, w):
+        h = jnp.tanh(x @ w)  # dot_general free dimension, elementwise
+        flat = h.reshape(48, 5)  # leading dimension merged
+        back = flat.reshape(8, 6, 5)  # and split again
+        return (
+            h, flat, back,
+            h.sum(axis=0),  # reduced: loses the axis
+            h.sum(axis=2),  # kept
+            jnp.transpose(h, (1, 0, 2)),  # moves with its dimension
+            h[2:6],  # slice keeps it (fit_spec later checks divisibility)
+            jnp.einsum("btd,bsd->bts", h, h),  # batch dimension of dot_general
+            jnp.broadcast_to(h[None], (3, 8, 6, 5)),
+            jnp.zeros((8, 6, 5)) + 1.0,  # nothing sharded flows in
+        )
+
+    got = specs_of(fn, [P("data"), None], X, W)
+    assert got == [
+        P("data", None, None), P("data", None), P("data", None, None), P(),
+        P("data", None), P(None, "data", None), P("data", None, None),
+        P("data", None, None), P(None, "data", None, None), P(),
+    ]
+
+
+def test_a_gather_follows_its_indices_and_a_shard_map_its_out_specs():
+    mesh = mpmdc.make_meshes(1, {"data": 2})[0]
+    table = jnp.ones((16, 4))
+    tokens = jnp.zeros((8, 3), jnp.int32)
+
+    def fn(table, tokens):
+        looked_up = table[tokens]
+        summed = jax.shard_map(lambda t: jax.lax.psum(t, "data"), mesh=mesh, in_specs=P(), out_specs=P())(table)
+        return looked_up, summed
+
+    assert specs_of(fn, [None, P("data")], table, tokens) == [P("data", None, None), P()]
+
+
+def test_a_column_sharded_weight_shards_the_features():
+    got = specs_of(lambda x, w: (jnp.tanh(x @ w), (x @ w).T), [None, P(None, "model")], X[0], W)
+    assert got == [P(None, "model"), P("model", None)]
+
+
+def mlp_step(params, x):
+    def per_microbatch(mb):
+        def loss(params):
+            h = jnp.tanh(mpmdc.stage(mb, 0) @ params["w0"])
+            h = mpmdc.stage(h, 1)
+            return jnp.mean((h @ params["w1"]) ** 2)
+
+        return jax.value_and_grad(loss)(params)
+
+    return mpmdc.accumulate(per_microbatch, x, microbatches=2, schedule="1f1b")
+
+
+def test_activations_of_a_batch_sharded_pipeline_stay_sharded_and_match_jax_jit(meshes2):
+    rng = np.random.default_rng(0)
+    params = {"w0": jnp.asarray(rng.normal(size=(6, 8)), jnp.float32),
+              "w1": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)
+    compiled = mpmdc.compile(mlp_step, meshes2, in_specs=(None, P("data")))
+    program = compiled.lower(params, x).program("after-schedule")
+    crossing = {}
+    for eqn in program.jaxpr.eqns:
+        if eqn.primitive is fragment_p and eqn.params["kind"] == "F" and eqn.params["stage"] == 0:
+            for v, spec in zip(eqn.outvars, eqn.params["out_specs"]):
+                crossing[v.aval.shape] = spec
+    # The stage-0 activation sent to stage 1 keeps the batch sharding of its microbatch.
+    assert crossing[(4, 8)] == P("data")
+    got = compiled(params, x)
+    want = jax.jit(mlp_step)(params, x)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
