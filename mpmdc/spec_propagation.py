@@ -92,7 +92,7 @@ def _gather(eqn, operand: Spec, indices: Spec) -> Spec:
     for d, k in zip(batch_dims, index_batch):
         out[d] = indices[k]
     offset_operand = [d for d in range(len(operand)) if d not in dnums.collapsed_slice_dims
-                      and d not in getattr(dnums, "operand_batching_dims", ())]
+                      and d not in dnums.operand_batching_dims]
     for d, k in zip(dnums.offset_dims, offset_operand):
         out[d] = operand[k]
     return tuple(out)

@@ -17,8 +17,9 @@ Every top-level value gets a static ``PartitionSpec`` inside its mesh: program
 inputs their ``in_specs``, fragment results their ``out_specs`` where they are
 program outputs (replicated where none was given), other fragment results the spec
 their inputs' sharded dimensions carry to them (``mpmdc.spec_propagation``),
-transferred values the source's spec as far as the destination mesh has those axes. Fragments and transfers carry
-these specs, so the StableHLO that ``lower`` emits is exactly what runs.
+transferred values the source's spec as far as the destination mesh has those axes.
+Fragments and transfers carry these specs, so the StableHLO that ``lower`` emits is
+exactly what runs.
 """
 
 from __future__ import annotations
