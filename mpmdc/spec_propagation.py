@@ -45,6 +45,14 @@ def _axes(entry) -> tuple:
     return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
+def _replicated(v) -> Spec:
+    return (None,) * len(_shape(v))
+
+
+def _is_sharded(spec: Spec) -> bool:
+    return any(e is not None for e in spec)
+
+
 def _without_repeats(spec: Spec) -> Spec:
     """A mesh axis may shard one dimension only; later uses are dropped."""
     used, out = set(), []
@@ -59,7 +67,7 @@ def _without_repeats(spec: Spec) -> Spec:
 def _same_shape(eqn, specs, out) -> Spec:
     """The spec of the first operand shaped like ``out`` that is sharded at all."""
     candidates = [s for a, s in zip(eqn.invars, specs) if _shape(a) == _shape(out)]
-    return next((s for s in candidates if any(e is not None for e in s)), (None,) * len(_shape(out)))
+    return next((s for s in candidates if _is_sharded(s)), _replicated(out))
 
 
 def _dot_general(eqn, lhs: Spec, rhs: Spec) -> Spec:
@@ -144,17 +152,17 @@ def _outputs(eqn, specs: list[Spec]) -> list[Spec]:
 
 
 def _spec_of(found: dict, v) -> Spec:
-    return found.get(v, (None,) * len(_shape(v))) if is_var(v) else (None,) * len(_shape(v))
+    return found.get(v, _replicated(v)) if is_var(v) else _replicated(v)
 
 
 def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
     found = dict(zip(jaxpr.invars, in_specs))
     for eqn in jaxpr.eqns:
         specs = [_spec_of(found, a) for a in eqn.invars]
-        if not any(e is not None for s in specs for e in s) and eqn.primitive.name != "shard_map":
+        if not any(map(_is_sharded, specs)) and eqn.primitive.name != "shard_map":
             continue
         for v, spec in zip(eqn.outvars, _outputs(eqn, specs)):
-            if any(e is not None for e in spec):
+            if _is_sharded(spec):
                 found[v] = _without_repeats(spec)
     return found
 
