@@ -27,9 +27,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def transformer_config(layers: int, stages: int = 4) -> TransformerConfig:
+    """The benchmark transformer with ``layers`` layers."""
+    return TransformerConfig(vocab=256, width=64, heads=4, hidden=256, layers=layers, stages=stages)
+
+
 def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b", stages: int = 4):
     """(step function, arguments) of the benchmark transformer's training step."""
-    config = TransformerConfig(vocab=256, width=64, heads=4, hidden=256, layers=layers, stages=stages)
+    config = transformer_config(layers, stages)
     params = init_transformer(jax.random.key(0), config)
     tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, config.vocab)
 

@@ -3,8 +3,9 @@
 Step: the 8-layer transformer training step (8 microbatches, 1F1B) under mpmdc on 4
 meshes of 2 CPU devices (batch sharded over each mesh's devices, and replicated) and
 of 1 device, against `jax.jit` of the same step on one device and data-parallel over 2
-and over all 8 devices (batch sharded, parameters replicated). Median of `--steps`
-steps after two warm-up steps.
+and over all 8 devices (batch sharded, parameters replicated). Every step's arguments
+are already where it reads them, as in a training loop. Median of `--steps` steps after
+two warm-up steps.
 
 Dispatch: a chain of `--fragments` tiny fragments on one mesh (a stage marker before
 each) under mpmdc, against the same fragment body as a bare jitted call, repeated
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import mpmdc
+from mpmdc.models import init_transformer, transformer_loss
 
 
 def blocked(fn, *args):
@@ -36,15 +38,22 @@ def data_parallel(step, args, devices):
                            jax.device_put(tokens, batch))
 
 
+def pipelined(step, args, meshes, **options):
+    """mpmdc's executable of ``step`` and ``args`` already on the meshes that read them, as
+    in a training loop that feeds each step's outputs to the next."""
+    executable = mpmdc.compile(step, meshes, **options).lower(*args).compile()
+    return executable, jax.device_put(args, executable.input_shardings[0])
+
+
 def step_times(steps: int) -> list[dict]:
     step, args = _common.transformer_setup(8)
     batch_sharded = (None, None, PartitionSpec("data"))
     rows = []
     for name, fn, fn_args in (
         ("mpmdc, 4 meshes x 2 devices, batch sharded",
-         mpmdc.compile(step, _common.four_meshes(), in_specs=batch_sharded), args),
-        ("mpmdc, 4 meshes x 2 devices, batch replicated", mpmdc.compile(step, _common.four_meshes()), args),
-        ("mpmdc, 4 meshes x 1 device", mpmdc.compile(step, mpmdc.make_meshes(4, {"data": 1})), args),
+         *pipelined(step, args, _common.four_meshes(), in_specs=batch_sharded)),
+        ("mpmdc, 4 meshes x 2 devices, batch replicated", *pipelined(step, args, _common.four_meshes())),
+        ("mpmdc, 4 meshes x 1 device", *pipelined(step, args, mpmdc.make_meshes(4, {"data": 1}))),
         ("jax.jit, 1 device", jax.jit(step), args),
         ("jax.jit, data-parallel over 2 devices", *data_parallel(step, args, jax.devices()[:2])),
         ("jax.jit, data-parallel over 8 devices", *data_parallel(step, args, jax.devices())),
@@ -56,6 +65,25 @@ def step_times(steps: int) -> list[dict]:
     for r in rows:
         r["vs 1-device jit"] = r["median ms"] / by_name["jax.jit, 1 device"]
         r["vs 2-device DP jit"] = r["median ms"] / by_name["jax.jit, data-parallel over 2 devices"]
+    return rows
+
+
+def splitting_work(steps: int) -> list[dict]:
+    """One gradient of the 8-layer model alone, on 1 device against data-parallel over 2:
+    for one microbatch (what a 4x2 pipeline fragment computes) and for the whole batch."""
+    config = _common.transformer_config(8)
+    params = init_transformer(jax.random.key(0), config)
+    grad = jax.jit(jax.value_and_grad(lambda p, t: transformer_loss(p, t, config)))
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
+    replicated, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    rows = []
+    for sequences in (4, 32):
+        tokens = jax.random.randint(jax.random.key(1), (sequences, 33), 0, config.vocab)
+        one = blocked(grad, params, tokens)
+        two = blocked(grad, jax.device_put(params, replicated), jax.device_put(tokens, batch))
+        one(), two()
+        t1, t2 = (_common.seconds(run, repeat=steps) * 1e3 for run in (one, two))
+        rows.append({"sequences": sequences, "1 device ms": t1, "2 devices ms": t2, "ratio": t2 / t1})
     return rows
 
 
@@ -100,6 +128,7 @@ def main():
     parser.add_argument("--fragments", type=int, default=64)
     args = parser.parse_args()
     _common.report("runtime_step", step_times(args.steps), ["step", "median ms", "vs 1-device jit", "vs 2-device DP jit"])
+    _common.report("runtime_splitting", splitting_work(args.steps), ["sequences", "1 device ms", "2 devices ms", "ratio"])
     _common.report("runtime_dispatch", dispatch(args.fragments, 20), ["call", "us per call", "ratio"])
 
 

@@ -25,6 +25,7 @@ from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
 from mpmdc import backends
+from mpmdc._jax_compat import direct_call
 from mpmdc.errors import ArgumentError, MpmdRuntimeError
 from mpmdc.ir import Program, is_var
 from mpmdc.lowering import fragment_key, lower_fragment
@@ -115,6 +116,7 @@ class Executable:
                 if keys[i] not in lowerings:
                     lowerings[keys[i]] = lower_fragment(program, eqn, backend, donate)
         executables = compile_all(backend, {k: lowerings[k] for k in keys.values()})
+        direct_calls = {k: direct_call(e) for k, e in executables.items()}
 
         # The environment is a list: every value (constant, literal, input, result) has a
         # slot, so the call loop reads and writes by index.
@@ -135,7 +137,7 @@ class Executable:
         for i, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive is fragment_p:
                 mesh, name = eqn.params["mesh"], eqn.params["name"]
-                call = executables[keys[i]]
+                call = direct_calls[keys[i]]
             else:
                 mesh, name = eqn.params["dst"], f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}"
                 dst_mesh = meshes[mesh]
@@ -153,10 +155,12 @@ class Executable:
             )
         # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
         # A fragment with effects (a callback) is waited for, so an error it raises
-        # surfaces here, where the fragment can be named, not at some later read.
+        # surfaces here, where the fragment can be named, not at some later read. An
+        # empty release list is None, so the loop skips it with one test.
         effectful = {k for k, eqn in enumerate(jaxpr.eqns) if eqn.primitive is fragment_p and eqn.effects}
         self._plan = [
-            (st.call, st.inputs, st.outputs, st.release, k in effectful) for k, st in enumerate(self._steps)
+            (st.call, st.inputs, st.outputs, st.release or None, k in effectful)
+            for k, st in enumerate(self._steps)
         ]
         self._executables = executables
         self._outputs = []
@@ -167,6 +171,13 @@ class Executable:
     def memory(self) -> tuple[MeshMemory, ...]:
         """Per mesh, the peak live intermediate buffers (and activations) of one call."""
         return memory_profile(self.program)
+
+    @property
+    def input_shardings(self):
+        """Where each argument runs, as ``(args, kwargs)`` pytrees of ``jax.sharding.Sharding``
+        (as ``jax.stages.Compiled.input_shardings``): arguments already placed so are not
+        moved when called, e.g. ``jax.device_put(args, executable.input_shardings[0])``."""
+        return jax.tree_util.tree_unflatten(self.signature.in_tree, self._in_shardings)
 
     @property
     def num_executables(self) -> int:
@@ -182,16 +193,18 @@ class Executable:
     def call_flat(self, leaves):
         """Run with already-checked flat arguments; returns the output pytree."""
         env = self._start(leaves)
+        read = env.__getitem__
         k, results = 0, None
         try:
             for call, inputs, outputs, release, wait in self._plan:
-                results = call(*[env[i] for i in inputs])
+                results = call(*map(read, inputs))
                 if wait:
                     jax.block_until_ready(results)
                 for i, value in zip(outputs, results):
                     env[i] = value
-                for i in release:
-                    env[i] = None
+                if release:
+                    for i in release:
+                        env[i] = None
                 k += 1
         except Exception as err:
             # The traceback keeps this frame alive; the buffers it holds need not live on.
@@ -247,8 +260,9 @@ def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
 
 
 def _placed(x, sharding):
-    """``x`` with ``sharding``; an array already placed so is passed through untouched."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
+    """``x`` with ``sharding``; an array already placed so (or equivalently: a one-device
+    array on a one-device mesh) is passed through untouched, saving a ``device_put``."""
+    if isinstance(x, jax.Array) and (x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)):
         return x
     return jax.device_put(x, sharding)
 

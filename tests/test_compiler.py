@@ -143,6 +143,29 @@ def test_donated_inputs_are_consumed(meshes2):
     assert x.is_deleted()
 
 
+def test_input_shardings_say_where_each_argument_runs(meshes4):
+    P = jax.sharding.PartitionSpec
+    step = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4, in_specs=(None, P("data")))
+    executable = step.lower(WS, X).compile()
+    (ws_at, x_at), kwargs_at = executable.input_shardings
+    assert kwargs_at == {}
+    assert [s.mesh for s in ws_at] == list(meshes4)  # each layer's weight where it is used
+    assert x_at.spec == P("data") and x_at.mesh == meshes4[0]
+    placed_ws, placed_x = jax.device_put((WS, X), (ws_at, x_at))
+    got = executable(placed_ws, placed_x)
+    want = jax.jit(jax.value_and_grad(mlp_loss))(WS, X)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+
+
+def test_an_argument_already_where_it_runs_is_not_copied():
+    mesh = mpmdc.make_meshes(1, {"data": 1})
+    x = jax.device_put(X, mesh[0].devices.flat[0])  # one device: the same placement as the mesh's
+    same, doubled = mpmdc.compile(lambda x: (x, 2 * x), mesh).lower(x).compile()(x)
+    assert same is x
+    np.testing.assert_array_equal(doubled, 2 * X)
+
+
 def test_demo_matches_jit():
     from mpmdc.demo import run
 
