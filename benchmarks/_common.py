@@ -51,12 +51,19 @@ def four_meshes():
 
 def seconds(fn, *, repeat: int = 1) -> float:
     """Median wall time of ``fn()`` (which should block until its work is done)."""
-    times = []
+    return interleaved([fn], repeat=repeat)[0]
+
+
+def interleaved(fns, *, repeat: int) -> list[float]:
+    """Median wall time of each of ``fns``, timed in turn ``repeat`` times over: on a shared
+    machine, load that comes and goes then lands on all of them alike, not on one."""
+    times = [[] for _ in fns]
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times]
 
 
 def machine() -> str:

@@ -8,6 +8,10 @@ the passes alone (inline..schedule, and per equation of the traced program), the
 `accumulate` is a `lax.scan`). Writes results/compile_time.json and, with
 matplotlib, results/compile_time.png.
 
+Then where the compile time goes: XLA compiling mpmdc's distinct modules of the 8-layer
+step one after another against `jax.jit`'s one module, and XLA's time for one jitted
+gradient module against its number of layers.
+
     python benchmarks/compile_time.py [--layers 4 8 16 32]
 """
 
@@ -18,6 +22,7 @@ import _common
 import jax
 
 import mpmdc
+from mpmdc.models import init_transformer, transformer_loss
 
 PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
 
@@ -46,6 +51,37 @@ def measure(layers: int) -> dict:
         "jax.jit total s": jit_s,
         "ratio": (lower_s + compile_s) / jit_s,
     }
+
+
+def xla_split(layers: int) -> list[dict]:
+    """XLA's time alone: each of mpmdc's distinct modules compiled one after another,
+    against the one module of `jax.jit`."""
+    step, args = _common.transformer_setup(layers)
+    lowerings = mpmdc.compile(step, _common.four_meshes()).lower(*args).program("stablehlo").lowerings
+    each = [_common.seconds(lowered.compile) for lowered in lowerings.values()]
+    jit_lowered = jax.jit(step).lower(*args)
+    return [
+        {"modules": f"mpmdc, {len(each)} distinct fragment modules", "XLA compile s": sum(each),
+         "smallest s": min(each), "largest s": max(each)},
+        {"modules": "jax.jit, 1 module", "XLA compile s": _common.seconds(jit_lowered.compile),
+         "smallest s": float("nan"), "largest s": float("nan")},
+    ]
+
+
+def xla_module_size(layer_counts) -> list[dict]:
+    """XLA's time for one jitted gradient (one microbatch, one device) of 1 to 16 layers:
+    a large fixed cost per module, a small one per layer."""
+    rows = []
+    for layers in layer_counts:
+        config = _common.transformer_config(layers, stages=1)
+        params = init_transformer(jax.random.key(0), config)
+        tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, config.vocab)
+        lowered = jax.jit(jax.value_and_grad(lambda p, t: transformer_loss(p, t, config))).lower(params, tokens)
+        lines = lowered.as_text().count("\n")
+        seconds = _common.seconds(lowered.compile)
+        rows.append({"layers": layers, "StableHLO lines": lines, "XLA compile s": seconds,
+                     "ms per line": seconds / lines * 1e3})
+    return rows
 
 
 def plot(rows, path):
@@ -78,6 +114,10 @@ def main():
     columns = list(rows[0])
     _common.report("compile_time", rows, columns)
     plot(rows, _common.RESULTS / "compile_time.png")
+    split = xla_split(8)
+    _common.report("compile_xla_split", split, list(split[0]))
+    sizes = xla_module_size([1, 2, 4, 8, 16])
+    _common.report("compile_xla_module_size", sizes, list(sizes[0]))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ meshes of 2 CPU devices (batch sharded over each mesh's devices, and replicated)
 of 1 device, against `jax.jit` of the same step on one device and data-parallel over 2
 and over all 8 devices (batch sharded, parameters replicated). Every step's arguments
 are already where it reads them, as in a training loop. Median of `--steps` steps after
-two warm-up steps.
+two warm-up steps, the configurations taking turns step by step.
 
 Dispatch: a chain of `--fragments` tiny fragments on one mesh (a stage marker before
 each) under mpmdc, against the same fragment body as a bare jitted call, repeated
@@ -48,7 +48,7 @@ def pipelined(step, args, meshes, **options):
 def step_times(steps: int) -> list[dict]:
     step, args = _common.transformer_setup(8)
     batch_sharded = (None, None, PartitionSpec("data"))
-    rows = []
+    runs = {}
     for name, fn, fn_args in (
         ("mpmdc, 4 meshes x 2 devices, batch sharded",
          *pipelined(step, args, _common.four_meshes(), in_specs=batch_sharded)),
@@ -58,9 +58,10 @@ def step_times(steps: int) -> list[dict]:
         ("jax.jit, data-parallel over 2 devices", *data_parallel(step, args, jax.devices()[:2])),
         ("jax.jit, data-parallel over 8 devices", *data_parallel(step, args, jax.devices())),
     ):
-        run = blocked(fn, *fn_args)
-        run(), run()
-        rows.append({"step": name, "median ms": _common.seconds(run, repeat=steps) * 1e3})
+        runs[name] = blocked(fn, *fn_args)
+        runs[name](), runs[name]()
+    medians = _common.interleaved(list(runs.values()), repeat=steps)
+    rows = [{"step": name, "median ms": t * 1e3} for name, t in zip(runs, medians)]
     by_name = {r["step"]: r["median ms"] for r in rows}
     for r in rows:
         r["vs 1-device jit"] = r["median ms"] / by_name["jax.jit, 1 device"]
@@ -82,7 +83,7 @@ def splitting_work(steps: int) -> list[dict]:
         one = blocked(grad, params, tokens)
         two = blocked(grad, jax.device_put(params, replicated), jax.device_put(tokens, batch))
         one(), two()
-        t1, t2 = (_common.seconds(run, repeat=steps) * 1e3 for run in (one, two))
+        t1, t2 = (t * 1e3 for t in _common.interleaved([one, two], repeat=steps))
         rows.append({"sequences": sequences, "1 device ms": t1, "2 devices ms": t2, "ratio": t2 / t1})
     return rows
 
@@ -102,8 +103,6 @@ def dispatch(fragments: int, calls: int) -> list[dict]:
     # One mesh for every stage: fragments run back to back, no transfers.
     compiled = mpmdc.compile(chain, mesh, stage_to_mesh=(0,) * fragments)
     run = blocked(compiled, x)
-    run()
-    per_fragment = _common.seconds(run, repeat=calls) / fragments
 
     bare = jax.jit(body)
     y = jax.device_put(x, mesh[0].devices.flat[0])
@@ -114,8 +113,8 @@ def dispatch(fragments: int, calls: int) -> list[dict]:
             z = bare(z)
         return jax.block_until_ready(z)
 
-    bare_chain()
-    bare_per_call = _common.seconds(bare_chain, repeat=calls) / fragments
+    run(), bare_chain()
+    per_fragment, bare_per_call = (t / fragments for t in _common.interleaved([run, bare_chain], repeat=calls))
     return [
         {"call": "mpmdc fragment (in a chain)", "us per call": per_fragment * 1e6, "ratio": per_fragment / bare_per_call},
         {"call": "bare jitted call (in a chain)", "us per call": bare_per_call * 1e6, "ratio": 1.0},
@@ -129,7 +128,7 @@ def main():
     args = parser.parse_args()
     _common.report("runtime_step", step_times(args.steps), ["step", "median ms", "vs 1-device jit", "vs 2-device DP jit"])
     _common.report("runtime_splitting", splitting_work(args.steps), ["sequences", "1 device ms", "2 devices ms", "ratio"])
-    _common.report("runtime_dispatch", dispatch(args.fragments, 20), ["call", "us per call", "ratio"])
+    _common.report("runtime_dispatch", dispatch(args.fragments, 100), ["call", "us per call", "ratio"])
 
 
 if __name__ == "__main__":
