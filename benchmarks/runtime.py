@@ -29,13 +29,13 @@ def blocked(fn, *args):
     return lambda: jax.block_until_ready(fn(*args))
 
 
-def data_parallel(step, args, devices):
-    """``jax.jit`` of ``step`` over ``devices``: batch sharded, parameters replicated."""
+def data_parallel(args, devices):
+    """``args`` (parameter-like leaves, then the batch) placed for data parallelism over
+    ``devices``: the batch sharded on its leading axis, everything else replicated."""
     mesh = jax.sharding.Mesh(devices, ("data",))
     replicated, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-    params, state, tokens = args
-    return jax.jit(step), (jax.device_put(params, replicated), jax.device_put(state, replicated),
-                           jax.device_put(tokens, batch))
+    *rest, tokens = args
+    return (*jax.device_put(rest, replicated), jax.device_put(tokens, batch))
 
 
 def pipelined(step, args, meshes, **options):
@@ -55,8 +55,8 @@ def step_times(steps: int) -> list[dict]:
         ("mpmdc, 4 meshes x 2 devices, batch replicated", *pipelined(step, args, _common.four_meshes())),
         ("mpmdc, 4 meshes x 1 device", *pipelined(step, args, mpmdc.make_meshes(4, {"data": 1}))),
         ("jax.jit, 1 device", jax.jit(step), args),
-        ("jax.jit, data-parallel over 2 devices", *data_parallel(step, args, jax.devices()[:2])),
-        ("jax.jit, data-parallel over 8 devices", *data_parallel(step, args, jax.devices())),
+        ("jax.jit, data-parallel over 2 devices", jax.jit(step), data_parallel(args, jax.devices()[:2])),
+        ("jax.jit, data-parallel over 8 devices", jax.jit(step), data_parallel(args, jax.devices())),
     ):
         runs[name] = blocked(fn, *fn_args)
         runs[name](), runs[name]()
@@ -75,13 +75,11 @@ def splitting_work(steps: int) -> list[dict]:
     config = _common.transformer_config(8)
     params = init_transformer(jax.random.key(0), config)
     grad = jax.jit(jax.value_and_grad(lambda p, t: transformer_loss(p, t, config)))
-    mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
-    replicated, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     rows = []
     for sequences in (4, 32):
         tokens = jax.random.randint(jax.random.key(1), (sequences, 33), 0, config.vocab)
         one = blocked(grad, params, tokens)
-        two = blocked(grad, jax.device_put(params, replicated), jax.device_put(tokens, batch))
+        two = blocked(grad, *data_parallel((params, tokens), jax.devices()[:2]))
         one(), two()
         t1, t2 = (t * 1e3 for t in _common.interleaved([one, two], repeat=steps))
         rows.append({"sequences": sequences, "1 device ms": t1, "2 devices ms": t2, "ratio": t2 / t1})
