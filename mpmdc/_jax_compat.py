@@ -20,6 +20,22 @@ custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
 
 
+def with_metadata(ctx, key: str, value):
+    """Equation context ``ctx`` with ``key`` set to ``value`` in its metadata (``None``
+    removes it). JAX's rewrites (DCE rules, ``eqn.replace``) keep an equation's context,
+    so what is recorded here travels with the equation."""
+    items = {k: v for k, v in (ctx.xla_metadata or {}).items() if k != key}
+    if value is not None:
+        items[key] = value
+    return _core.JaxprEqnContext._create(
+        ctx.compute_type,
+        ctx.threefry_partitionable,
+        ctx.cur_abstract_mesh,
+        ctx.remove_size_one_mesh_axis,
+        tuple(sorted(items.items())) or None,
+    )
+
+
 def exclude_from_source_lines(path: str) -> None:
     """Make source lines skip frames under ``path`` (mpmdc's own), as JAX skips its own."""
     _source_info_util.register_exclusion(path)

@@ -1,8 +1,10 @@
 """The IR every pass reads and writes: a ``ClosedJaxpr`` plus a little side data.
 
-Before ``split`` the jaxpr is the traced program and ``placements`` (after
-``partition``) gives each equation the stage and transpose count it runs in. After
-``split`` the top-level equations are only ``fragment`` and ``transfer``.
+Before ``split`` the jaxpr is the traced program; after ``partition`` each equation
+carries its placement (stage, transpose count, microbatch) in its own context
+metadata, so it travels with the equation through every rewrite (JAX's DCE rules
+rebuild equations and keep their context). After ``split`` the top-level equations
+are only ``fragment`` and ``transfer``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ class Placement:
         return (self.transpose, stage, -1 if self.microbatch is None else self.microbatch)
 
 
+_PLACEMENT_KEY = "mpmdc.placement"
+
+
+def placement_of(eqn) -> Placement | None:
+    """The placement recorded on ``eqn`` (``None`` before ``partition`` and after ``split``)."""
+    metadata = eqn.ctx.xla_metadata
+    return metadata.get(_PLACEMENT_KEY) if metadata else None
+
+
+def placed(eqn, placement: Placement | None):
+    """``eqn`` recording ``placement`` (``None``: with no placement, as in a fragment body)."""
+    if placement_of(eqn) == placement:
+        return eqn
+    return eqn.replace(ctx=compat.with_metadata(eqn.ctx, _PLACEMENT_KEY, placement))
+
+
 @dataclass(frozen=True)
 class Program:
     """A program between two passes.
@@ -65,7 +83,7 @@ class Program:
     out_paths: tuple[str, ...]
     donated: tuple[bool, ...]
     backend: str
-    placements: tuple[Placement, ...] | None = None
+    is_split: bool = False  # set by ``split``: top-level equations are fragments and transfers
     in_meshes: tuple[int, ...] | None = None
     out_meshes: tuple[int, ...] | None = None
     modules: tuple[tuple[str, str], ...] | None = None  # (fragment, StableHLO) for ``backend``
@@ -91,9 +109,12 @@ class Program:
         return self.stage_to_mesh[stage]
 
     @property
-    def is_split(self) -> bool:
-        """True once ``split`` has turned the program into fragments and transfers."""
-        return self.in_meshes is not None and self.placements is None
+    def placements(self) -> tuple[Placement | None, ...] | None:
+        """Each top-level equation's placement, read off the equations; ``None`` before
+        ``partition`` and after ``split``."""
+        if self.in_meshes is None or self.is_split:
+            return None
+        return tuple(placement_of(eqn) for eqn in self.jaxpr.jaxpr.eqns)
 
     def as_text(self) -> str:
         """Deterministic text: meshes, inputs, equations (with placements), outputs."""
@@ -208,10 +229,11 @@ def format_program(program: Program) -> str:
             f"{_spec_text(program.in_specs[i])}  # {program.in_paths[i]}"
         )
     lines.append("equations:")
+    placements = program.placements
     for i, eqn in enumerate(jaxpr.eqns):
         text = compat.pp_eqn(eqn, ctx, settings).format()
-        if program.placements is not None:
-            p = program.placements[i]
+        if placements is not None:
+            p = placements[i]
             prefix = f"  [{p.label} @mesh{program.mesh_of_stage(p.stage)}] "
         else:
             prefix = "  "

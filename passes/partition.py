@@ -50,6 +50,8 @@ from mpmdc.ir import (
     copy_eqn,
     is_var,
     make_closed_jaxpr,
+    placed,
+    placement_of,
     substituted,
     vars_of,
 )
@@ -242,17 +244,15 @@ def partition(program: Program) -> Program:
                 needed[producer[a]] |= needed[i]
 
     # Only clones get fresh names: clone_env[p] renames a cheap value to its copy in p.
-    new_eqns, new_placements = [], []
+    new_eqns = []
     clone_env: dict[Placement, dict] = {}
     for i, eqn in enumerate(eqns):
         if i in cheap:
             for p in sorted(needed[i], key=Placement.order_key):
-                new_eqns.append(copy_eqn(eqn, clone_env.setdefault(p, {})))
-                new_placements.append(p)
+                new_eqns.append(placed(copy_eqn(eqn, clone_env.setdefault(p, {})), p))
         else:
             p = placement[i]
-            new_eqns.append(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))))
-            new_placements.append(p)
+            new_eqns.append(placed(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))), p))
     outvars = [
         substituted([v], clone_env.get(p, {}))[0] for v, p in zip(jaxpr.outvars, out_placement)
     ]
@@ -261,9 +261,9 @@ def partition(program: Program) -> Program:
         return program.mesh_of_stage(p.stage)
 
     input_users: dict = {}
-    for eqn, p in zip(new_eqns, new_placements):
+    for eqn in new_eqns:
         for a in vars_of(eqn.invars):
-            input_users.setdefault(a, []).append(p)
+            input_users.setdefault(a, []).append(placement_of(eqn))
     in_index = {v: k for k, v in enumerate(jaxpr.invars)}
     for v, p in zip(jaxpr.outvars, out_placement):
         if is_var(v) and v in in_index and v not in input_users:
@@ -282,7 +282,6 @@ def partition(program: Program) -> Program:
     )
     return program.replace(
         jaxpr=new,
-        placements=tuple(new_placements),
         in_meshes=tuple(in_meshes),
         out_meshes=tuple(out_meshes),
     )

@@ -35,6 +35,7 @@ from mpmdc.ir import (
     fresh_like,
     is_var,
     make_closed_jaxpr,
+    placed,
     sub_jaxpr,
     substituted,
     vars_of,
@@ -99,7 +100,8 @@ def split(program: Program) -> Program:
         if is_marker(eqn) or is_microbatch_marker(eqn):
             env.update(zip(eqn.outvars, substituted(eqn.invars, env)))
         else:
-            eqns.append(eqn.replace(invars=substituted(eqn.invars, env)))
+            # Fragment bodies carry no placements: JAX would lower them as attributes.
+            eqns.append(placed(eqn, None).replace(invars=substituted(eqn.invars, env)))
             placements.append(placement)
     outvars = substituted(jaxpr.outvars, env)
 
@@ -191,7 +193,7 @@ def split(program: Program) -> Program:
     new = make_closed_jaxpr(
         jaxpr.constvars, closed.consts, jaxpr.invars, final, top_eqns, jaxpr.debug_info
     )
-    return program.replace(jaxpr=new, placements=None)
+    return program.replace(jaxpr=new, is_split=True)
 
 
 class Split(FunctionPass):

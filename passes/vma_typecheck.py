@@ -8,6 +8,7 @@
 * Every ``in_specs``/``out_specs`` entry names only axes of the mesh holding the
   value, and splits only dimensions its axes divide.
 * A ``shard_map`` runs on the mesh of the stage it sits in.
+* Between ``partition`` and ``split``, every equation has a placement.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def vma_typecheck(program: Program) -> Program:
     jaxpr = program.jaxpr.jaxpr
     if program.placements is not None:
         for eqn, p in zip(jaxpr.eqns, program.placements):
+            if p is None:
+                raise TypeCheckError(
+                    f"`{eqn.primitive.name}` at {compat.source_line(eqn)} has no placement; "
+                    f"every equation of a partitioned program must have one."
+                )
             mesh = program.mesh_of_stage(p.stage)
             _check_shard_maps(
                 [eqn], program.meshes[mesh], mesh, f"stage {p.stage}"

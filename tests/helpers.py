@@ -17,9 +17,25 @@ def assert_same_as_jit(fn, meshes, *args, rtol=2e-5, atol=1e-6, compile_kwargs=N
     want_leaves, want_tree = jax.tree_util.tree_flatten(want)
     assert got_tree == want_tree
     for g, w in zip(got_leaves, want_leaves):
-        assert isinstance(g, jax.Array)
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+        assert_same_array(g, w, rtol=rtol, atol=atol)
     return got
+
+
+def assert_same_array(got, want, rtol=2e-5, atol=1e-6):
+    """``got`` is a ``jax.Array`` of ``want``'s type (shape, dtype, weak type) and values."""
+    assert isinstance(got, jax.Array), type(got)
+    got_type, want_type = jax.typeof(got), jax.typeof(want)
+    assert (got_type.shape, got_type.dtype, got_type.weak_type) == (
+        want_type.shape, want_type.dtype, want_type.weak_type
+    ), (got_type, want_type)
+    if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
+        got, want = jax.random.key_data(got), jax.random.key_data(want)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64 if got.dtype == jnp.bfloat16 else None),
+        np.asarray(want, np.float64 if want.dtype == jnp.bfloat16 else None),
+        rtol=rtol,
+        atol=atol,
+    )
 
 
 def mesh_index(array, meshes):

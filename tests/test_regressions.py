@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from helpers import assert_same_as_jit
 
 
 def psum_on(mesh):
@@ -88,3 +89,32 @@ def test_shard_map_runs_on_its_own_mesh_also_in_the_backward(name):
     want = jax.jit(jax.value_and_grad(lambda x: body(x, lambda m: reference_mesh)))(x)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------- programs users write (issue 13)
+# Each of these gave a wrong number or a raw exception before its fix.
+
+
+def test_dead_jitted_helper_with_an_effect_keeps_its_placement():
+    """JAX's DCE rebuilds a jitted call whose outputs are all unused but which prints,
+    with no outputs at all; ``dce`` used to look its placement up by the old equation
+    and raised ``KeyError``. Placements now live on the equations themselves."""
+    printed = []
+
+    @jax.jit
+    def helper(x):
+        jax.debug.callback(lambda v: printed.append(np.asarray(v)), x)
+        return x * 2
+
+    def fn(x):
+        helper(x)
+        return mpmdc.stage(x, 1) + 1
+
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    x = jnp.arange(3.0)
+    assert_same_as_jit(fn, meshes, x)
+    assert len(printed) == 2  # once under mpmdc, once under jax.jit
+    np.testing.assert_array_equal(printed[0], printed[1])
+    program = mpmdc.compile(fn, meshes).lower(x).program("after-dce")
+    (call,) = [e for e in program.jaxpr.eqns if e.primitive.name == "jit"]
+    assert not call.outvars and program.placements[program.jaxpr.eqns.index(call)] is not None
