@@ -3,8 +3,7 @@
 from mpmdc.lowering.stablehlo import (
     fragment_function,
     fragment_jit,
-    fragment_key,
     lower_fragment,
 )
 
-__all__ = ["fragment_function", "fragment_jit", "fragment_key", "lower_fragment"]
+__all__ = ["fragment_function", "fragment_jit", "lower_fragment"]

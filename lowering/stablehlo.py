@@ -7,8 +7,6 @@ not have, so every backend's modules can be produced (and golden-tested) anywher
 
 from __future__ import annotations
 
-import weakref
-
 import jax
 from jax.experimental import checkify
 from jax.extend import core as jcore
@@ -67,23 +65,6 @@ def fragment_jit(eqn, program: Program, donate_argnums=()):
         donate_argnums=donate_argnums,
     )
     return jitted, args
-
-
-_BODY_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def fragment_key(eqn, donate_argnums=()) -> tuple:
-    """Fragments with equal keys lower to the same module and share one executable.
-
-    The body's text (JAX's printer renames variables canonically), the mesh, the specs
-    and the donated arguments: everything the module depends on except its name. The
-    text is remembered per body object, since `lower` and the runtime both ask.
-    """
-    p = eqn.params
-    body = p["jaxpr"]
-    if body not in _BODY_TEXT:
-        _BODY_TEXT[body] = str(body)
-    return (_BODY_TEXT[body], p["mesh"], p["in_specs"], p["out_specs"], tuple(donate_argnums))
 
 
 def lower_fragment(program: Program, eqn, backend, donate_argnums=()):

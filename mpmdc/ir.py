@@ -10,10 +10,13 @@ are only ``fragment`` and ``transfer``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
 from jax.sharding import Mesh, PartitionSpec
 
 from mpmdc import _jax_compat as compat
@@ -197,6 +200,67 @@ def sub_jaxpr(eqns, outputs, const_values: dict, name: str):
     return inputs, closed
 
 
+# ------------------------------------------------------- fragment identity
+
+# Parameters a primitive's lowering never reads (rules used only when differentiating):
+# they do not make two bodies compute different things.
+PARAMS_LOWERING_IGNORES: dict = {
+    jprims.custom_jvp_call_p: frozenset({"jvp_jaxpr_fun"}),
+    jprims.custom_vjp_call_p: frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees"}),
+}
+
+
+def _unprinted(value, out: list) -> None:
+    """Append to ``out`` what of a parameter ``value`` the jaxpr printer leaves out:
+    constants of closed jaxprs (by identity), and every non-jaxpr value itself (by
+    equality where it is hashable, else by identity). Callbacks print as a masked
+    address and constants by type only, so text alone would merge different bodies."""
+    if isinstance(value, jcore.ClosedJaxpr):
+        out.append(tuple(id(c) for c in value.consts))
+        _unprinted(value.jaxpr, out)
+    elif isinstance(value, jcore.Jaxpr):
+        for eqn in value.eqns:
+            ignored = PARAMS_LOWERING_IGNORES.get(eqn.primitive, ())
+            for name in sorted(eqn.params):
+                if name not in ignored:
+                    _unprinted(eqn.params[name], out)
+            out.extend(id(a.val) for a in eqn.invars if isinstance(a, jcore.Literal) and np.ndim(a.val))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _unprinted(item, out)
+    else:
+        try:
+            hash(value)
+        except TypeError:
+            value = ("id", id(value))
+        out.append(value)
+
+
+_BODY_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def body_key(body: jcore.ClosedJaxpr) -> tuple:
+    """What a closed jaxpr computes, as a hashable key: equal keys compute the same.
+
+    JAX's printed text (variables renamed canonically) plus what the text leaves out
+    (``_unprinted``): its constants and those of nested calls, callbacks, other
+    opaque parameters. Remembered per body object, since several passes ask.
+    """
+    if body not in _BODY_KEYS:
+        extra: list = []
+        _unprinted(body, extra)
+        _BODY_KEYS[body] = (str(body), tuple(extra))
+    return _BODY_KEYS[body]
+
+
+def fragment_key(eqn, donate_argnums=()) -> tuple:
+    """Fragments with equal keys lower to the same module and share one executable:
+    the body's key, the mesh, the specs and the donated arguments (everything the
+    module depends on except its name)."""
+    p = eqn.params
+    return (body_key(p["jaxpr"]), p["mesh"], p["in_specs"], p["out_specs"], tuple(donate_argnums))
+
+
 # ----------------------------------------------------------------- printing
 
 
@@ -252,7 +316,6 @@ def format_program(program: Program) -> str:
 def format_modules(program: Program) -> str:
     """The StableHLO modules of a lowered program, each under a header naming the
     fragment it was lowered from, its mesh, and the fragments sharing it."""
-    from mpmdc.lowering import fragment_key
     from mpmdc.primitives import fragment_p
 
     fragments = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]

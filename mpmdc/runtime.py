@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from mpmdc import backends
 from mpmdc._jax_compat import direct_call
 from mpmdc.errors import ArgumentError, MpmdRuntimeError
-from mpmdc.ir import Program, is_var
-from mpmdc.lowering import fragment_key, lower_fragment
+from mpmdc.ir import Program, fragment_key, is_var
+from mpmdc.lowering import lower_fragment
 from mpmdc.memory import MeshMemory, memory_profile, release_plan
 from mpmdc.passes.schedule import action_of
 from mpmdc.primitives import fragment_p

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpmdc.lowering import fragment_key, lower_fragment
+from mpmdc.lowering import lower_fragment
 from mpmdc.passes.base import FunctionPass
 from mpmdc.passes.in_program_transfers import in_program_transfers
 
 from mpmdc import backends
 from mpmdc.errors import PassError
-from mpmdc.ir import Program
+from mpmdc.ir import Program, fragment_key
 from mpmdc.primitives import fragment_p
 
 

@@ -118,3 +118,55 @@ def test_dead_jitted_helper_with_an_effect_keeps_its_placement():
     program = mpmdc.compile(fn, meshes).lower(x).program("after-dce")
     (call,) = [e for e in program.jaxpr.eqns if e.primitive.name == "jit"]
     assert not call.outvars and program.placements[program.jaxpr.eqns.index(call)] is not None
+
+
+A_JAX = jax.random.normal(jax.random.key(1), (4, 4))
+B_NUMPY = np.asarray(jax.random.normal(jax.random.key(2), (4, 4)))
+
+
+def _closing_over(c):
+    @jax.jit
+    def helper(x):
+        return jnp.tanh(x @ c)
+
+    return helper
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [(0, 1), (0, 1, 0)],
+    ids=["two_stages_one_mesh", "stage_re_entered"],
+)
+def test_fragments_differing_only_in_captured_constants_do_not_share(stages):
+    """Fragment bodies that print alike but capture different arrays (module-level jax
+    and numpy arrays, a closure, a jitted helper's own constant) used to share one
+    executable: every element was wrong. Their identity now includes the constants."""
+    closure = jnp.full((4, 4), 0.3)
+    consts = [A_JAX, B_NUMPY, closure]
+
+    def fn(x):
+        for i, s in enumerate(stages):
+            x = jnp.tanh(mpmdc.stage(x, s) @ consts[i])
+            x = _closing_over(consts[-1 - i])(x)
+        return x
+
+    meshes = mpmdc.make_meshes(1 if len(stages) == 2 else 2, {"d": 2})
+    assert_same_as_jit(fn, meshes, jnp.linspace(-1, 1, 16).reshape(4, 4))
+
+
+def test_fragments_differing_only_in_their_callback_do_not_share():
+    """``debug.callback`` and ``pure_callback`` print their function as a masked address,
+    so two stages calling different functions looked alike and shared an executable."""
+    seen = []
+
+    def stage_body(x, s):
+        x = mpmdc.stage(x, s)
+        jax.debug.callback(lambda v: seen.append(s), x)
+        return jax.pure_callback(lambda v: np.asarray(v) + s, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def fn(x):
+        return stage_body(stage_body(x, 0), 1)
+
+    meshes = mpmdc.make_meshes(1, {"d": 2})
+    assert_same_as_jit(fn, meshes, jnp.zeros(4))
+    assert seen == [0, 1, 0, 1]
