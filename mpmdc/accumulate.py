@@ -23,7 +23,7 @@ from jax.extend import core as jcore
 from mpmdc import schedules
 from mpmdc.errors import AccumulateError
 from mpmdc.primitives import mark_microbatch
-from mpmdc.pytrees import broadcast_prefix
+from mpmdc.pytrees import broadcast_prefix, skeleton
 
 REDUCTIONS = ("sum", "mean", "concat", "max")
 
@@ -76,7 +76,7 @@ def _batch_leaves(xs, microbatches: int):
 
 def _reductions(reduce, out_tree):
     """One reduction name per output leaf (``reduce`` is a name or a pytree prefix of names)."""
-    outputs = jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    outputs = skeleton(out_tree)
     try:
         names = broadcast_prefix(reduce, outputs, lambda r: isinstance(r, str))
     except ValueError as err:

@@ -21,6 +21,7 @@ from mpmdc.accumulate import unrolled
 from mpmdc.errors import (
     AccumulateError,
     ArgumentError,
+    OutputError,
     PassError,
     SpecError,
     StageError,
@@ -28,8 +29,8 @@ from mpmdc.errors import (
 from mpmdc.ir import Program
 from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
-from mpmdc.pytrees import broadcast_prefix
-from mpmdc.runtime import Executable, Signature, leaf_dtype
+from mpmdc.pytrees import broadcast_prefix, skeleton
+from mpmdc.runtime import Executable, Signature, leaf_type
 
 
 def _is_spec_leaf(x) -> bool:
@@ -58,15 +59,38 @@ def _check_argnums(argnums, nargs: int, what: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def _leaf_type(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
 def _path_text(prefix: str, path) -> str:
     return prefix + jax.tree_util.keystr(path)
+
+
+def _flat_arguments(dynamic, kwargs):
+    """``(leaves, paths, tree)`` of the dynamic arguments ``[(index, value), ...]`` and
+    ``kwargs``, each path as the user writes it (``args[2]['w']``)."""
+    leaves_with_path, tree = jax.tree_util.tree_flatten_with_path((tuple(a for _, a in dynamic), kwargs))
+    paths = []
+    for path, _ in leaves_with_path:
+        head, index, rest = path[0].idx, path[1], path[2:]
+        if head == 0:
+            paths.append(_path_text(f"args[{dynamic[index.idx][0]}]", rest))
+        else:
+            paths.append(_path_text(f"kwargs[{index.key!r}]", rest))
+    return [x for _, x in leaves_with_path], paths, tree
+
+
+def _checked_outputs(out):
+    """``(leaves, paths, tree)`` of ``out``; a leaf that is no array is an ``OutputError``."""
+    leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(out)
+    paths = [_path_text("out", path) for path, _ in leaves_with_path]
+    for path, (_, leaf) in zip(paths, leaves_with_path):
+        try:
+            jax.typeof(leaf)
+        except TypeError:
+            raise OutputError(
+                f"output {path} is a {type(leaf).__name__} ({leaf!r:.60}), which is no array "
+                f"type; compiled functions return arrays and numbers (as under jax.jit). "
+                f"Return it from outside the compiled function."
+            ) from None
+    return [leaf for _, leaf in leaves_with_path], paths, tree
 
 
 def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
@@ -211,9 +235,15 @@ class Compiled:
         return static_values, dynamic, donate
 
     def _signature_key(self, args, kwargs):
+        """What the executable cache is keyed on: static values, pytree structure, each
+        leaf's shape, dtype and weak type (as ``jax.jit``), donated arguments."""
         static_values, dynamic, donate = self._split_args(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in dynamic), kwargs))
-        types = tuple((np.shape(x), leaf_dtype(x)) for x in leaves)
+        try:
+            types = tuple(map(leaf_type, leaves))
+        except ArgumentError:
+            _, paths, _ = _flat_arguments(dynamic, kwargs)
+            types = tuple(map(leaf_type, leaves, paths))  # raises, naming the argument
         return (static_values, treedef, types, donate), leaves
 
     def __call__(self, *args, **kwargs):
@@ -229,17 +259,9 @@ class Compiled:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
         static_values, dynamic, donate = self._split_args(args, kwargs)
         static = dict(static_values)
-        dyn_index = [i for i, _ in dynamic]
-        dyn_args = tuple(a for _, a in dynamic)
-        leaves_with_path, in_tree = jax.tree_util.tree_flatten_with_path((dyn_args, kwargs))
-        in_paths = []
-        for path, _ in leaves_with_path:
-            head, index, rest = path[0].idx, path[1], path[2:]
-            if head == 0:
-                in_paths.append(_path_text(f"args[{dyn_index[index.idx]}]", rest))
-            else:
-                in_paths.append(_path_text(f"kwargs[{index.key!r}]", rest))
-        leaf_types = [_leaf_type(x) for _, x in leaves_with_path]
+        leaves, in_paths, in_tree = _flat_arguments(dynamic, kwargs)
+        in_types = tuple(map(leaf_type, leaves, in_paths))
+        leaf_types = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types]
 
         in_specs = self._flat_in_specs(args, static, kwargs)
         donated = []
@@ -254,8 +276,7 @@ class Compiled:
             full = list(dyn)
             for i in sorted(static):
                 full.insert(i, static[i])
-            out = self.fn(*full, **kw)
-            out_leaves, out_store["tree"] = jax.tree_util.tree_flatten(out)
+            out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(self.fn(*full, **kw))
             return out_leaves
 
         started = time.perf_counter()
@@ -267,19 +288,13 @@ class Compiled:
                 f"one microbatch loop per function. Put all per-microbatch work in one "
                 f"accumulate call (it can return a pytree of results)."
             )
-        out_tree = out_store["tree"]
-        out_paths = [
-            _path_text("out", p)
-            for p, _ in jax.tree_util.tree_flatten_with_path(
-                jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
-            )[0]
-        ]
+        out_tree, out_paths = out_store["tree"], out_store["paths"]
         if self.out_specs is None:
             out_specs = [None] * out_tree.num_leaves
         else:
             out_specs = _flat_specs(
                 self.out_specs,
-                jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves),
+                skeleton(out_tree),
                 "the outputs",
                 "out_specs",
             )
@@ -309,7 +324,7 @@ class Compiled:
         run_pipeline(program, self.passes, record, verify=os.environ.get("MPMDC_VERIFY") == "1")
         signature = Signature(
             in_tree=in_tree,
-            in_types=tuple((tuple(t.shape), np.dtype(t.dtype)) for t in leaf_types),
+            in_types=in_types,
             in_paths=tuple(in_paths),
             out_tree=out_tree,
         )

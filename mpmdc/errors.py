@@ -25,6 +25,10 @@ class ArgumentError(MpmdcError):
     """Arguments do not fit the compiled signature, or argnums are out of range."""
 
 
+class OutputError(MpmdcError):
+    """The compiled function returned something that is no array."""
+
+
 class PlacementError(MpmdcError):
     """The program cannot be placed on meshes (e.g. a marker inside a loop body)."""
 

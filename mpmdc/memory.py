@@ -50,7 +50,7 @@ class MeshMemory:
 
 
 def _nbytes(var) -> int:
-    return int(np.prod(var.aval.shape, dtype=np.int64)) * np.dtype(var.aval.dtype).itemsize
+    return int(np.prod(var.aval.shape, dtype=np.int64)) * var.aval.dtype.itemsize
 
 
 def memory_profile(program: Program) -> tuple[MeshMemory, ...]:

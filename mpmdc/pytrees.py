@@ -1,8 +1,12 @@
-"""Pytree helpers JAX 0.10 does not make public."""
+"""Pytree helpers JAX 0.10 does not make public: prefix broadcasting, and saying where
+two structures differ in a line rather than printing both."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import numpy as np
 
 
 class _Repeated:
@@ -16,7 +20,7 @@ def broadcast_prefix(prefix, tree, is_leaf) -> list:
     """One value of ``prefix`` per leaf of ``tree``, where ``prefix`` is a pytree prefix of it.
 
     ``is_leaf`` says which nodes of ``prefix`` are values; a structure mismatch is a
-    ``ValueError`` showing both structures.
+    ``ValueError`` saying where the two differ.
     """
     try:
         per_subtree = jax.tree_util.tree_map(
@@ -26,9 +30,93 @@ def broadcast_prefix(prefix, tree, is_leaf) -> list:
             is_leaf=is_leaf,
         )
     except ValueError:
-        # JAX's own message is about `tree_map` arguments the caller never wrote.
-        have = jax.tree_util.tree_structure(prefix, is_leaf=is_leaf)
-        want = jax.tree_util.tree_structure(tree)
-        raise ValueError(f"{have} is not a prefix of {want}") from None
+        # JAX's own message is about `tree_map` arguments the caller never wrote, and
+        # prints both whole structures.
+        found = first_difference(prefix, tree, is_prefix_leaf=is_leaf)
+        if found is None:
+            raise
+        detail = f" ({found.entries})" if found.entries else ""
+        raise ValueError(f"at {found.where} it has {found.want} where the tree has {found.got}{detail}") from None
     groups = jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, _Repeated))
     return [g.value for g in groups for _ in range(g.count)]
+
+
+class _Slot:
+    """A leaf standing in for an array in a structure rebuilt from its ``PyTreeDef``."""
+
+    def __repr__(self) -> str:
+        return "*"
+
+
+def skeleton(treedef):
+    """A pytree of ``treedef``'s structure with a placeholder for every leaf."""
+    return jax.tree_util.tree_unflatten(treedef, [_Slot() for _ in range(treedef.num_leaves)])
+
+
+def _is_leaf(x) -> bool:
+    structure = jax.tree_util.tree_structure(x)
+    return structure.num_nodes == 1 and structure.num_leaves == 1
+
+
+def _children(x) -> list:
+    """``(key, child)`` pairs of ``x``'s top node."""
+    return [(path[0], child) for path, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]]
+
+
+def _shown(items, limit=6) -> str:
+    text = [jax.tree_util.keystr((k,)) for k in items[:limit]]
+    return ", ".join(text) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _what(x) -> str:
+    if _is_leaf(x):
+        if isinstance(x, (_Slot, jax.Array, np.ndarray, np.generic, int, float, complex)):
+            return "an array"
+        return f"a {type(x).__name__}"
+    n = len(_children(x))
+    return f"a {type(x).__name__} of {n} entr{'y' if n == 1 else 'ies'}"
+
+
+class Difference(NamedTuple):
+    """Where two pytree structures first differ: the key path, what each side has
+    there, and which entries one has and the other lacks ("" where the types differ)."""
+
+    path: tuple
+    want: str
+    got: str
+    entries: str
+
+    @property
+    def where(self) -> str:
+        """The key path as text (``['b'][0]``, or ``the top``)."""
+        return jax.tree_util.keystr(self.path) or "the top"
+
+
+def first_difference(want, got, is_prefix_leaf=None, path=()) -> Difference | None:
+    """Where pytree ``got`` first differs in structure from ``want``, or ``None``.
+
+    Leaves are not compared, so ``want`` may be a :func:`skeleton`. With
+    ``is_prefix_leaf``, ``want`` is a prefix of ``got``: a node of ``want`` it accepts
+    stands for a whole subtree of ``got``.
+    """
+    if is_prefix_leaf is not None and is_prefix_leaf(want):
+        return None
+    if _is_leaf(want) and _is_leaf(got):
+        return None
+    if _is_leaf(want) or _is_leaf(got) or type(want) is not type(got):
+        return Difference(path, _what(want), _what(got), "")
+    want_children, got_children = _children(want), _children(got)
+    want_keys, got_keys = [k for k, _ in want_children], [k for k, _ in got_children]
+    if want_keys != got_keys:
+        missing = [k for k in want_keys if k not in got_keys]
+        extra = [k for k in got_keys if k not in want_keys]
+        parts = [f"missing {_shown(missing)}"] if missing else []
+        parts += [f"unexpected {_shown(extra)}"] if extra else []
+        return Difference(path, _what(want), _what(got), "; ".join(parts) or "the same entries in another order")
+    for (key, w), (_, g) in zip(want_children, got_children):
+        found = first_difference(w, g, is_prefix_leaf, path + (key,))
+        if found is not None:
+            return found
+    if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(got):
+        return Difference(path, _what(want), f"{_what(got)} with other static data", "")
+    return None

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
@@ -32,6 +31,7 @@ from mpmdc.lowering import lower_fragment
 from mpmdc.memory import MeshMemory, memory_profile, release_plan
 from mpmdc.passes.schedule import action_of
 from mpmdc.primitives import fragment_p
+from mpmdc.pytrees import first_difference, skeleton
 from mpmdc.schedules import Action
 from mpmdc.sharding import named
 from mpmdc.simulate import Slot, Timeline
@@ -44,30 +44,60 @@ class Signature:
     """The pytree and leaf types an executable was built for."""
 
     in_tree: Any
-    in_types: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    in_types: tuple[tuple, ...]  # per leaf: ``leaf_type``'s (shape, dtype, weak type)
     in_paths: tuple[str, ...]
     out_tree: Any
 
-    def check(self, leaves, treedef) -> None:
-        """Raise ``ArgumentError`` naming the first argument that does not fit."""
+    def check(self, args, kwargs, leaves, treedef) -> None:
+        """Raise ``ArgumentError`` naming the first argument that does not fit.
+
+        A weak type may differ, as with ``jax.stages.Compiled``: the executable then
+        computes with the types it was lowered for.
+        """
         if treedef != self.in_tree:
+            found = first_difference(skeleton(self.in_tree), (args, kwargs))
+            detail = f" ({found.entries})" if found.entries else ""
             raise ArgumentError(
-                f"arguments have pytree structure {treedef} but the executable was lowered "
-                f"for {self.in_tree}; call it with the same structure or lower again."
+                f"argument {argument_path(found.path)} is {found.got}{detail}, but the executable "
+                f"was lowered for {found.want}; call it with the same structure, or lower again."
             )
-        for leaf, (shape, dtype), path in zip(leaves, self.in_types, self.in_paths):
-            got_shape, got_dtype = np.shape(leaf), leaf_dtype(leaf)
-            if tuple(got_shape) != shape or got_dtype != dtype:
+        for leaf, (shape, dtype, _), path in zip(leaves, self.in_types, self.in_paths):
+            got_shape, got_dtype, _ = leaf_type(leaf, path)
+            if got_shape != shape or got_dtype != dtype:
                 raise ArgumentError(
                     f"argument {path} is {got_dtype}{list(got_shape)} but the executable was "
                     f"lowered for {dtype}{list(shape)}; lower again for the new type."
                 )
 
 
-def leaf_dtype(x) -> np.dtype:
-    """The dtype of an argument leaf (array, ``ShapeDtypeStruct`` or Python scalar)."""
-    dtype = getattr(x, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else jax.typeof(x).dtype
+def leaf_type(x, path: str | None = None) -> tuple:
+    """``(shape, dtype, weak type)`` of an argument leaf (array, Python scalar, typed PRNG
+    key or ``jax.ShapeDtypeStruct``): what ``jax.jit`` tells argument types apart by.
+
+    A value that is no array is an ``ArgumentError`` naming ``path``.
+    """
+    if isinstance(x, jax.Array):
+        aval = x.aval
+    elif isinstance(x, jax.ShapeDtypeStruct):
+        aval = x
+    else:
+        try:
+            aval = jax.typeof(x)
+        except TypeError:
+            raise ArgumentError(
+                f"argument {path or '(unnamed)'} is a {type(x).__name__}, which is no array type; "
+                f"pass arrays, numbers or jax.ShapeDtypeStructs, or make the argument "
+                f"static with static_argnums."
+            ) from None
+    return tuple(aval.shape), aval.dtype, bool(aval.weak_type)
+
+
+def argument_path(path) -> str:
+    """A key path into ``(args, kwargs)`` as the user writes it: ``args[0]['w']``."""
+    if not path:
+        return "(all arguments)"
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(path[1:]))
 
 
 @dataclass
@@ -187,7 +217,7 @@ class Executable:
     def __call__(self, *args, **kwargs):
         """Run on the meshes; returns ``jax.Array``s on the meshes that produced them."""
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        self.signature.check(leaves, treedef)
+        self.signature.check(args, kwargs, leaves, treedef)
         return self.call_flat(leaves)
 
     def call_flat(self, leaves):
@@ -235,7 +265,7 @@ class Executable:
         little slower than a plain call; ``timeline.chrome_trace()`` writes it for Perfetto.
         """
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        self.signature.check(leaves, treedef)
+        self.signature.check(args, kwargs, leaves, treedef)
         env = self._start(leaves)
         timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
         return self._finish(env), timeline

@@ -104,8 +104,17 @@ MISTAKES = [
             lambda w: w.step.lower(w.w, w.x).compile()(w.w, jnp.ones((4, 9)))),
     Mistake("calling with a different dtype", errors.ArgumentError, r"args\[0\] is int32",
             lambda w: w.step.lower(w.w, w.x).compile()(w.w.astype(jnp.int32), w.x)),
-    Mistake("calling with a different pytree", errors.ArgumentError, "pytree structure",
+    Mistake("calling with a different pytree", errors.ArgumentError,
+            r"argument args\[0\] is a tuple of 1 entry, but the executable was lowered for an array",
             lambda w: w.step.lower(w.w, w.x).compile()((w.w,), w.x)),
+    Mistake("calling with a dict missing a key", errors.ArgumentError,
+            r"argument args\[0\] is a dict of 1 entry \(missing \['b'\]\), but the .* lowered for a dict of 2 entries",
+            lambda w: mpmdc.compile(lambda p, x: two_stage(p["a"] + p["b"], x), w.meshes)
+            .lower({"a": w.w, "b": w.w}, w.x).compile()({"a": w.w}, w.x)),
+    Mistake("an argument that is no array", errors.ArgumentError, r"argument args\[1\]\['name'\] is a str",
+            lambda w: mpmdc.compile(lambda w_, x: two_stage(w_, x["x"]), w.meshes)(w.w, {"x": w.x, "name": "hi"})),
+    Mistake("returning something that is no array", errors.OutputError, r"output out\[1\] is a str \('done'\)",
+            lambda w: lower(lambda w_, x: (two_stage(w_, x), "done"), w)),
     Mistake("a shard_map built for devices no mesh has", errors.TypeCheckError,
             r"shard_map at .* mesh1 .* built for the mesh \{'data': 2\} on devices \[6, 7\]",
             lambda w: lower(lambda a, x: mpmdc.stage(jax.shard_map(

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from helpers import assert_same_as_jit
+from helpers import assert_same_array, assert_same_as_jit
 
 
 def psum_on(mesh):
@@ -170,3 +170,67 @@ def test_fragments_differing_only_in_their_callback_do_not_share():
     meshes = mpmdc.make_meshes(1, {"d": 2})
     assert_same_as_jit(fn, meshes, jnp.zeros(4))
     assert seen == [0, 1, 0, 1]
+
+
+def test_a_new_weak_type_is_a_new_signature():
+    """The call cache keyed on shape and dtype only: after ``step(2.0, y)`` (a weakly typed
+    scalar), ``step(jnp.float32(2.0), y)`` reused its executable and returned bfloat16
+    where ``jax.jit`` returns float32."""
+
+    def fn(a, y):
+        return mpmdc.stage(a * y, 1) + 1
+
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    step = mpmdc.compile(fn, meshes)
+    y = jnp.ones(4, jnp.bfloat16)
+    for a in (2.0, jnp.float32(2.0), 2, jnp.asarray(2.0), np.float16(2.0)):
+        got, want = step(a, y), jax.jit(fn)(a, y)
+        assert_same_array(got, want)
+
+
+def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
+    """``jax.random.key`` arguments raised ``TypeError: Cannot interpret 'key<fry>' as a
+    data type``; they now work as arguments, outputs, across transfers, in ``lower``
+    with ``ShapeDtypeStruct``s and in ``accumulate``'s ``xs``."""
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+
+    def fn(key, x):
+        k1, k2 = jax.random.split(key)
+        x = mpmdc.stage(x + jax.random.normal(k1, x.shape), 0)
+        x, k2 = mpmdc.stage((x, k2), 1)  # the key crosses to mesh 1
+        return x * jax.random.uniform(k2, x.shape), jax.random.split(k2, 3)
+
+    key, x = jax.random.key(0), jnp.ones(4)
+    assert_same_as_jit(fn, meshes, key, x)
+    assert_same_as_jit(fn, meshes, jax.random.PRNGKey(0), x)  # raw uint32 keys too
+    lowered = mpmdc.compile(fn, meshes).lower(
+        jax.ShapeDtypeStruct((), key.dtype), jax.ShapeDtypeStruct((4,), jnp.float32)
+    )
+    assert "key<fry>[] @mesh0" in lowered.as_text("after-split")
+    np.testing.assert_array_equal(
+        jax.random.key_data(lowered.compile()(key, x)[1]), jax.random.key_data(fn(key, x)[1])
+    )
+
+    def per_microbatch(w, xs):
+        batch, keys = xs
+        h = mpmdc.stage(batch * w, 0)
+        return jnp.sum(mpmdc.stage(h + jax.random.normal(keys[0], h.shape), 1))
+
+    def loop(w, batch, keys):
+        return mpmdc.accumulate(lambda xs: per_microbatch(w, xs), (batch, keys), microbatches=2, schedule="gpipe")
+
+    assert_same_as_jit(loop, meshes, jnp.ones(4), jnp.ones((4, 4)), jax.random.split(key, 2))
+
+
+def test_a_wrong_pytree_is_named_in_a_line():
+    """Calling an executable with one extra key in a 200-entry dict printed a 41,757-character
+    message holding both whole ``PyTreeDef``s; it now names the path and the key."""
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    params = {f"w{i}": jnp.ones(3) for i in range(200)}
+    executable = mpmdc.compile(lambda p, x: mpmdc.stage(x, 1) + sum(jax.tree.leaves(p)), meshes).lower(
+        params, jnp.ones(3)
+    ).compile()
+    with pytest.raises(mpmdc.errors.ArgumentError) as caught:
+        executable({**params, "extra": jnp.ones(3)}, jnp.ones(3))
+    assert len(str(caught.value)) < 300
+    assert "args[0] is a dict of 201 entries (unexpected ['extra'])" in str(caught.value)
