@@ -52,7 +52,7 @@ def fragment_function(eqn):
     return run
 
 
-def fragment_jit(eqn, program: Program, donate_argnums=()):
+def fragment_jit(eqn, program: Program):
     """``(jitted function, argument types)`` for fragment ``eqn`` on its mesh."""
     mesh = program.meshes[eqn.params["mesh"]]
     args = [
@@ -62,12 +62,12 @@ def fragment_jit(eqn, program: Program, donate_argnums=()):
     jitted = jax.jit(
         fragment_function(eqn),
         out_shardings=[named(mesh, spec) for spec in eqn.params["out_specs"]],
-        donate_argnums=donate_argnums,
+        donate_argnums=eqn.params["donate_argnums"],
     )
     return jitted, args
 
 
-def lower_fragment(program: Program, eqn, backend, donate_argnums=()):
+def lower_fragment(program: Program, eqn, backend):
     """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``)."""
-    jitted, args = fragment_jit(eqn, program, donate_argnums)
+    jitted, args = fragment_jit(eqn, program)
     return backend.lower_fragment(jitted.trace(*args))

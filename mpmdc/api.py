@@ -164,8 +164,11 @@ class Lowered:
         return dict(self._lowered(platform).modules)
 
     def compile(self) -> Executable:
-        """Compile every fragment for its mesh; returns a callable ``Executable``."""
-        return Executable(self._last_split(), self.signature)
+        """Compile every fragment for its mesh; returns a callable ``Executable``.
+
+        Compiles the modules of the ``stablehlo`` stage (lowering first, with the
+        ``lower`` pass, if this pipeline stopped before it)."""
+        return Executable(self._lowered(None), self.signature)
 
 
 class Compiled:

@@ -253,12 +253,12 @@ def body_key(body: jcore.ClosedJaxpr) -> tuple:
     return _BODY_KEYS[body]
 
 
-def fragment_key(eqn, donate_argnums=()) -> tuple:
+def fragment_key(eqn) -> tuple:
     """Fragments with equal keys lower to the same module and share one executable:
-    the body's key, the mesh, the specs and the donated arguments (everything the
+    the body's key, the mesh, the specs and the donated operands (everything the
     module depends on except its name)."""
     p = eqn.params
-    return (body_key(p["jaxpr"]), p["mesh"], p["in_specs"], p["out_specs"], tuple(donate_argnums))
+    return (body_key(p["jaxpr"]), p["mesh"], p["in_specs"], p["out_specs"], p["donate_argnums"])
 
 
 # ----------------------------------------------------------------- printing

@@ -210,11 +210,13 @@ def _fragment_dce(used_outputs, eqn):
         return [False] * len(eqn.invars), None
     new_inner, used_inputs = pe.dce_jaxpr(inner.jaxpr, used_outputs)
     closed = jcore.ClosedJaxpr(new_inner, inner.consts)
+    kept_index = {old: new for new, old in enumerate(k for k, used in enumerate(used_inputs) if used)}
     params = dict(
         eqn.params,
         jaxpr=closed,
         in_specs=tuple(_kept(eqn.params["in_specs"], used_inputs)),
         out_specs=tuple(_kept(eqn.params["out_specs"], used_outputs)),
+        donate_argnums=tuple(kept_index[k] for k in eqn.params["donate_argnums"] if k in kept_index),
     )
     return used_inputs, _pruned_eqn(eqn, used_inputs, used_outputs, params, closed.effects)
 

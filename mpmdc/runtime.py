@@ -1,9 +1,9 @@
 """The single-process runtime: run a split program on its meshes.
 
-Each fragment is compiled ahead of time for its mesh with the static shardings
-``split`` gave its operands and results, so every call is a plain executable
-call and what runs is exactly the StableHLO that ``lower`` shows. Fragments with the same
-body, mesh and shardings share one executable. Transfers are ``device_put`` onto
+Each fragment's module, as the ``lower`` pass produced it (static shardings,
+donation and all), is compiled ahead of time for its mesh, so every call is a plain
+executable call and what runs is exactly the StableHLO that ``lower`` shows.
+Fragments with the same body, mesh, shardings and donation share one executable. Transfers are ``device_put`` onto
 the destination mesh. JAX's asynchronous dispatch lets meshes overlap; each
 intermediate value is dropped right after its last use.
 """
@@ -25,9 +25,8 @@ from tqdm.auto import tqdm
 
 from mpmdc import backends
 from mpmdc._jax_compat import direct_call
-from mpmdc.errors import ArgumentError, MpmdRuntimeError
+from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir import Program, fragment_key, is_var
-from mpmdc.lowering import lower_fragment
 from mpmdc.memory import MeshMemory, memory_profile, release_plan
 from mpmdc.passes.schedule import action_of
 from mpmdc.primitives import fragment_p
@@ -127,25 +126,14 @@ class Executable:
         self._in_shardings = [
             named(meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
         ]
-        donated = {v for v, d in zip(jaxpr.invars, program.donated) if d}
+        if program.lowerings is None:
+            raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
         releases = release_plan(jaxpr)
-        last_use = {v: i for i, vs in enumerate(releases) for v in vs}
 
-        # Lower what `lower` did not (donation changes the module), then compile every
-        # distinct fragment once, in parallel: XLA releases the GIL while it compiles.
-        lowerings = dict(program.lowerings or {})
-        keys = {}
-        for i, eqn in enumerate(jaxpr.eqns):
-            if eqn.primitive is fragment_p:
-                donate = tuple(
-                    k
-                    for k, a in enumerate(eqn.invars)
-                    if a in donated and last_use.get(a) == i and eqn.invars.count(a) == 1
-                )
-                keys[i] = fragment_key(eqn, donate)
-                if keys[i] not in lowerings:
-                    lowerings[keys[i]] = lower_fragment(program, eqn, backend, donate)
-        executables = compile_all(backend, {k: lowerings[k] for k in keys.values()})
+        # Compile every module `lower` produced once, in parallel (XLA releases the GIL
+        # while it compiles); nothing is lowered here, so what runs is what `lower` shows.
+        keys = {i: fragment_key(eqn) for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive is fragment_p}
+        executables = compile_all(backend, {k: program.lowerings[k] for k in keys.values()})
         direct_calls = {k: direct_call(e) for k, e in executables.items()}
 
         # The environment is a list: every value (constant, literal, input, result) has a

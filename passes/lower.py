@@ -1,12 +1,19 @@
 """``lower``: StableHLO for every fragment, through the backend registry.
 
-Needs a split program. For a backend with ``transfers="in-program"`` the
-fragment-to-fragment transfers are first rewritten into send/recv pairs. Fragments
-with the same body, mesh and specs (every microbatch's forward of a stage, say) are
-lowered once and share a module, named after the first of them. The modules are
-attached to the program in fragment order, with the backend they were lowered for
-(the stage called ``stablehlo`` prints them), and the ``jax.stages.Lowered`` objects
-are kept for the runtime, which compiles them without tracing again.
+Needs a split program, in its final order of calls. Three phases:
+
+1. for a backend with ``transfers="in-program"``, fragment-to-fragment transfers
+   become send/recv pairs;
+2. donation: each fragment's ``donate_argnums`` names the donated program inputs it
+   reads last (and only once), since the buffer must outlive every earlier reader;
+3. fragments with the same body, mesh, specs and donation (every microbatch's
+   forward of a stage, say) are lowered once and share a module, named after the
+   first of them.
+
+The modules are attached to the program in fragment order, with the backend they
+were lowered for (the stage called ``stablehlo`` prints them), and the
+``jax.stages.Lowered`` objects are kept: the runtime compiles exactly these, so what
+``stablehlo`` shows is what runs.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from mpmdc.passes.in_program_transfers import in_program_transfers
 
 from mpmdc import backends
 from mpmdc.errors import PassError
-from mpmdc.ir import Program, fragment_key
+from mpmdc.ir import Program, fragment_key, make_closed_jaxpr
+from mpmdc.memory import release_plan
 from mpmdc.primitives import fragment_p
 
 
@@ -30,6 +38,7 @@ def lower(program: Program, backend: str | None = None) -> Program:
     chosen = backends.get(backend or program.backend)
     if chosen.transfers == "in-program":
         program = in_program_transfers(program)
+    program = with_donations(program)
     lowerings, modules = {}, []
     for eqn in program.jaxpr.jaxpr.eqns:
         if eqn.primitive is fragment_p:
@@ -38,6 +47,28 @@ def lower(program: Program, backend: str | None = None) -> Program:
                 lowerings[key] = lower_fragment(program, eqn, chosen)
                 modules.append((eqn.params["name"], lowerings[key].as_text()))
     return program.replace(modules=tuple(modules), backend=chosen.name, lowerings=lowerings)
+
+
+def with_donations(program: Program) -> Program:
+    """``program`` with each fragment's ``donate_argnums``: the operands that are donated
+    program inputs read for the last time there, and only once by that fragment."""
+    jaxpr = program.jaxpr.jaxpr
+    donated = {v for v, d in zip(jaxpr.invars, program.donated) if d}
+    last_use = {v: i for i, vs in enumerate(release_plan(jaxpr)) for v in vs}
+    eqns = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is fragment_p:
+            donate = tuple(
+                k
+                for k, a in enumerate(eqn.invars)
+                if a in donated and last_use.get(a) == i and eqn.invars.count(a) == 1
+            )
+            eqn = eqn.replace(params={**eqn.params, "donate_argnums": donate})
+        eqns.append(eqn)
+    closed = make_closed_jaxpr(
+        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
+    )
+    return program.replace(jaxpr=closed)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,14 @@ def _sub_fragment(eqn, members, outs, outer_in, name, kind):
     closed = eqn.params["jaxpr"]
     const_of = dict(zip(closed.jaxpr.constvars, closed.consts))
     inputs, inner = sub_jaxpr(members, outs, const_of, name)
-    params = dict(eqn.params, jaxpr=inner, name=name, kind=kind, in_specs=tuple(outer_in[v][1] for v in inputs))
+    params = dict(
+        eqn.params,
+        jaxpr=inner,
+        name=name,
+        kind=kind,
+        in_specs=tuple(outer_in[v][1] for v in inputs),
+        donate_argnums=(),
+    )
     return [outer_in[v][0] for v in inputs], params
 
 

@@ -182,6 +182,7 @@ def split(program: Program) -> Program:
             kind=placement.kind,
             in_specs=tuple(spec_of[v] for v in operands),
             out_specs=out_specs,
+            donate_argnums=(),  # decided by `lower`, once the order of calls is final
         )
         top_eqns.append(jcore.new_jaxpr_eqn(operands, outputs, fragment_p, params, inner.effects))
         location.update((v, mesh) for v in outputs)

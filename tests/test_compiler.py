@@ -1,5 +1,7 @@
 """Compiler behaviour: caching, deterministic dumps, partition rules, passes called directly."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from helpers import assert_same_as_jit, mesh_index
 from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 
 import mpmdc
+from mpmdc import backends
 from mpmdc.ir import Placement
 from mpmdc.primitives import fragment_p, transfer_p
 
@@ -141,6 +144,40 @@ def test_donated_inputs_are_consumed(meshes2):
     out = step(WS[0], x)
     np.testing.assert_allclose(float(out), want, rtol=2e-5)
     assert x.is_deleted()
+
+
+def test_what_runs_is_what_lower_shows_also_when_donating(meshes2, monkeypatch):
+    """Donation is decided by the `lower` pass (a fragment parameter), and the runtime
+    compiles exactly the modules of the `stablehlo` stage; it used to lower donating
+    fragments again by itself."""
+    compiled = []
+
+    class Recording(backends.Backend):
+        def compile_fragment(self, lowered):
+            compiled.append(lowered.as_text())
+            return super().compile_fragment(lowered)
+
+    monkeypatch.setattr(backends, "_registry", dict(backends._registry))
+    backends.register(Recording("recording-cpu", "cpu"))
+
+    def sgd(ws, x):
+        grads = jax.grad(mlp_loss)(ws, x)
+        return [w - 0.1 * g for w, g in zip(ws, grads)]
+
+    ws = [jnp.array(w) for w in WS[:2]]
+    want = jax.jit(sgd)(ws, X)
+    lowered = mpmdc.compile(sgd, meshes2, donate_argnums=0, backend="recording-cpu").lower(ws, X)
+    modules = lowered.stablehlo()
+    donating = [name for name, text in modules.items() if "tf.aliasing_output" in text or "jax.buffer_donor" in text]
+    assert donating, "no module donates an argument"
+    assert re.search(r"donate_argnums=\(\d", lowered.as_text("stablehlo"))
+    executable = lowered.compile()
+    assert sorted(compiled) == sorted(modules.values())
+    ws = jax.device_put(ws, executable.input_shardings[0][0])
+    got = executable(ws, X)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5)
+    assert all(w.is_deleted() for w in ws)
 
 
 def test_input_shardings_say_where_each_argument_runs(meshes4):
