@@ -17,8 +17,8 @@ import jax
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, schedules
 from mpmdc.demo import run as run_demo
-from mpmdc.dump import dump_files, render_stages, write_dump_dir
-from mpmdc.errors import MpmdcError, ScheduleError, TargetError, UsageError
+from mpmdc.dump import dump_files, render_stages, stage_header, write_dump_dir
+from mpmdc.errors import InternalError, MpmdcError, ScheduleError, TargetError, UsageError
 from mpmdc.schedules import Layout
 from mpmdc.simulate import UNIT_COSTS, bubble_formula, simulate
 from mpmdc.targets import DumpOptions, find_target, load_module, lowered_from_target
@@ -301,6 +301,11 @@ def main(argv=None) -> int:
         command = getattr(err, "command", command)
         print(f"{command}: error: {err} (see `{command} --help`)", file=sys.stderr)
         return EXIT_USAGE
+    except InternalError as err:
+        # What a bug report needs: the program the failing pass got.
+        print(f"{stage_header(err.stage)}\n{err.program.as_text()}", end="")
+        print(f"{command}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except MpmdcError as err:
         print(f"{command}: error: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_FAILED

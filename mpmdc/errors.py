@@ -49,6 +49,19 @@ class PassError(MpmdcError):
     """An unknown pass or stage name was requested."""
 
 
+class InternalError(MpmdcError):
+    """A pass failed, or left a program that fails verification: a bug in mpmdc (or in a
+    pass the user wrote), not in the user's program.
+
+    ``pass_name`` is the pass, ``stage`` the dump stage of the program it got, and
+    ``program`` that program (``program.as_text()`` is what to report).
+    """
+
+    def __init__(self, message: str, pass_name: str, stage: str, program):
+        super().__init__(message)
+        self.pass_name, self.stage, self.program = pass_name, stage, program
+
+
 class MpmdRuntimeError(MpmdcError):
     """A fragment failed while running."""
 

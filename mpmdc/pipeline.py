@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from typing import Callable, Iterable, Protocol
 
-from mpmdc.errors import PassError
+from mpmdc.errors import InternalError, MpmdcError, PassError
 from mpmdc.ir import Program
 from mpmdc.passes import (
     Dce,
@@ -20,6 +20,7 @@ from mpmdc.passes import (
     Split,
     VmaTypecheck,
 )
+from mpmdc.passes.vma_typecheck import verify as verify_program
 
 
 class Pass(Protocol):
@@ -72,8 +73,10 @@ def run_pipeline(
 ) -> Program:
     """Apply ``passes`` in order, calling ``callback(stage_name, program)`` after each.
 
-    With ``verify`` every intermediate program is also run through ``vma-typecheck``
-    (the test suite turns this on with ``MPMDC_VERIFY=1``).
+    With ``verify`` every pass's output is also checked by :func:`verify_program`
+    (the test suite turns this on with ``MPMDC_VERIFY=1``). A pass that raises
+    something other than an ``MpmdcError``, or whose output fails verification, is
+    an ``InternalError`` naming the pass and the stage of the program it got.
     """
     if callback is not None:
         callback("input", program)
@@ -82,14 +85,41 @@ def run_pipeline(
     # microseconds per equation on a 100k-equation program), so it waits until the end.
     was_enabled = gc.isenabled()
     gc.disable()
+    stage = "input"
     try:
         for p in passes:
-            program = p.run(program)
+            try:
+                result = p.run(program)
+            except MpmdcError:
+                raise
+            except Exception as err:
+                raise _internal(p, stage, program, f"it raised {_summary(err)}") from err
             if verify:
-                PASSES["vma-typecheck"].run(program)
+                try:
+                    verify_program(result)
+                except MpmdcError as err:
+                    raise _internal(p, stage, program, f"its output fails verification: {_summary(err)}") from err
+            program, stage = result, stage_name(p.name)
             if callback is not None:
-                callback(stage_name(p.name), program)
+                callback(stage, program)
     finally:
         if was_enabled:
             gc.enable()
     return program
+
+
+def _summary(err: Exception, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _internal(p: Pass, stage: str, program: Program, what: str) -> InternalError:
+    return InternalError(
+        f"internal error in pass `{p.name}`, run on the program {stage!r}: {what}. This is a "
+        f"bug in mpmdc (or in the pass, if you wrote it), not in your program. Please report "
+        f"it with this message and the program the pass got: `mpmdc dump FILE.py:TARGET "
+        f"--stage all` prints it (in Python: the error's `.program.as_text()`).",
+        p.name,
+        stage,
+        program,
+    )

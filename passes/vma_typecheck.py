@@ -9,6 +9,10 @@
   value, and splits only dimensions its axes divide.
 * A ``shard_map`` runs on the mesh of the stage it sits in.
 * Between ``partition`` and ``split``, every equation has a placement.
+
+The first, the placements and the locations are invariants every pass keeps
+(:func:`verify`, which the pipeline can run after every pass); the specs and
+``shard_map`` meshes are the user's choices.
 """
 
 from __future__ import annotations
@@ -76,38 +80,56 @@ def _check_locations(program: Program) -> None:
             raise TypeCheckError(f"output {path} should live on mesh{mesh} but is on mesh{location[v]}.")
 
 
-def vma_typecheck(program: Program) -> Program:
-    """Check ``program``; return it unchanged or raise ``TypeCheckError``."""
+def verify(program: Program) -> Program:
+    """Check what every pass must keep true, whatever the user wrote; raise
+    ``TypeCheckError`` if a pass broke it.
+
+    The program is well typed (JAX's ``check_jaxpr``), every equation of a placed
+    program has a placement, and after ``split`` every value is read where it lives.
+    The pipeline runs this after every pass when asked to verify (``MPMDC_VERIFY=1``).
+    """
     try:
         jcore.check_jaxpr(program.jaxpr.jaxpr)
     except jcore.JaxprTypeError as err:
         raise TypeCheckError(f"the program is ill-typed: {err}") from None
-    if program.in_meshes is None:
-        return program
-    _check_specs(program)
-    jaxpr = program.jaxpr.jaxpr
-    if program.placements is not None:
-        for eqn, p in zip(jaxpr.eqns, program.placements):
+    placements = program.placements
+    if placements is not None:
+        for eqn, p in zip(program.jaxpr.jaxpr.eqns, placements):
             if p is None:
                 raise TypeCheckError(
                     f"`{eqn.primitive.name}` at {compat.source_line(eqn)} has no placement; "
                     f"every equation of a partitioned program must have one."
                 )
-            mesh = program.mesh_of_stage(p.stage)
-            _check_shard_maps(
-                [eqn], program.meshes[mesh], mesh, f"stage {p.stage}"
-            )
-    else:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is fragment_p:
-                mesh = eqn.params["mesh"]
-                _check_shard_maps(
-                    eqn.params["jaxpr"].jaxpr.eqns,
-                    program.meshes[mesh],
-                    mesh,
-                    f"fragment {eqn.params['name']}",
-                )
+    elif program.is_split:
         _check_locations(program)
+    return program
+
+
+def _check_user_choices(program: Program) -> None:
+    """Specs fit their meshes and each ``shard_map`` runs on the mesh it was built for:
+    what a user's ``in_specs``, ``out_specs`` and meshes decide."""
+    _check_specs(program)
+    jaxpr = program.jaxpr.jaxpr
+    placements = program.placements
+    if placements is not None:
+        for eqn, p in zip(jaxpr.eqns, placements):
+            mesh = program.mesh_of_stage(p.stage)
+            _check_shard_maps([eqn], program.meshes[mesh], mesh, f"stage {p.stage}")
+        return
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is fragment_p:
+            mesh = eqn.params["mesh"]
+            _check_shard_maps(
+                eqn.params["jaxpr"].jaxpr.eqns, program.meshes[mesh], mesh, f"fragment {eqn.params['name']}"
+            )
+
+
+def vma_typecheck(program: Program) -> Program:
+    """Check ``program``: :func:`verify`, then the user's specs and ``shard_map`` meshes.
+    Returns it unchanged or raises ``TypeCheckError``."""
+    verify(program)
+    if program.in_meshes is not None:
+        _check_user_choices(program)
     return program
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpmdc
 from golden import check_golden
+from test_pipeline import Crashing, passes_with
 from mpmdc import backends, errors
 from mpmdc.cli import main as cli_main
 from mpmdc.schedules import ActionLists
@@ -123,6 +124,8 @@ MISTAKES = [
     # names: passes, stages, backends
     Mistake("an unknown pass", errors.PassError, "known passes: inline, partition",
             lambda w: lower(two_stage, w, passes=["inline", "fuse"])),
+    Mistake("a pass of one's own that raises", errors.InternalError, r"internal error in pass `crashing`",
+            lambda w: lower(two_stage, w, passes=passes_with(Crashing(), after="dce"))),
     Mistake("an unknown dump stage", errors.PassError, "stages: input, after-inline",
             lambda w: w.step.lower(w.w, w.x).as_text("after-fusion")),
     Mistake("an unknown backend", errors.BackendError, r"unknown backend 'metal'; available backends: .*cpu",
