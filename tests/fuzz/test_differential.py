@@ -1,26 +1,41 @@
-"""Differential fuzzing: random JAX programs through mpmdc must give ``jax.jit``'s numbers.
+"""Differential fuzzing: random JAX programs through mpmdc must give ``jax.jit``'s results.
 
-A program is a DAG of 3 to 60 operations on 4x4 float32 values (elementwise, matmul,
-reductions, transpose, slicing and concatenation, ``scan``, ``cond``, ``custom_vjp``,
-``shard_map`` with ``psum`` on the mesh of a random stage, its operand marked into that
-stage or not),
-with stage markers at random places (non-monotonic, repeated, skipped, on pytrees),
-compiled over 1 to 4 meshes of 1 or 2 devices, with random ``in_specs``, with and
-without ``value_and_grad``, with and without ``accumulate`` under a random valid
-schedule. Every pass is re-checked by ``vma-typecheck`` (``MPMDC_VERIFY=1``, set by
-the test configuration).
+A program is a DAG of 3 to 60 operations on square float32 values: elementwise,
+matmul, reductions, transpose, slicing and concatenation, ``scan``, ``cond``,
+``custom_vjp``, ``shard_map`` with ``psum`` on the mesh of a random stage (its operand
+marked into that stage or not), and what real code does besides:
 
-CI runs ``MPMDC_FUZZ_EXAMPLES`` examples (default 300); ``MPMDC_FUZZ_EXAMPLES=2000
-pytest tests/fuzz`` runs longer. A failure is shrunk by hypothesis; keep it as a
-named test in ``tests/test_regressions.py``.
+* captured constants: module-level jax and numpy arrays, arrays made in a closure, a
+  jitted helper closing over its own array; "layers" (marker, matmul with a constant,
+  tanh) give several stages bodies that differ only in the array they capture;
+* effects: ``debug.callback`` in the program and inside a jitted helper whose result
+  is never used (each callback records its own tag, so two callbacks sharing an
+  executable would be seen);
+* a typed PRNG key among the inputs, used for noise and carried across stages.
+
+Stage markers go at random places (non-monotonic, repeated, skipped, on pytrees, the
+key included), over 1 to 4 meshes of 1 or 2 devices, stages mapped to meshes by
+default or by a random ``stage_to_mesh`` (several stages on one mesh), with random
+``in_specs``, plain, under ``value_and_grad`` or inside ``accumulate`` under a random
+valid schedule. Results must equal ``jax.jit``'s: dtype, shape and weak type exactly,
+values to rtol 1e-5; callbacks must record the same values per tag. A second test
+calls one compiled function again and again with new argument types (weak and strong
+scalars, float32 and bfloat16, two sizes, tuple, list and dict containers), each call
+against ``jax.jit`` of the same arguments. Every pass is re-checked (``MPMDC_VERIFY=1``,
+set by the test configuration).
+
+CI runs ``MPMDC_FUZZ_EXAMPLES`` programs (default 300) and a sixth as many repeat-call
+sequences; ``MPMDC_FUZZ_EXAMPLES=2000 pytest tests/fuzz`` runs longer. A failure is
+shrunk by hypothesis; keep it as a named test in ``tests/test_regressions.py``.
 """
 
 import os
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import clipped_tanh
+from helpers import assert_same_array, clipped_tanh
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -28,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import mpmdc
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "300"))
-SIZE = 4
+SIZES = (4, 6)  # every operation works on square values of either size
 
 
 def _scan_rows(x):
@@ -47,7 +62,7 @@ UNARY = {
     "row_mean": lambda x: jnp.broadcast_to(jnp.mean(x, axis=1, keepdims=True), x.shape),
     "total": lambda x: jnp.broadcast_to(jnp.sum(x) * 0.05, x.shape),
     "roll_rows": lambda x: jnp.concatenate([x[1:], x[:1]]),
-    "reshape": lambda x: x.reshape(2, 8).reshape(SIZE, SIZE),
+    "reshape": lambda x: x.reshape(2, -1).reshape(x.shape),
     "scan": _scan_rows,
     "cond": lambda x: jax.lax.cond(jnp.sum(x) > 0, jnp.tanh, jnp.sin, x),
     "custom_vjp": clipped_tanh,
@@ -62,6 +77,16 @@ BINARY = {
 }
 
 
+def _module_constants(make):
+    return {n: [make(n, seed) for seed in range(2)] for n in SIZES}
+
+
+# Constants a program captures, by kind; "closure" ones are made per program.
+MODULE_JAX = _module_constants(lambda n, seed: jax.random.normal(jax.random.key(seed), (n, n)) * 0.5)
+MODULE_NUMPY = _module_constants(lambda n, seed: np.random.default_rng(seed + 10).normal(size=(n, n)).astype(np.float32) * 0.5)
+CONSTANT_KINDS = ("module_jax", "module_numpy", "closure", "jitted_helper")
+
+
 @st.composite
 def programs(draw):
     """A random program description: operations, markers, meshes, specs, mode."""
@@ -73,59 +98,128 @@ def programs(draw):
     schedule = draw(st.sampled_from(["zb-h1", "1f1b", "gpipe"]))
     one_per_mesh = mode == "accumulate" and schedule != "gpipe"
     stages = num_meshes if one_per_mesh else draw(st.integers(1, 5))
+    stage_to_mesh = None
+    if not one_per_mesh and draw(st.booleans()):
+        stage_to_mesh = tuple(draw(st.lists(st.integers(0, num_meshes - 1), min_size=stages, max_size=stages)))
+    with_key = draw(st.booleans())
     ops = []
     for k in range(draw(st.integers(3, 60))):
         available = num_inputs + k
-        kind = draw(st.sampled_from(["unary", "binary", "unary", "binary", "shard_map"]))
+        operand = st.integers(0, available - 1)
+        kind = draw(st.sampled_from(["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
+                                    + ["noise"] * with_key))
         if kind == "unary":
-            ops.append(("unary", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, available - 1))))
+            ops.append(("unary", draw(st.sampled_from(sorted(UNARY))), draw(operand)))
         elif kind == "binary":
-            a, b = draw(st.integers(0, available - 1)), draw(st.integers(0, available - 1))
-            ops.append(("binary", draw(st.sampled_from(sorted(BINARY))), a, b))
-        else:  # a psum over the mesh of a stage, the operand marked into it or not
-            stage, operand = draw(st.integers(0, stages - 1)), draw(st.integers(0, available - 1))
-            ops.append(("shard_map", stage, operand, draw(st.booleans())))
+            ops.append(("binary", draw(st.sampled_from(sorted(BINARY))), draw(operand), draw(operand)))
+        elif kind == "shard_map":  # a psum over the mesh of a stage, the operand marked into it or not
+            ops.append(("shard_map", draw(st.integers(0, stages - 1)), draw(operand), draw(st.booleans())))
+        elif kind == "constant":  # the operand combined with a captured array
+            how = draw(st.sampled_from(["matmul", "add"]))
+            ops.append(("constant", draw(st.sampled_from(CONSTANT_KINDS)), draw(st.integers(0, 1)), how, draw(operand)))
+        elif kind == "layer":  # tanh(stage(x, s) @ c): stages alike but for their constant
+            ops.append(("layer", draw(st.integers(0, stages - 1)), draw(st.sampled_from(CONSTANT_KINDS)),
+                        draw(st.integers(0, 1)), draw(operand)))
+        elif kind == "effect":  # a callback recording the operand, live or inside a dead jitted call
+            ops.append(("effect", draw(st.booleans()), draw(operand)))
+        else:  # noise drawn from the key input
+            ops.append(("noise", draw(operand)))
     markers = {}
     for k in draw(st.lists(st.integers(0, len(ops) - 1), max_size=8)):
         group = draw(st.lists(st.integers(0, num_inputs + k), min_size=1, max_size=2))
-        markers[k] = (draw(st.integers(0, stages - 1)), group)  # stage, values to mark as a pytree
+        with_the_key = with_key and draw(st.booleans())
+        markers[k] = (draw(st.integers(0, stages - 1)), group, with_the_key)  # stage, values to mark as a pytree
     if one_per_mesh:
         # Some value must reach the last stage so that every mesh has exactly one stage.
-        markers[len(ops) - 1] = (stages - 1, [num_inputs + len(ops) - 1])
+        markers[len(ops) - 1] = (stages - 1, [num_inputs + len(ops) - 1], False)
     sharded = [draw(st.booleans()) and mesh_size == 2 for _ in range(num_inputs)]
     return dict(
-        num_inputs=num_inputs, ops=ops, markers=markers, num_meshes=num_meshes,
-        mesh_size=mesh_size, sharded=sharded, mode=mode, schedule=schedule,
+        num_inputs=num_inputs, ops=ops, markers=markers, num_meshes=num_meshes, mesh_size=mesh_size,
+        sharded=sharded, mode=mode, schedule=schedule, stage_to_mesh=stage_to_mesh, with_key=with_key,
     )
 
 
-def build(desc, meshes):
-    """``(function, arguments, compile keyword arguments)`` for a program description."""
+def constant(kind, index, n, closure_constants):
+    """The captured array of ``kind`` for values of size ``n``, or a function applying it."""
+    if kind == "module_jax":
+        return MODULE_JAX[n][index]
+    if kind == "module_numpy":
+        return MODULE_NUMPY[n][index]
+    c = closure_constants[n][index]
+    if kind == "closure":
+        return c
+    return jax.jit(lambda x: x @ c)  # a jitted helper with its own constant
+
+
+def make_body(desc, meshes, record):
+    """The program as a function of ``desc['num_inputs']`` arrays and, with
+    ``desc['with_key']``, a typed key; ``record(tag, value)`` is what callbacks call."""
+    rng = np.random.default_rng(len(desc["ops"]))
+    closure_constants = {n: [jnp.asarray(rng.normal(size=(n, n)) * 0.5, jnp.float32) for _ in range(2)] for n in SIZES}
+
+    def mesh_of(stage):
+        s2m = desc["stage_to_mesh"]
+        return meshes[(s2m[stage] if s2m else stage) % len(meshes)]
+
+    def apply_constant(kind, index, how, x):
+        c = constant(kind, index, x.shape[0], closure_constants)
+        if callable(c):
+            return c(x) * 0.5
+        return jnp.tanh(x @ c.astype(x.dtype)) if how == "matmul" else x + c.astype(x.dtype)
 
     def body(*inputs):
-        values = list(inputs)
-        for k, op in enumerate(ops):
+        if desc["with_key"]:
+            *values, key = inputs
+        else:
+            values, key = list(inputs), None
+        values = list(values)
+        for k, op in enumerate(desc["ops"]):
             if op[0] == "unary":
                 values.append(UNARY[op[1]](values[op[2]]))
+            elif op[0] == "binary":
+                values.append(BINARY[op[1]](values[op[2]], values[op[3]]))
             elif op[0] == "shard_map":
                 _, stage, i, marked = op
                 summed = jax.shard_map(
-                    lambda t: jax.lax.psum(t, "d") * 0.5,
-                    mesh=meshes[stage % len(meshes)], in_specs=P("d"), out_specs=P("d"),
+                    lambda t: jax.lax.psum(t, "d") * 0.5, mesh=mesh_of(stage), in_specs=P("d"), out_specs=P("d")
                 )
                 values.append(summed(mpmdc.stage(values[i], stage) if marked else values[i]))
-            else:
-                values.append(BINARY[op[1]](values[op[2]], values[op[3]]))
+            elif op[0] == "constant":
+                _, kind, index, how, i = op
+                values.append(apply_constant(kind, index, how, values[i]))
+            elif op[0] == "layer":
+                _, stage, kind, index, i = op
+                values.append(apply_constant(kind, index, "matmul", mpmdc.stage(values[i], stage)))
+            elif op[0] == "effect":
+                _, live, i = op
+                callback = (lambda tag: lambda v: record(tag, v))(k)
+                if live:
+                    jax.debug.callback(callback, values[i])
+                    values.append(values[i])
+                else:
+                    jax.jit(lambda v: (jax.debug.callback(callback, v), v * 2)[1])(values[i])
+                    values.append(values[i] * 1.5)
+            else:  # noise
+                noise = jax.random.normal(jax.random.fold_in(key, k), values[op[1]].shape, values[op[1]].dtype)
+                values.append(values[op[1]] + 0.1 * noise)
             if k in desc["markers"]:
-                stage, group = desc["markers"][k]
-                marked = mpmdc.stage([values[i] for i in group], stage)
+                stage, group, with_the_key = desc["markers"][k]
+                marked, key_marked = mpmdc.stage(([values[i] for i in group], key if with_the_key else None), stage)
                 for i, v in zip(group, marked):
                     values[i] = v
+                key = key_marked if with_the_key else key
         return values[-1]
 
-    ops = desc["ops"]
-    rng = np.random.default_rng(len(ops))
-    args = [jnp.asarray(rng.normal(size=(SIZE, SIZE)), jnp.float32) for _ in range(desc["num_inputs"])]
+    return body
+
+
+def build(desc, meshes, record):
+    """``(function, arguments, compile keyword arguments)`` for a program description."""
+    body = make_body(desc, meshes, record)
+    rng = np.random.default_rng(len(desc["ops"]))
+    n = SIZES[0]
+    args = [jnp.asarray(rng.normal(size=(n, n)), jnp.float32) for _ in range(desc["num_inputs"])]
+    key_args = [jax.random.key(len(desc["ops"]))] if desc["with_key"] else []
     mode = desc["mode"]
     if mode == "plain":
         fn = body
@@ -133,54 +227,159 @@ def build(desc, meshes):
         def fn(*inputs):
             return jax.value_and_grad(lambda first, *rest: jnp.sum(body(first, *rest)))(*inputs)
     else:
-        batch = jnp.asarray(rng.normal(size=(2 * SIZE, SIZE)), jnp.float32)
+        batch = jnp.asarray(rng.normal(size=(2 * n, n)), jnp.float32)
 
         def fn(*inputs):
+            *inputs, batch = inputs
+
             def per_microbatch(mb):
-                return jax.value_and_grad(lambda first: jnp.sum(body(first + mb, *inputs[1:-1])))(inputs[0])
+                return jax.value_and_grad(lambda first: jnp.sum(body(first + mb, *inputs[1:])))(inputs[0])
 
-            return mpmdc.accumulate(per_microbatch, inputs[-1], microbatches=2, schedule=schedule_of(desc))
+            return mpmdc.accumulate(per_microbatch, batch, microbatches=2, schedule=schedule_of(desc))
 
-        args = args + [batch]
-    in_specs = tuple(P("d") if s else None for s in desc["sharded"]) + ((None,) if mode == "accumulate" else ())
-    return fn, args, dict(in_specs=in_specs)
+        key_args = key_args + [batch]
+    specs = tuple(P("d") if s else None for s in desc["sharded"]) + (None,) * len(key_args)
+    return fn, args + key_args, dict(in_specs=specs, stage_to_mesh=desc["stage_to_mesh"])
 
 
 def schedule_of(desc):
     """The drawn schedule where the layout allows it (1F1B and ZB-H1 need one stage per mesh)."""
-    stages = {s for s, _ in desc["markers"].values()}
-    one_per_mesh = max(stages, default=0) + 1 == desc["num_meshes"]
+    stages = {s for s, _, _ in desc["markers"].values()}
+    one_per_mesh = max(stages, default=0) + 1 == desc["num_meshes"] and desc["stage_to_mesh"] is None
     return desc["schedule"] if one_per_mesh else "gpipe"
 
 
-def check(desc):
-    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
-    fn, args, kwargs = build(desc, meshes)
-    got = mpmdc.compile(fn, meshes, **kwargs)(*args)
-    # jax.jit runs every shard_map of a program on one set of devices; a psum over
-    # equally many devices gives the same numbers on any of them.
-    reference, _, _ = build(desc, meshes[:1] * len(meshes))
-    want = jax.jit(reference)(*args)
+class Recorder:
+    """What the callbacks of one run recorded, per tag, in order."""
+
+    def __init__(self):
+        self.by_tag = defaultdict(list)
+
+    def __call__(self, tag, value):
+        self.by_tag[tag].append(np.asarray(value))
+
+    def assert_same_as(self, other, rtol, atol):
+        assert sorted(self.by_tag) == sorted(other.by_tag)
+        for tag, values in self.by_tag.items():
+            assert len(values) == len(other.by_tag[tag]), tag
+            for got, want in zip(values, other.by_tag[tag]):
+                np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
+
+
+def assert_same_results(got, want, rtol=1e-5, atol=1e-6):
     got_leaves, got_tree = jax.tree_util.tree_flatten(got)
     want_leaves, want_tree = jax.tree_util.tree_flatten(want)
     assert got_tree == want_tree
     for g, w in zip(got_leaves, want_leaves):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        assert_same_array(g, w, rtol=rtol, atol=atol)
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(programs())
-def test_random_programs_match_jax_jit(desc):
+def reference_meshes(meshes):
+    # jax.jit runs every shard_map of a program on one set of devices; a psum over
+    # equally many devices gives the same numbers on any of them.
+    return meshes[:1] * len(meshes)
+
+
+def check(desc):
+    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    seen, expected = Recorder(), Recorder()
+    fn, args, kwargs = build(desc, meshes, seen)
+    got = jax.block_until_ready(mpmdc.compile(fn, meshes, **kwargs)(*args))
+    reference, _, _ = build(desc, reference_meshes(meshes), expected)
+    want = jax.block_until_ready(jax.jit(reference)(*args))
+    jax.effects_barrier()
+    assert_same_results(got, want)
+    seen.assert_same_as(expected, rtol=1e-5, atol=1e-6)
+
+
+def _describe(desc):
     event(f"mode={desc['mode']}")
-    event(f"shard_map={any(op[0] == 'shard_map' for op in desc['ops'])}")
     event(f"meshes={desc['num_meshes']}x{desc['mesh_size']}")
+    event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
+    event(f"key={desc['with_key']}")
+    for kind in ("shard_map", "constant", "layer", "effect"):
+        event(f"{kind}={any(op[0] == kind for op in desc['ops'])}")
     event(f"markers={min(len(desc['markers']), 3)}{'+' if len(desc['markers']) >= 3 else ''}")
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")
     if desc["mode"] == "accumulate":
         event(f"schedule={schedule_of(desc)}")
+
+
+FUZZ_SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@settings(max_examples=EXAMPLES, **FUZZ_SETTINGS)
+@given(programs())
+def test_random_programs_match_jax_jit(desc):
+    _describe(desc)
     check(desc)
+
+
+# --------------------------------------------------- one function, many calls
+
+CONTAINERS = {
+    "tuple": lambda xs: tuple(xs),
+    "list": lambda xs: list(xs),
+    "dict": lambda xs: {f"x{i}": x for i, x in enumerate(xs)},
+}
+SCALARS = {
+    "python_float": lambda: 0.75,
+    "python_int": lambda: 2,
+    "float32": lambda: jnp.float32(0.75),
+    "numpy_float32": lambda: np.float32(0.75),
+    "weak_array": lambda: jnp.asarray(0.75),
+}
+
+
+@st.composite
+def call_sequences(draw):
+    """A plain or differentiated program and 2 to 4 argument variants to call it with."""
+    desc = draw(programs().filter(lambda d: d["mode"] != "accumulate" and not d["with_key"]))
+    variants = draw(st.lists(
+        st.tuples(
+            st.sampled_from(sorted(CONTAINERS)),
+            st.sampled_from(sorted(SCALARS)),
+            st.sampled_from(["float32", "bfloat16"]),
+            st.sampled_from(SIZES),
+        ),
+        min_size=2,
+        max_size=4,
+    ))
+    return desc, variants
+
+
+@settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
+@given(call_sequences())
+def test_one_compiled_function_called_with_new_argument_types(case):
+    """Each call of one ``mpmdc.compile``d function equals ``jax.jit`` on the same arguments,
+    whatever came before: the executable cache tells weak types, dtypes, shapes and
+    pytrees apart as ``jax.jit``'s does."""
+    desc, variants = case
+    event(f"variants={len(set(variants))}")
+    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    seen, expected = Recorder(), Recorder()
+
+    def program(record, meshes_):
+        body = make_body(desc, meshes_, record)
+        inner = body if desc["mode"] == "plain" else jax.value_and_grad(lambda *xs: jnp.sum(body(*xs)))
+
+        def fn(container, scale):
+            first, *rest = jax.tree.leaves(container)
+            return inner(first * scale, *rest)
+
+        return fn
+
+    step = mpmdc.compile(program(seen, meshes), meshes, stage_to_mesh=desc["stage_to_mesh"])
+    reference = jax.jit(program(expected, reference_meshes(meshes)))
+    rng = np.random.default_rng(len(desc["ops"]))
+    for container, scalar, dtype, n in variants:
+        xs = [jnp.asarray(rng.normal(size=(n, n)), dtype) for _ in range(desc["num_inputs"])]
+        args = (CONTAINERS[container](xs), SCALARS[scalar]())
+        loose = dtype == "bfloat16"  # bfloat16 rounding depends on where XLA fuses
+        assert_same_results(step(*args), reference(*args), rtol=0.1 if loose else 1e-5, atol=0.1 if loose else 1e-6)
+    jax.effects_barrier()
+    seen.assert_same_as(expected, rtol=0.1, atol=0.1)
