@@ -53,10 +53,14 @@ def fragment_function(eqn):
 
 
 def fragment_jit(eqn, program: Program):
-    """``(jitted function, argument types)`` for fragment ``eqn`` on its mesh."""
+    """``(jitted function, argument types)`` for fragment ``eqn`` on its mesh.
+
+    The argument types keep their weak type: results computed from a weakly typed value
+    are weakly typed too, as under ``jax.jit``.
+    """
     mesh = program.meshes[eqn.params["mesh"]]
     args = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=named(mesh, spec))
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=named(mesh, spec), weak_type=v.aval.weak_type)
         for v, spec in zip(eqn.invars, eqn.params["in_specs"])
     ]
     jitted = jax.jit(

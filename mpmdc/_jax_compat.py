@@ -18,6 +18,7 @@ pp_jaxpr = _core.pp_jaxpr
 pp_var = _core.pp_var
 custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
+ordered_effects = _effects.ordered_effects
 
 
 def with_metadata(ctx, key: str, value):

@@ -54,7 +54,14 @@ class Signature:
         computes with the types it was lowered for.
         """
         if treedef != self.in_tree:
-            found = first_difference(skeleton(self.in_tree), (args, kwargs))
+            want_args, want_kwargs = skeleton(self.in_tree)
+            if len(args) != len(want_args) or sorted(kwargs) != sorted(want_kwargs):
+                raise ArgumentError(
+                    f"called with {len(args)} positional argument(s) and keywords {sorted(kwargs)}, "
+                    f"but the executable was lowered for {len(want_args)} and keywords "
+                    f"{sorted(want_kwargs)}; pass each argument the way it was passed to lower()."
+                )
+            found = first_difference((want_args, want_kwargs), (args, kwargs))
             detail = f" ({found.entries})" if found.entries else ""
             raise ArgumentError(
                 f"argument {argument_path(found.path)} is {found.got}{detail}, but the executable "
@@ -73,8 +80,15 @@ def leaf_type(x, path: str | None = None) -> tuple:
     """``(shape, dtype, weak type)`` of an argument leaf (array, Python scalar, typed PRNG
     key or ``jax.ShapeDtypeStruct``): what ``jax.jit`` tells argument types apart by.
 
-    A value that is no array is an ``ArgumentError`` naming ``path``.
+    A value that is no array, or a traced one, is an ``ArgumentError`` naming ``path``.
     """
+    if isinstance(x, jax.core.Tracer):
+        raise ArgumentError(
+            f"argument {path or '(unnamed)'} is a traced value: the mpmdc program is being "
+            f"called inside a JAX transformation (jax.jit, jax.grad, jax.vmap...). It runs on "
+            f"its own meshes and cannot be traced; apply the transformation inside instead, "
+            f"e.g. mpmdc.compile(jax.grad(fn), meshes)."
+        )
     if isinstance(x, jax.Array):
         aval = x.aval
     elif isinstance(x, jax.ShapeDtypeStruct):
@@ -111,6 +125,17 @@ class _Step:
     mesh: int  # where it runs (a transfer: where the values arrive)
     name: str
     action: Action | None
+    effectful: bool  # a fragment with effects (a callback): waited for as it runs
+
+
+def _finished(results, effectful: bool):
+    """``results`` once computed; for an effectful step also once its effects have run,
+    since a step with no results has nothing else to wait on (a callback's error
+    surfaces here, where the step can be named, not at some later read)."""
+    jax.block_until_ready(results)
+    if effectful:
+        jax.effects_barrier()
+    return results
 
 
 class Executable:
@@ -169,17 +194,12 @@ class Executable:
                     mesh,
                     name,
                     action_of(eqn),
+                    eqn.primitive is fragment_p and bool(eqn.effects),
                 )
             )
         # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
-        # A fragment with effects (a callback) is waited for, so an error it raises
-        # surfaces here, where the fragment can be named, not at some later read. An
-        # empty release list is None, so the loop skips it with one test.
-        effectful = {k for k, eqn in enumerate(jaxpr.eqns) if eqn.primitive is fragment_p and eqn.effects}
-        self._plan = [
-            (st.call, st.inputs, st.outputs, st.release or None, k in effectful)
-            for k, st in enumerate(self._steps)
-        ]
+        # An empty release list is None, so the loop skips it with one test.
+        self._plan = [(st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self._steps]
         self._executables = executables
         self._outputs = []
         for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
@@ -217,7 +237,7 @@ class Executable:
             for call, inputs, outputs, release, wait in self._plan:
                 results = call(*map(read, inputs))
                 if wait:
-                    jax.block_until_ready(results)
+                    _finished(results, True)
                 for i, value in zip(outputs, results):
                     env[i] = value
                 if release:
@@ -347,9 +367,7 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
                 if not all(wait(a) for a in step.inputs if a in ready):
                     return
                 start = time.perf_counter()
-                results = jax.block_until_ready(
-                    step.call(*[env[i] for i in step.inputs])
-                )
+                results = _finished(step.call(*[env[i] for i in step.inputs]), step.effectful)
                 end = time.perf_counter()
                 slots[mesh].append(Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name))
                 with lock:

@@ -8,6 +8,7 @@
 * Every ``in_specs``/``out_specs`` entry names only axes of the mesh holding the
   value, and splits only dimensions its axes divide.
 * A ``shard_map`` runs on the mesh of the stage it sits in.
+* An ordered effect (``debug.print(..., ordered=True)``) runs on a one-device mesh.
 * Between ``partition`` and ``split``, every equation has a placement.
 
 The first, the placements and the locations are invariants every pass keeps
@@ -51,6 +52,23 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
                 f"but it was built for the mesh {other}; build it with that stage's mesh "
                 f"(meshes[{mesh_index}])."
             )
+
+
+def _is_ordered(eqn) -> bool:
+    return any(compat.ordered_effects.contains(e) for e in eqn.effects)
+
+
+def _check_ordered_effects(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
+    """XLA orders effects on one device only (``jax.jit`` refuses them on more, too)."""
+    if mesh.devices.size == 1:
+        return
+    for eqn in find_eqns(eqns, lambda e: _is_ordered(e) and not list(jcore.jaxprs_in_params(e.params))):
+        raise TypeCheckError(
+            f"`{eqn.primitive.name}` at {compat.source_line(eqn)} has an ordered effect and is "
+            f"in {where}, which runs on mesh{mesh_index} of {mesh.devices.size} devices; XLA keeps "
+            f"effects in order on one device only (jax.jit refuses this too). Drop ordered=True, "
+            f"or give that stage a mesh of one device."
+        )
 
 
 def _check_locations(program: Program) -> None:
@@ -115,13 +133,13 @@ def _check_user_choices(program: Program) -> None:
         for eqn, p in zip(jaxpr.eqns, placements):
             mesh = program.mesh_of_stage(p.stage)
             _check_shard_maps([eqn], program.meshes[mesh], mesh, f"stage {p.stage}")
+            _check_ordered_effects([eqn], program.meshes[mesh], mesh, f"stage {p.stage}")
         return
     for eqn in jaxpr.eqns:
         if eqn.primitive is fragment_p:
-            mesh = eqn.params["mesh"]
-            _check_shard_maps(
-                eqn.params["jaxpr"].jaxpr.eqns, program.meshes[mesh], mesh, f"fragment {eqn.params['name']}"
-            )
+            mesh, where = eqn.params["mesh"], f"fragment {eqn.params['name']}"
+            _check_shard_maps(eqn.params["jaxpr"].jaxpr.eqns, program.meshes[mesh], mesh, where)
+            _check_ordered_effects(eqn.params["jaxpr"].jaxpr.eqns, program.meshes[mesh], mesh, where)
 
 
 def vma_typecheck(program: Program) -> Program:

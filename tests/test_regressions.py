@@ -6,6 +6,8 @@ two devices; ``jax.jit`` cannot run ``shard_map``s on several device sets). Ever
 is re-checked by ``vma-typecheck`` (the test configuration sets ``MPMDC_VERIFY=1``).
 """
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +236,80 @@ def test_a_wrong_pytree_is_named_in_a_line():
         executable({**params, "extra": jnp.ones(3)}, jnp.ones(3))
     assert len(str(caught.value)) < 300
     assert "args[0] is a dict of 201 entries (unexpected ['extra'])" in str(caught.value)
+
+
+# Found by trying mpmdc as a new user would (Flax, Optax, callbacks, transformations).
+
+
+def test_results_computed_from_weak_values_stay_weak():
+    """A fragment was lowered with strongly typed arguments, so ``s * 2`` of a Python
+    scalar came back strong: multiplied into a bfloat16 array it gave float32 where
+    ``jax.jit``'s result keeps bfloat16."""
+    meshes = mpmdc.make_meshes(2, {"d": 1})
+
+    def fn(s, x):
+        x = mpmdc.stage(x, 0) * 2
+        return mpmdc.stage(x, 1), s * 2, mpmdc.stage(s * 3, 1), s, 2.0
+
+    for s in (2.5, 3, 1 + 2j):
+        assert_same_as_jit(fn, meshes, s, jnp.ones(2))
+    doubled = mpmdc.compile(lambda s: s * 2, meshes)(2.5)
+    assert (jnp.ones(2, jnp.bfloat16) * doubled).dtype == jnp.bfloat16
+
+
+def test_a_failing_callback_in_a_fragment_without_results_fails_the_call():
+    """A fragment with a callback and no results gave ``block_until_ready`` nothing to wait
+    on: the first call of a freshly compiled step often returned normally and the error
+    surfaced later, raw."""
+    meshes = mpmdc.make_meshes(2, {"d": 1})
+    fail = {"now": True}
+
+    def check(v):
+        if fail["now"]:
+            time.sleep(0.05)  # the call has long returned by now, unless it waits for effects
+            raise ZeroDivisionError("boom")
+
+    for _ in range(10):
+        step = mpmdc.compile(lambda x: (jax.debug.callback(check, mpmdc.stage(x, 1)), x)[1], meshes)
+        with pytest.raises(mpmdc.errors.MpmdRuntimeError, match="s1_fwd on mesh1 failed while running"):
+            step(jnp.ones(4))
+    fail["now"] = False
+    np.testing.assert_array_equal(step(jnp.ones(4)), np.ones(4))
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_calling_a_pipeline_inside_a_transformation_is_named(transform):
+    """Calling a compiled pipeline under ``jax.jit``/``grad``/``vmap`` raised a raw
+    ``AttributeError`` about a tracer's sharding."""
+    step = mpmdc.compile(lambda x: jnp.sin(mpmdc.stage(x, 1)), mpmdc.make_meshes(2, {"d": 1}))
+    call = {
+        "jit": lambda: jax.jit(lambda x: step(x) * 2)(jnp.ones(3)),
+        "grad": lambda: jax.grad(lambda x: step(x).sum())(jnp.ones(3)),
+        "vmap": lambda: jax.vmap(step)(jnp.ones((2, 3))),
+    }[transform]
+    with pytest.raises(mpmdc.errors.ArgumentError, match=r"args\[0\] is a traced value.*mpmdc.compile\(jax.grad"):
+        call()
+
+
+def test_ordered_effects_on_a_multi_device_mesh_are_the_users_to_fix():
+    """An ordered ``debug.print`` on a 2-device mesh failed in ``lower`` and was reported as
+    a bug in mpmdc; ``jax.jit`` refuses it too. On 1-device meshes it runs in order."""
+
+    def fn(x):
+        x = mpmdc.stage(x, 0)
+        jax.debug.print("s0 {}", x.sum(), ordered=True)
+        x = mpmdc.stage(x * 2, 1)
+        jax.debug.print("s1 {}", x.sum(), ordered=True)
+        return x
+
+    with pytest.raises(mpmdc.errors.TypeCheckError, match=r"`debug_print` at .*test_regressions.py.* ordered effect .* mesh0 of 2 devices"):
+        mpmdc.compile(fn, mpmdc.make_meshes(2, {"d": 2}))(jnp.ones(4))
+    assert_same_as_jit(fn, mpmdc.make_meshes(2, {"d": 1}), jnp.ones(4))
+
+
+def test_a_keyword_where_a_positional_argument_was_lowered_is_named():
+    x = jnp.ones(3)
+    executable = mpmdc.compile(lambda a, b: mpmdc.stage(a["x"] + b, 1), mpmdc.make_meshes(2, {"d": 1}))
+    executable = executable.lower({"x": x}, x).compile()
+    with pytest.raises(mpmdc.errors.ArgumentError, match=r"1 positional argument\(s\) and keywords \['b'\], but .* lowered for 2"):
+        executable({"x": x}, b=x)

@@ -21,7 +21,8 @@ valid schedule. Results must equal ``jax.jit``'s: dtype, shape and weak type exa
 values to rtol 1e-5; callbacks must record the same values per tag. A second test
 calls one compiled function again and again with new argument types (weak and strong
 scalars, float32 and bfloat16, two sizes, tuple, list and dict containers), each call
-against ``jax.jit`` of the same arguments. Every pass is re-checked (``MPMDC_VERIFY=1``,
+against ``jax.jit`` of the same arguments; a result computed in a stage from the scalar
+alone must keep its weak type. Every pass is re-checked (``MPMDC_VERIFY=1``,
 set by the test configuration).
 
 CI runs ``MPMDC_FUZZ_EXAMPLES`` programs (default 300) and a sixth as many repeat-call
@@ -360,6 +361,7 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     pytrees apart as ``jax.jit``'s does."""
     desc, variants = case
     event(f"variants={len(set(variants))}")
+    last_stage = max((s for s, _, _ in desc["markers"].values()), default=0)
     meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
     seen, expected = Recorder(), Recorder()
 
@@ -369,7 +371,8 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 
         def fn(container, scale):
             first, *rest = jax.tree.leaves(container)
-            return inner(first * scale, *rest)
+            # A result computed from the scalar alone stays weakly typed for a weak scalar.
+            return inner(first * scale, *rest), mpmdc.stage(scale, last_stage) * 3
 
         return fn
 
