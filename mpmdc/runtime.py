@@ -3,9 +3,9 @@
 Each fragment's module, as the ``lower`` pass produced it (static shardings,
 donation and all), is compiled ahead of time for its mesh, so every call is a plain
 executable call and what runs is exactly the StableHLO that ``lower`` shows.
-Fragments with the same body, mesh, shardings and donation share one executable. Transfers are ``device_put`` onto
-the destination mesh. JAX's asynchronous dispatch lets meshes overlap; each
-intermediate value is dropped right after its last use.
+Fragments with the same body, mesh, shardings and donation share one executable.
+Transfers are ``device_put`` onto the destination mesh. JAX's asynchronous dispatch
+lets meshes overlap; each intermediate value is dropped right after its last use.
 """
 
 from __future__ import annotations

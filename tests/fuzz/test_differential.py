@@ -26,7 +26,9 @@ alone must keep its weak type. Every pass is re-checked (``MPMDC_VERIFY=1``,
 set by the test configuration).
 
 CI runs ``MPMDC_FUZZ_EXAMPLES`` programs (default 300) and a sixth as many repeat-call
-sequences; ``MPMDC_FUZZ_EXAMPLES=2000 pytest tests/fuzz`` runs longer. A failure is
+sequences, always the same ones; ``MPMDC_FUZZ_EXAMPLES=2000 pytest tests/fuzz`` runs
+longer, and ``MPMDC_FUZZ_SEED=<n>`` draws other programs (run several seeds side by
+side to use more cores). A failure is
 shrunk by hypothesis; keep it as a named test in ``tests/test_regressions.py``.
 """
 
@@ -37,13 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from helpers import assert_same_array, clipped_tanh
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "300"))
+SEED = os.environ.get("MPMDC_FUZZ_SEED")
 SIZES = (4, 6)  # every operation works on square values of either size
 
 
@@ -308,11 +311,18 @@ def _describe(desc):
 
 FUZZ_SETTINGS = dict(
     deadline=None,
-    derandomize=True,
+    derandomize=SEED is None,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
 
+def seeded(test):
+    """``test`` drawing from ``MPMDC_FUZZ_SEED`` when it is set."""
+    return seed(int(SEED))(test) if SEED is not None else test
+
+
+@seeded
 @settings(max_examples=EXAMPLES, **FUZZ_SETTINGS)
 @given(programs())
 def test_random_programs_match_jax_jit(desc):
@@ -353,6 +363,7 @@ def call_sequences(draw):
     return desc, variants
 
 
+@seeded
 @settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
 @given(call_sequences())
 def test_one_compiled_function_called_with_new_argument_types(case):
