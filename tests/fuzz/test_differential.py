@@ -254,20 +254,28 @@ def schedule_of(desc):
 
 
 class Recorder:
-    """What the callbacks of one run recorded, per tag, in order."""
+    """What the callbacks of one run recorded, per tag.
+
+    A tag's records are compared as a multiset: an unordered callback has no order
+    across executions (JAX orders only ``ordered=True`` effects), and one microbatch's
+    fragment may run its callback after the next one's.
+    """
 
     def __init__(self):
         self.by_tag = defaultdict(list)
 
     def __call__(self, tag, value):
-        self.by_tag[tag].append(np.asarray(value))
+        self.by_tag[tag].append(np.asarray(value, np.float64))
 
     def assert_same_as(self, other, rtol, atol):
         assert sorted(self.by_tag) == sorted(other.by_tag)
         for tag, values in self.by_tag.items():
-            assert len(values) == len(other.by_tag[tag]), tag
-            for got, want in zip(values, other.by_tag[tag]):
-                np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
+            unmatched = list(other.by_tag[tag])
+            assert len(values) == len(unmatched), tag
+            for got in values:
+                match = next((k for k, w in enumerate(unmatched) if np.allclose(got, w, rtol=rtol, atol=atol)), None)
+                assert match is not None, (tag, got, unmatched)
+                unmatched.pop(match)
 
 
 def assert_same_results(got, want, rtol=1e-5, atol=1e-6):
