@@ -123,28 +123,33 @@ def verify(program: Program) -> Program:
     return program
 
 
+def _check_fit_mesh(eqns, program: Program, mesh_index: int, where: str) -> None:
+    """``eqns``, running in ``where`` on mesh ``mesh_index``, can run there: each
+    ``shard_map`` was built for that mesh, and ordered effects need one device."""
+    mesh = program.meshes[mesh_index]
+    _check_shard_maps(eqns, mesh, mesh_index, where)
+    _check_ordered_effects(eqns, mesh, mesh_index, where)
+
+
 def _check_user_choices(program: Program) -> None:
-    """Specs fit their meshes and each ``shard_map`` runs on the mesh it was built for:
-    what a user's ``in_specs``, ``out_specs`` and meshes decide."""
+    """Specs fit their meshes, each ``shard_map`` runs on the mesh it was built for and
+    ordered effects on one device: what a user's specs, meshes and effects decide."""
     _check_specs(program)
     jaxpr = program.jaxpr.jaxpr
     placements = program.placements
     if placements is not None:
         for eqn, p in zip(jaxpr.eqns, placements):
-            mesh = program.mesh_of_stage(p.stage)
-            _check_shard_maps([eqn], program.meshes[mesh], mesh, f"stage {p.stage}")
-            _check_ordered_effects([eqn], program.meshes[mesh], mesh, f"stage {p.stage}")
+            _check_fit_mesh([eqn], program, program.mesh_of_stage(p.stage), f"stage {p.stage}")
         return
     for eqn in jaxpr.eqns:
         if eqn.primitive is fragment_p:
-            mesh, where = eqn.params["mesh"], f"fragment {eqn.params['name']}"
-            _check_shard_maps(eqn.params["jaxpr"].jaxpr.eqns, program.meshes[mesh], mesh, where)
-            _check_ordered_effects(eqn.params["jaxpr"].jaxpr.eqns, program.meshes[mesh], mesh, where)
+            body = eqn.params["jaxpr"].jaxpr.eqns
+            _check_fit_mesh(body, program, eqn.params["mesh"], f"fragment {eqn.params['name']}")
 
 
 def vma_typecheck(program: Program) -> Program:
-    """Check ``program``: :func:`verify`, then the user's specs and ``shard_map`` meshes.
-    Returns it unchanged or raises ``TypeCheckError``."""
+    """Check ``program``: :func:`verify`, then the user's specs, ``shard_map`` meshes and
+    ordered effects. Returns it unchanged or raises ``TypeCheckError``."""
     verify(program)
     if program.in_meshes is not None:
         _check_user_choices(program)
