@@ -70,7 +70,7 @@ def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
         mpmdc.compile(two_stage, meshes2, passes=["inline", "lower"]).lower(jnp.ones(4))
 
 
-def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys, monkeypatch):
+def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
     target = tmp_path / "broken.py"
     target.write_text(
         "import jax.numpy as jnp, mpmdc\n"

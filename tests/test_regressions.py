@@ -171,7 +171,7 @@ def test_fragments_differing_only_in_their_callback_do_not_share():
 
     meshes = mpmdc.make_meshes(1, {"d": 2})
     assert_same_as_jit(fn, meshes, jnp.zeros(4))
-    assert seen == [0, 1, 0, 1]
+    assert sorted(seen) == [0, 0, 1, 1]  # each stage its own callback, once per run
 
 
 def test_a_new_weak_type_is_a_new_signature():
