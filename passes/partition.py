@@ -8,27 +8,35 @@ Rules, in the order they apply:
    ``t``) is where values *enter* stage ``s``: its outputs tell their users where
    they are. A transposed marker (odd ``t``) is where cotangents *leave* the
    backward of stage ``s``: its inputs tell their producers where they are.
-2. Operands forward. An unplaced equation whose operands come from placed
-   equations runs with the latest of them in pipeline order (forward stages
-   ascending, then backward stages descending), so a sum of gradient
-   contributions lands on the stage that holds the parameter.
-3. Users backward. An equation still unplaced (it reads program inputs only) runs
-   with the earliest of its users, a marker counting as a user in its own stage, so
-   work before the first marker (an embedding lookup) runs in the first stage; a
-   value several stages need (a tied weight) is produced once and transferred.
-   Rules 2 and 3 repeat until nothing changes, one transpose count at a time
-   (forward first); then a cotangent leaving a transposed marker counts as an
-   operand in that marker's stage; what is left runs in the first stage.
-4. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
+2. Operands forward. The pipeline's own work (equations that depend on a marker)
+   runs with its operands: where moving the operands that other equations made costs
+   the fewest bytes (program inputs, the parameters, never pull work: they go where
+   they are used), ties going to the latest in pipeline order (forward stages
+   ascending, then backward stages descending), so a sum of gradient contributions
+   lands on the stage that holds the parameter.
+3. Users backward. Work that prepares a marker's input (an embedding lookup) runs
+   with the earliest of its users. Rules 2 and 3 repeat until nothing changes, one
+   transpose count at a time (forward first); then a cotangent leaving a transposed
+   marker also counts, at its source and wherever else it is going (a bias gradient
+   summed from the cotangent entering a stage runs in that stage).
+4. The rest: work that reads program inputs and the pipeline's results, such as the
+   optimizer update, runs where its operands (program inputs where they are used)
+   and its users cost the fewest bytes to move, and joins the fragment of its earliest
+   user. So a parameter, its optimizer state, its update and its new value share the
+   mesh of the stage that uses the parameter, and a global gradient norm is reduced
+   per mesh with only scalars crossing. What nothing places runs in the first stage.
+5. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
    puts its outputs in microbatch ``i``, and ``microbatch[None]`` outside the loop
    (the start of a running sum, the loop's results). An equation reading values of several
    microbatches belongs to the latest of them (so the running sum of gradients
    moves from one microbatch's backward fragment to the next); one reading none
    belongs to the microbatch all its users agree on, or to none (work outside the
    loop, such as slicing the batch into microbatches).
-5. Cheap equations, computed from literals alone (constants, ``iota``, broadcasts
-   of literals), are cloned into every stage that uses them instead of being
-   transferred.
+6. Cheap equations are cloned into every stage that uses them instead of being
+   transferred: those computed from literals alone (constants, ``iota``, broadcasts
+   of literals), and shape or type changes of a small value (broadcasting a global
+   norm to a gradient's shape), which therefore move the small value, never the
+   large result.
 
 The transpose count of an equation is the largest count among the markers it
 depends on, so the last stage's backward shares a fragment with its forward and
@@ -39,6 +47,8 @@ their producer.
 """
 
 from __future__ import annotations
+
+import math
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
@@ -62,14 +72,31 @@ from mpmdc.primitives import (
 )
 
 
-def _is_cheap(eqn, cheap_vars) -> bool:
-    """Computed from literals (or other cheap values) alone, with no effects or bodies."""
-    return (
-        not is_marker(eqn)
-        and not is_microbatch_marker(eqn)
-        and not eqn.effects
-        and not list(jcore.jaxprs_in_params(eqn.params))
-        and all(not is_var(a) or a in cheap_vars for a in eqn.invars)
+# A value of at most this many elements costs less to move than anything expanding it.
+_SMALL = 64
+# Equations that only change a value's shape or type: a clone next to each user costs
+# nothing, and moving their small operand beats moving their (maybe large) result.
+_EXPANDING = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"}
+)
+
+
+def _nbytes(aval) -> int:
+    return math.prod(aval.shape) * getattr(aval.dtype, "itemsize", 4)
+
+
+def _is_cheap(eqn, from_literals) -> bool:
+    """Cloned next to each user: computed from literals alone (``from_literals`` holds
+    such values), or a shape/type change of a small value; no effects or bodies."""
+    if is_marker(eqn) or is_microbatch_marker(eqn) or eqn.effects:
+        return False
+    if list(jcore.jaxprs_in_params(eqn.params)):
+        return False
+    operands = vars_of(eqn.invars)
+    if all(a in from_literals for a in operands):
+        return True
+    return eqn.primitive.name in _EXPANDING and all(
+        a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands
     )
 
 
@@ -115,56 +142,183 @@ def _pin_shard_maps(stage, candidates, eqns, producer, users) -> None:
         stage[i] = next((s for s in near if s in on_mesh), on_mesh[0])
 
 
-def _infer_stages(eqns, producer, users, cheap, transpose, seeds):
-    """Stage per equation index (``None`` for cheap equations); ``seeds`` are fixed ones.
+class _Placer:
+    """The stage inference of :func:`partition` (rules 1 to 4 of the module docstring).
 
-    Placement runs one transpose count at a time (forward first), so the backward
-    of the code before the first marker follows its forward's residuals instead of
-    whichever gradient happens to be summed into it.
+    ``stage[i]`` is equation ``i``'s stage (``None`` until placed; always ``None`` for
+    cheap equations, which are cloned later); ``transpose[i]`` its transpose count.
     """
-    stage = [eqn.params["stage"] if is_marker(eqn) else seeds.get(i) for i, eqn in enumerate(eqns)]
-    default = min((eqn.params["stage"] for eqn in eqns if is_marker(eqn)), default=0)
 
-    def key(i):
-        return Placement(stage[i], transpose[i]).order_key()
+    def __init__(self, program, eqns, producer, users, cheap, transpose, microbatch, seeds):
+        self.program, self.eqns = program, eqns
+        self.producer, self.users, self.cheap = producer, users, cheap
+        self.transpose, self.microbatch = transpose, microbatch
+        self.stage = [e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)]
+        self.default = min((e.params["stage"] for e in eqns if is_marker(e)), default=0)
 
-    def from_operands(i, through_boundaries):
-        for a in vars_of(eqns[i].invars):
-            j = producer.get(a)
-            if j is not None and stage[j] is not None:
-                if through_boundaries or not is_transposed_marker(eqns[j]):
-                    yield j
+    def mesh(self, stage: int) -> int:
+        return self.program.mesh_of_stage(stage)
 
-    def from_users(i):
-        for v in eqns[i].outvars:
-            for j in users.get(v, ()):
-                if stage[j] is not None:
-                    yield j
+    def key(self, stage: int, transpose: int):
+        return Placement(stage, transpose).order_key()
 
-    def settle(members, through_boundaries):
+    def placed_users(self, v):
+        """Placed equations reading ``v``, looking through cheap ones (their clones go
+        where their users are)."""
+        for j in self.users.get(v, ()):
+            if j in self.cheap:
+                for w in self.eqns[j].outvars:
+                    yield from self.placed_users(w)
+            elif self.stage[j] is not None:
+                yield j
+
+    def present(self, v) -> set[int]:
+        """The meshes ``v`` is (or will be) on: its producer's and its placed users'."""
+        out = {self.mesh(self.stage[j]) for j in self.placed_users(v)}
+        j = self.producer.get(v)
+        if j is not None and self.stage[j] is not None:
+            out.add(self.mesh(self.stage[j]))
+        return out
+
+    def operands(self, i, inputs: bool):
+        """The values ``i`` reads that cost bytes to move, looking through cheap operands
+        (a clone reads its own operands where it runs); program inputs and constants
+        only if ``inputs``."""
+        out = []
+        for a in vars_of(self.eqns[i].invars):
+            j = self.producer.get(a)
+            if j in self.cheap:
+                out += self.operands(j, inputs)
+            elif j is not None or inputs:
+                out.append(a)
+        return list(dict.fromkeys(out))
+
+    def cheapest(self, i, candidates: dict, with_users: bool):
+        """The candidate stage where running ``i`` moves the fewest bytes: operands not
+        already on its mesh and, ``with_users``, results its placed users read elsewhere.
+        ``candidates`` maps each stage to the latest pipeline position of the equations
+        that suggested it; ties go to the latest."""
+        operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
+        outputs = [(v, {self.mesh(self.stage[j]) for j in self.placed_users(v)}) for v in self.eqns[i].outvars]
+
+        def cost(s):
+            m = self.mesh(s)
+            moved = sum(_nbytes(a.aval) for a, where in operands if m not in where)
+            if with_users:
+                moved += sum(_nbytes(v.aval) * len(where - {m}) for v, where in outputs)
+            return moved
+
+        return min(candidates, key=lambda s: (cost(s), tuple(-k for k in candidates[s])))
+
+    def suggest(self, candidates: dict, js) -> None:
+        """Add the stages of the placed equations ``js`` to ``candidates``."""
+        for j in js:
+            key = self.key(self.stage[j], self.transpose[j])
+            candidates[self.stage[j]] = max(candidates.get(self.stage[j], key), key)
+
+    def from_operands(self, i, through_boundaries: bool):
+        """Rule 2: a stage for ``i`` from its placed operands, or ``None``. Before
+        ``through_boundaries``, cotangents leaving a stage's backward suggest nothing;
+        after, so do the other places their values go."""
+        candidates: dict = {}
+        operands = self.operands(i, inputs=False)
+        for a in operands:
+            j = self.producer[a]
+            if self.stage[j] is not None and (through_boundaries or not is_transposed_marker(self.eqns[j])):
+                self.suggest(candidates, [j])
+        if not candidates:
+            return None
+        if through_boundaries:
+            for a in operands:
+                self.suggest(candidates, (j for j in self.placed_users(a) if j != i))
+        return self.cheapest(i, candidates, with_users=False)
+
+    def from_users(self, i):
+        """Rule 3: the earliest stage among ``i``'s placed users, or ``None``."""
+        found = [j for v in self.eqns[i].outvars for j in self.placed_users(v)]
+        if not found:
+            return None
+        j = min(found, key=lambda j: self.key(self.stage[j], self.transpose[j]))
+        return self.stage[j]
+
+    def settle(self, members, through_boundaries: bool) -> None:
+        """Rules 2 and 3 over ``members`` until nothing changes."""
         changed = True
         while changed:
             changed = False
             for i in members:
-                if stage[i] is None:
-                    found = max(from_operands(i, through_boundaries), key=key, default=None)
-                    if found is not None:
-                        stage[i], changed = stage[found], True
+                if self.stage[i] is None:
+                    self.stage[i] = self.from_operands(i, through_boundaries)
+                    changed |= self.stage[i] is not None
             for i in reversed(members):
-                if stage[i] is None:
-                    found = min(from_users(i), key=key, default=None)
-                    if found is not None:
-                        stage[i], changed = stage[found], True
+                if self.stage[i] is None:
+                    self.stage[i] = self.from_users(i)
+                    changed |= self.stage[i] is not None
 
-    for t in sorted(set(transpose)):
-        members = [i for i, s in enumerate(stage) if s is None and i not in cheap and transpose[i] == t]
-        settle(members, through_boundaries=False)
-        # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
-        settle(members, through_boundaries=True)
-        for i in members:
-            if stage[i] is None:
-                stage[i] = default
-    return stage
+    def anchored(self) -> set[int]:
+        """Equations that depend on a marker or whose results reach a forward marker: the
+        pipeline's own work and what prepares its inputs (an embedding lookup)."""
+        depends = set()
+        for i, eqn in enumerate(self.eqns):
+            if is_marker(eqn) or any(self.producer.get(a) in depends for a in vars_of(eqn.invars)):
+                depends.add(i)
+        feeds = set()
+        for i in reversed(range(len(self.eqns))):
+            for v in self.eqns[i].outvars:
+                for j in self.users.get(v, ()):
+                    if (is_marker(self.eqns[j]) and not is_transposed_marker(self.eqns[j])) or j in feeds:
+                        feeds.add(i)
+        return (depends | feeds) - self.cheap
+
+    def place_by_cost(self, members) -> None:
+        """Rule 4: equations reading only program inputs and free-standing values run
+        where their operands and users cost the fewest bytes to move; they join the
+        fragment of their earliest user (its transpose count)."""
+
+        def candidates(i):
+            out: dict = {}
+            for a in self.operands(i, inputs=True):
+                j = self.producer.get(a)
+                if j is not None and self.stage[j] is not None:
+                    self.suggest(out, [j])
+                self.suggest(out, (k for k in self.placed_users(a) if k != i))
+            self.suggest(out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)))
+            return out
+
+        changed = True
+        while changed:
+            changed = False
+            for order in (members, members[::-1]):
+                for i in order:
+                    if self.stage[i] is None and (found := candidates(i)):
+                        self.stage[i] = self.cheapest(i, found, with_users=True)
+                        changed = True
+        for i in reversed(members):
+            # (A user inside the microbatch loop has a fragment per microbatch, which
+            # all share one body: nothing from outside joins it.)
+            later = [
+                self.transpose[j]
+                for v in self.eqns[i].outvars
+                for j in self.users.get(v, ())
+                if j not in self.cheap and self.microbatch[j] == self.microbatch[i]
+            ]
+            if later:
+                self.transpose[i] = max(self.transpose[i], min(later))
+
+    def run(self) -> list:
+        """Stage per equation index."""
+        anchored = self.anchored()
+        for t in sorted(set(self.transpose)):
+            members = [i for i in sorted(anchored) if self.stage[i] is None and self.transpose[i] == t]
+            self.settle(members, through_boundaries=False)
+            # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
+            self.settle(members, through_boundaries=True)
+        rest = [i for i, s in enumerate(self.stage) if s is None and i not in self.cheap]
+        self.place_by_cost(rest)
+        for i in rest:
+            if self.stage[i] is None:
+                self.stage[i] = self.default
+        return self.stage
 
 
 def _infer_microbatches(eqns, producer, users, cheap):
@@ -173,7 +327,7 @@ def _infer_microbatches(eqns, producer, users, cheap):
     for i, eqn in enumerate(eqns):
         if is_microbatch_marker(eqn):
             microbatch[i] = eqn.params["index"]
-        elif i not in cheap:
+        else:  # cheap equations too, so values flow through them (their clones go with their users)
             found = [microbatch[producer[a]] for a in vars_of(eqn.invars) if a in producer]
             microbatch[i] = max((m for m in found if m is not None), default=None)
     for i in reversed(range(len(eqns))):
@@ -196,14 +350,16 @@ def partition(program: Program) -> Program:
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     producer, users = {}, {}
-    cheap, cheap_vars = set(), set()
+    cheap, cheap_vars, from_literals = set(), set(), set()
     for i, eqn in enumerate(eqns):
         for a in vars_of(eqn.invars):
             users.setdefault(a, []).append(i)
         producer.update((v, i) for v in eqn.outvars if is_var(v))
-        if _is_cheap(eqn, cheap_vars):
+        if _is_cheap(eqn, from_literals):
             cheap.add(i)
             cheap_vars.update(eqn.outvars)
+            if all(a in from_literals for a in vars_of(eqn.invars)):
+                from_literals.update(eqn.outvars)
     for eqn in eqns:
         if is_marker(eqn):
             program.mesh_of_stage(eqn.params["stage"], eqn)
@@ -211,9 +367,9 @@ def partition(program: Program) -> Program:
     transpose = _transpose_counts(eqns, producer)
     candidates = _shard_map_stages(program, eqns)
     seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
-    stage = _infer_stages(eqns, producer, users, cheap, transpose, seeds)
-    _pin_shard_maps(stage, candidates, eqns, producer, users)
     microbatch = _infer_microbatches(eqns, producer, users, cheap)
+    stage = _Placer(program, eqns, producer, users, cheap, transpose, microbatch, seeds).run()
+    _pin_shard_maps(stage, candidates, eqns, producer, users)
     placement = {
         i: Placement(stage[i], transpose[i], microbatch[i])
         for i in range(len(eqns))
@@ -221,12 +377,22 @@ def partition(program: Program) -> Program:
     }
 
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
-    out_placement = []
-    for v in jaxpr.outvars:
-        if is_var(v) and v in producer and producer[v] not in cheap:
-            out_placement.append(placement[producer[v]])
-        else:
-            out_placement.append(default)
+
+    def sources(v):
+        """The placed equations a value comes from, looking through cheap ones."""
+        j = producer.get(v)
+        if j is None:
+            return []
+        if j not in cheap:
+            return [placement[j]]
+        return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
+
+    # An output made by a cheap equation (a cast of a small gradient) stays with what it
+    # is made from.
+    out_placement = [
+        max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default
+        for v in jaxpr.outvars
+    ]
 
     # Cheap equations: one clone per placement among their (transitive) users.
     needed: dict[int, set[Placement]] = {i: set() for i in cheap}
