@@ -31,6 +31,7 @@ from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
 from mpmdc.pytrees import broadcast_prefix, skeleton
 from mpmdc.runtime import Executable, Signature, leaf_type
+from mpmdc.traffic import TransferReport, transfer_report
 
 
 def _is_spec_leaf(x) -> bool:
@@ -162,6 +163,11 @@ class Lowered:
     def stablehlo(self, platform: str | None = None) -> dict[str, str]:
         """``{fragment name: StableHLO text}`` for backend ``platform`` (default: the program's)."""
         return dict(self._lowered(platform).modules)
+
+    def transfer_report(self) -> TransferReport:
+        """What a step moves between meshes (per mesh pair and kind of value) and what
+        each mesh holds; see ``mpmdc.traffic``."""
+        return transfer_report(self._last_split())
 
     def compile(self) -> Executable:
         """Compile every fragment for its mesh; returns a callable ``Executable``.

@@ -114,6 +114,7 @@ def _dump(args) -> int:
         platforms=tuple(args.platform or ()),
         dump_dir=args.dump_dir,
         list_stages=args.list_stages,
+        transfers=args.transfers,
         args=args.args,
         meshes=args.meshes,
     )
@@ -129,6 +130,9 @@ def _dump(args) -> int:
 
     if options.list_stages:
         print("\n".join(lowered.stages))
+        return EXIT_OK
+    if options.transfers:
+        sys.stdout.write(lowered.transfer_report().as_text())
         return EXIT_OK
     if options.dump_dir is not None:
         platforms = options.platforms or (lowered.program(lowered.stages[-1]).backend,)
@@ -244,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dump-dir", type=Path, metavar="DIR", help="write every stage and module into DIR"
     )
     dump.add_argument("--list-stages", action="store_true", help="print the stage names and exit")
+    dump.add_argument(
+        "--transfers",
+        action="store_true",
+        help="print what one step moves between meshes and what each mesh holds, and exit",
+    )
     dump.add_argument(
         "--args",
         metavar="TYPES",

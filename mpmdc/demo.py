@@ -52,7 +52,8 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
     def step(params, x, y):
         return train_step(params, x, y, schedule)
 
-    executable = compile(step, meshes).lower(params, x, y).compile()
+    lowered = compile(step, meshes).lower(params, x, y)
+    executable = lowered.compile()
     loss, new_params = executable(params, x, y)
     _, timeline = executable.run_timed(params, x, y)  # after a first call, so nothing is cold
     ref_loss, ref_params = jax.jit(step)(params, x, y)
@@ -75,6 +76,8 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
     print_fn(f"max |mpmdc - jax.jit| = {max(diffs):.3g}")
     program = executable.program
     print_fn(f"{sum(1 for _ in fragment_summary(program))} fragment calls, {executable.num_executables} distinct executables")
+    for line in lowered.transfer_report().as_text().splitlines():
+        print_fn(line)
     print_fn("peak live activations per mesh (microbatches, buffers, bytes):")
     for i, m in enumerate(executable.memory):
         print_fn(f"  mesh{i}: {m.peak_microbatches}, {m.peak_activation_buffers}, {m.peak_activation_bytes}")

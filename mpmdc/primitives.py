@@ -254,11 +254,11 @@ transfer_p = jcore.Primitive("transfer")
 transfer_p.multiple_results = True
 
 
-def _transfer_typecheck(_ctx_factory, *in_atoms, src, dst, src_specs, dst_specs):
-    if not len(in_atoms) == len(src_specs) == len(dst_specs):
+def _transfer_typecheck(_ctx_factory, *in_atoms, src, dst, src_specs, dst_specs, carries):
+    if not len(in_atoms) == len(src_specs) == len(dst_specs) == len(carries):
         raise jcore.JaxprTypeError(
             f"transfer mesh{src}->mesh{dst}: {len(in_atoms)} values but "
-            f"{len(src_specs)} source and {len(dst_specs)} destination specs"
+            f"{len(src_specs)} source and {len(dst_specs)} destination specs, {len(carries)} kinds"
         )
     if src == dst:
         raise jcore.JaxprTypeError(f"transfer from mesh{src} to itself")
@@ -267,6 +267,6 @@ def _transfer_typecheck(_ctx_factory, *in_atoms, src, dst, src_specs, dst_specs)
 
 transfer_p.def_impl(lambda *xs, **_: list(xs))
 transfer_p.def_abstract_eval(lambda *avals, **_: list(avals))
-pe.dce_rules[transfer_p] = _elementwise_dce(("src_specs", "dst_specs"))
+pe.dce_rules[transfer_p] = _elementwise_dce(("src_specs", "dst_specs", "carries"))
 compat.custom_typechecks[transfer_p] = _transfer_typecheck
 mlir.register_lowering(transfer_p, lambda ctx, *args, **_: list(args))

@@ -121,6 +121,7 @@ class DumpOptions(BaseModel):
     platforms: tuple[str, ...] = ()
     dump_dir: Path | None = None
     list_stages: bool = False
+    transfers: bool = False
     args: tuple[ArgType, ...] | None = None
     meshes: MeshesSpec | None = None
 

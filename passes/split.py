@@ -90,6 +90,25 @@ def _can_merge(graph, a, b) -> bool:
     return True
 
 
+def _what_values_carry(jaxpr, env):
+    """What a transferred value is, for the transfer report (``mpmdc.traffic``):
+    ``activation``/``cotangent`` where it crosses a stage marker, ``state`` where it is
+    computed from program inputs alone, ``other`` otherwise."""
+    crossing = {}
+    depends = set()
+    for eqn in jaxpr.eqns:
+        if is_marker(eqn) or is_microbatch_marker(eqn) or any(a in depends for a in vars_of(eqn.invars)):
+            depends.update(eqn.outvars)
+        if is_marker(eqn):
+            kind = "cotangent" if eqn.params["transpose"] % 2 else "activation"
+            crossing.update((v, kind) for v in substituted(eqn.invars, env) if is_var(v))
+
+    def carries(v):
+        return crossing.get(v) or ("other" if v in depends else "state")
+
+    return carries
+
+
 def split(program: Program) -> Program:
     """Turn a placed program into ``fragment`` and ``transfer`` equations."""
     closed = program.jaxpr
@@ -104,6 +123,7 @@ def split(program: Program) -> Program:
             eqns.append(placed(eqn, None).replace(invars=substituted(eqn.invars, env)))
             placements.append(placement)
     outvars = substituted(jaxpr.outvars, env)
+    carries = _what_values_carry(jaxpr, env)
 
     part_of, graph = _parts(eqns, placements)
     members: dict = {}
@@ -147,7 +167,13 @@ def split(program: Program) -> Program:
                 fit_spec(spec, program.meshes[mesh], v.aval.shape) for v, spec in zip(vs, src_specs)
             )
             outs = [fresh_like(v) for v in vs]
-            params = dict(src=src, dst=mesh, src_specs=src_specs, dst_specs=dst_specs)
+            params = dict(
+                src=src,
+                dst=mesh,
+                src_specs=src_specs,
+                dst_specs=dst_specs,
+                carries=tuple(carries(v) for v in vs),
+            )
             top_eqns.append(jcore.new_jaxpr_eqn(vs, outs, transfer_p, params, jcore.no_effects))
             for v, out, spec in zip(vs, outs, dst_specs):
                 copies[(v, mesh)] = out

@@ -1,0 +1,108 @@
+"""What one step moves between meshes, and what each mesh holds between steps.
+
+Every ``transfer`` records, per value, what it carries (``split`` decides):
+
+- ``activation`` / ``cotangent``: a value crossing a stage marker, forward or
+  backward. These are what pipelining has to move; their bytes are the *floor*.
+- ``state``: a program input or a value computed from program inputs alone —
+  parameters, optimizer state, anything derived from them (and a batch that
+  ``accumulate`` does not slice). A training step that keeps each parameter on its
+  stage's mesh moves none of these, except a parameter several stages read (a tied
+  embedding), which travels to each of them once per step.
+- ``other``: the rest, e.g. the scalar partial results of a global gradient norm,
+  gradient contributions of a shared parameter, the loss.
+
+A scheduled program is unrolled over its microbatches, so the counts here are per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpmdc.ir import Program
+from mpmdc.primitives import transfer_p
+
+CATEGORIES = ("activations/cotangents", "parameters/optimizer state", "other")
+_CATEGORY_OF = {
+    "activation": CATEGORIES[0],
+    "cotangent": CATEGORIES[0],
+    "state": CATEGORIES[1],
+    "other": CATEGORIES[2],
+}
+
+
+def nbytes(aval) -> int:
+    """Bytes of an array of type ``aval``."""
+    return math.prod(aval.shape) * getattr(aval.dtype, "itemsize", 4)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Traffic from mesh ``src`` to mesh ``dst`` in one step: values and bytes per category."""
+
+    src: int
+    dst: int
+    values: tuple[int, ...]  # per CATEGORIES
+    bytes: tuple[int, ...]  # per CATEGORIES
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """Per (source, destination) mesh pair, what one step moves; per mesh, what it holds."""
+
+    links: tuple[Link, ...]
+    inputs_held: tuple[int, ...]  # bytes of program inputs per mesh
+    outputs_held: tuple[int, ...]  # bytes of program outputs per mesh
+
+    def total(self, category: str | None = None) -> int:
+        """Bytes moved per step (in ``category``, one of :data:`CATEGORIES`, if given)."""
+        columns = range(len(CATEGORIES)) if category is None else [CATEGORIES.index(category)]
+        return sum(link.bytes[c] for link in self.links for c in columns)
+
+    def as_text(self) -> str:
+        """A table: one row per mesh pair, then the bytes each mesh holds."""
+        head = ["link", "values"] + [f"{c} B" for c in CATEGORIES]
+        rows = [
+            [f"mesh{link.src} -> mesh{link.dst}", str(sum(link.values))] + [str(b) for b in link.bytes]
+            for link in self.links
+        ]
+        rows.append(
+            ["total", str(sum(sum(link.values) for link in self.links))]
+            + [str(self.total(c)) for c in CATEGORIES]
+        )
+        widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+        lines = ["transfers per step:"]
+        for r in [head, *rows]:
+            lines.append("  " + "  ".join(cell.ljust(w) if k == 0 else cell.rjust(w) for k, (cell, w) in enumerate(zip(r, widths))))
+        lines.append("held per mesh (bytes of the step's inputs / outputs: parameters, optimizer state, batch):")
+        for m, (i, o) in enumerate(zip(self.inputs_held, self.outputs_held)):
+            lines.append(f"  mesh{m}: {i} in / {o} out")
+        return "\n".join(lines) + "\n"
+
+
+def transfer_report(program: Program) -> TransferReport:
+    """The traffic of a split (or scheduled) program; see the module docstring."""
+    if not program.is_split:
+        raise ValueError("transfer_report needs a split program (after `split`)")
+    jaxpr = program.jaxpr.jaxpr
+    links: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not transfer_p:
+            continue
+        values, moved = links.setdefault((eqn.params["src"], eqn.params["dst"]), ([0] * 3, [0] * 3))
+        for v, carried in zip(eqn.invars, eqn.params["carries"]):
+            c = CATEGORIES.index(_CATEGORY_OF[carried])
+            values[c] += 1
+            moved[c] += nbytes(v.aval)
+    inputs_held = [0] * len(program.meshes)
+    for v, m in zip(jaxpr.invars, program.in_meshes):
+        inputs_held[m] += nbytes(v.aval)
+    outputs_held = [0] * len(program.meshes)
+    for v, m in zip(jaxpr.outvars, program.out_meshes):
+        outputs_held[m] += nbytes(v.aval)
+    return TransferReport(
+        links=tuple(Link(s, d, tuple(n), tuple(b)) for (s, d), (n, b) in sorted(links.items())),
+        inputs_held=tuple(inputs_held),
+        outputs_held=tuple(outputs_held),
+    )
