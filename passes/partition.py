@@ -200,20 +200,27 @@ class _Placer:
         that suggested it; ties go to the latest."""
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
         outputs = [(v, {self.mesh(self.stage[j]) for j in self.placed_users(v)}) for v in self.eqns[i].outvars]
+        # Inside the microbatch loop a program input is moved once for every microbatch,
+        # a result once per microbatch.
+        shared = self.program.microbatches or 1 if self.microbatch[i] is not None else 1
+
+        def size(a):
+            return _nbytes(a.aval) / (shared if a not in self.producer else 1)
 
         def cost(s):
             m = self.mesh(s)
-            moved = sum(_nbytes(a.aval) for a, where in operands if m not in where)
+            moved = sum(size(a) for a, where in operands if m not in where)
             if with_users:
                 moved += sum(_nbytes(v.aval) * len(where - {m}) for v, where in outputs)
             return moved
 
         return min(candidates, key=lambda s: (cost(s), tuple(-k for k in candidates[s])))
 
-    def suggest(self, candidates: dict, js) -> None:
-        """Add the stages of the placed equations ``js`` to ``candidates``."""
+    def suggest(self, candidates: dict, js, rank: int = 0) -> None:
+        """Add the stages of the placed equations ``js`` to ``candidates``; on equal
+        costs a higher ``rank`` wins, then the latest in pipeline order."""
         for j in js:
-            key = self.key(self.stage[j], self.transpose[j])
+            key = (rank, *self.key(self.stage[j], self.transpose[j]))
             candidates[self.stage[j]] = max(candidates.get(self.stage[j], key), key)
 
     def from_operands(self, i, through_boundaries: bool):
@@ -222,11 +229,18 @@ class _Placer:
         after, so do the other places their values go."""
         candidates: dict = {}
         operands = self.operands(i, inputs=False)
+        placed = waiting = 0  # bytes of the largest operand placed / not placed yet
         for a in operands:
             j = self.producer[a]
-            if self.stage[j] is not None and (through_boundaries or not is_transposed_marker(self.eqns[j])):
+            if self.stage[j] is None:
+                if j in self.depends:  # (work reading inputs alone follows its users)
+                    waiting = max(waiting, _nbytes(a.aval))
+            elif through_boundaries or not is_transposed_marker(self.eqns[j]):
                 self.suggest(candidates, [j])
-        if not candidates:
+                placed = max(placed, _nbytes(a.aval))
+        # A small placed operand (a global norm) does not decide for a large one whose
+        # place is not known yet.
+        if not candidates or waiting > placed:
             return None
         if through_boundaries:
             for a in operands:
@@ -241,8 +255,8 @@ class _Placer:
         j = min(found, key=lambda j: self.key(self.stage[j], self.transpose[j]))
         return self.stage[j]
 
-    def settle(self, members, through_boundaries: bool) -> None:
-        """Rules 2 and 3 over ``members`` until nothing changes."""
+    def settle(self, members, prepares, through_boundaries: bool) -> None:
+        """Rule 2 over ``members`` and rule 3 over those in ``prepares``, until nothing changes."""
         changed = True
         while changed:
             changed = False
@@ -251,24 +265,25 @@ class _Placer:
                     self.stage[i] = self.from_operands(i, through_boundaries)
                     changed |= self.stage[i] is not None
             for i in reversed(members):
-                if self.stage[i] is None:
+                if self.stage[i] is None and i in prepares:
                     self.stage[i] = self.from_users(i)
                     changed |= self.stage[i] is not None
 
-    def anchored(self) -> set[int]:
-        """Equations that depend on a marker or whose results reach a forward marker: the
-        pipeline's own work and what prepares its inputs (an embedding lookup)."""
+    def pipeline_work(self) -> tuple[set[int], set[int]]:
+        """The equations that depend on a marker (the pipeline's own work), and those
+        whose results reach a forward marker without depending on one (what prepares
+        its inputs, such as an embedding lookup)."""
         depends = set()
         for i, eqn in enumerate(self.eqns):
             if is_marker(eqn) or any(self.producer.get(a) in depends for a in vars_of(eqn.invars)):
                 depends.add(i)
-        feeds = set()
+        prepares = set()
         for i in reversed(range(len(self.eqns))):
             for v in self.eqns[i].outvars:
                 for j in self.users.get(v, ()):
-                    if (is_marker(self.eqns[j]) and not is_transposed_marker(self.eqns[j])) or j in feeds:
-                        feeds.add(i)
-        return (depends | feeds) - self.cheap
+                    if (is_marker(self.eqns[j]) and not is_transposed_marker(self.eqns[j])) or j in prepares:
+                        prepares.add(i)
+        return depends - self.cheap, prepares - depends - self.cheap
 
     def place_by_cost(self, members) -> None:
         """Rule 4: equations reading only program inputs and free-standing values run
@@ -282,7 +297,8 @@ class _Placer:
                 if j is not None and self.stage[j] is not None:
                     self.suggest(out, [j])
                 self.suggest(out, (k for k in self.placed_users(a) if k != i))
-            self.suggest(out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)))
+            # Like rule 3, on equal costs the work goes to its users.
+            self.suggest(out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)), rank=1)
             return out
 
         changed = True
@@ -307,12 +323,12 @@ class _Placer:
 
     def run(self) -> list:
         """Stage per equation index."""
-        anchored = self.anchored()
+        self.depends, prepares = self.pipeline_work()
         for t in sorted(set(self.transpose)):
-            members = [i for i in sorted(anchored) if self.stage[i] is None and self.transpose[i] == t]
-            self.settle(members, through_boundaries=False)
+            members = [i for i in sorted(self.depends | prepares) if self.stage[i] is None and self.transpose[i] == t]
+            self.settle(members, prepares, through_boundaries=False)
             # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
-            self.settle(members, through_boundaries=True)
+            self.settle(members, prepares, through_boundaries=True)
         rest = [i for i, s in enumerate(self.stage) if s is None and i not in self.cheap]
         self.place_by_cost(rest)
         for i in rest:
