@@ -33,7 +33,7 @@ class Block(nnx.Module):
 
     def __init__(self, width, heads, hidden, *, dtype, rngs):
         self.norm1 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, width, dtype=dtype, decode=False, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, width, dtype=dtype, use_bias=False, decode=False, rngs=rngs)
         self.norm2 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
         self.up = nnx.Linear(width, hidden, dtype=dtype, rngs=rngs)
         self.down = nnx.Linear(hidden, width, dtype=dtype, rngs=rngs)
