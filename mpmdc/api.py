@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mpmdc import backends
 from mpmdc.accumulate import unrolled
@@ -31,6 +31,7 @@ from mpmdc.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
 from mpmdc.pytrees import broadcast_prefix, skeleton
 from mpmdc.runtime import Executable, Signature, leaf_type
+from mpmdc.sharding import spec_problem
 from mpmdc.traffic import TransferReport, transfer_report
 
 
@@ -92,6 +93,18 @@ def _checked_outputs(out):
                 f"Return it from outside the compiled function."
             ) from None
     return [leaf for _, leaf in leaves_with_path], paths, tree
+
+
+def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
+    """The ``PartitionSpec`` of a committed ``jax.Array``'s (or a ``ShapeDtypeStruct``'s)
+    ``NamedSharding``, if every mesh can shard the leaf that way (any of them may hold it)."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or (isinstance(leaf, jax.Array) and not leaf.committed):
+        return None
+    spec = sharding.spec
+    if not any(spec) or any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
+        return None
+    return spec
 
 
 def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
@@ -245,7 +258,7 @@ class Compiled:
 
     def _signature_key(self, args, kwargs):
         """What the executable cache is keyed on: static values, pytree structure, each
-        leaf's shape, dtype and weak type (as ``jax.jit``), donated arguments."""
+        leaf's shape, dtype, weak type and sharding spec (as ``jax.jit``), donated arguments."""
         static_values, dynamic, donate = self._split_args(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in dynamic), kwargs))
         try:
@@ -253,16 +266,31 @@ class Compiled:
         except ArgumentError:
             _, paths, _ = _flat_arguments(dynamic, kwargs)
             types = tuple(map(leaf_type, leaves, paths))  # raises, naming the argument
-        return (static_values, treedef, types, donate), leaves
+        specs = tuple(_sharding_spec(leaf, self.meshes) for leaf in leaves)
+        return (static_values, treedef, types, specs, donate), leaves
 
-    def __call__(self, *args, **kwargs):
-        """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""
+    def _executable(self, args, kwargs):
         key, leaves = self._signature_key(args, kwargs)
         exe = self._cache.get(key)
         if exe is None:
             exe = self.lower(*args, **kwargs).compile()
             self._cache[key] = exe
+        return exe, leaves
+
+    def __call__(self, *args, **kwargs):
+        """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""
+        exe, leaves = self._executable(args, kwargs)
         return exe.call_flat(leaves)
+
+    def input_shardings(self, *args, **kwargs):
+        """Where a call with these arguments (arrays or ``ShapeDtypeStruct``s) runs each
+        argument: ``(args, kwargs)`` pytrees of ``Sharding`` as ``Executable.input_shardings``
+        (static arguments left out). Compiles for these types if no call has yet."""
+        return self._executable(args, kwargs)[0].input_shardings
+
+    def output_shardings(self, *args, **kwargs):
+        """Where a call with these arguments puts each output (a pytree of ``Sharding``)."""
+        return self._executable(args, kwargs)[0].output_shardings
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
@@ -272,7 +300,11 @@ class Compiled:
         in_types = tuple(map(leaf_type, leaves, in_paths))
         leaf_types = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types]
 
-        in_specs = self._flat_in_specs(args, static, kwargs)
+        # An argument's own sharding is its default spec; in_specs overrides it.
+        in_specs = [
+            spec if spec is not None else _sharding_spec(leaf, self.meshes)
+            for spec, leaf in zip(self._flat_in_specs(args, static, kwargs), leaves)
+        ]
         donated = []
         for i, a in dynamic:
             donated += [i in donate] * len(jax.tree_util.tree_leaves(a))

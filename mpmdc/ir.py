@@ -68,6 +68,22 @@ def placed(eqn, placement: Placement | None):
     return eqn.replace(ctx=compat.with_metadata(eqn.ctx, _PLACEMENT_KEY, placement))
 
 
+_REMAT_KEY = "mpmdc.remat"
+
+
+def is_rematerialized(eqn) -> bool:
+    """True for an equation ``inline`` took out of a ``jax.checkpoint`` body."""
+    metadata = eqn.ctx.xla_metadata
+    return bool(metadata and metadata.get(_REMAT_KEY))
+
+
+def rematerialized(eqn, flag: bool):
+    """``eqn`` recording whether it came out of a ``jax.checkpoint`` body."""
+    if is_rematerialized(eqn) == flag:
+        return eqn
+    return eqn.replace(ctx=compat.with_metadata(eqn.ctx, _REMAT_KEY, True if flag else None))
+
+
 @dataclass(frozen=True)
 class Program:
     """A program between two passes.

@@ -218,6 +218,12 @@ class Executable:
         return jax.tree_util.tree_unflatten(self.signature.in_tree, self._in_shardings)
 
     @property
+    def output_shardings(self):
+        """Where each output lives, a pytree of ``jax.sharding.Sharding`` (as
+        ``jax.stages.Compiled.output_shardings``)."""
+        return jax.tree_util.tree_unflatten(self.signature.out_tree, [s for _, s in self._outputs])
+
+    @property
     def num_executables(self) -> int:
         """How many distinct compiled fragment executables back this program."""
         return len(self._executables)

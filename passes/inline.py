@@ -21,6 +21,7 @@ from mpmdc.ir import (
     fresh_like,
     is_var,
     make_closed_jaxpr,
+    rematerialized,
     substituted,
 )
 from mpmdc.primitives import is_marker
@@ -38,6 +39,11 @@ _CALL_BODIES = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
+
+
+# Checkpointed calls: what ``inline`` takes out of them stays rematerialized (``partition``
+# keeps recomputation in the backward work that reads it).
+_REMAT = frozenset({"remat2", "checkpoint"})
 
 
 def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
@@ -62,8 +68,27 @@ def inline(program: Program) -> Program:
     consts = list(closed.consts)
     eqns = []
 
-    def visit(body_eqns, env):
+    # Forward markers seen outside checkpoints, per stage: the values entering each stage.
+    entering: dict[int, list] = {}
+    recomputed: dict[int, int] = {}
+
+    def reuse_entering(eqn, env) -> bool:
+        """A checkpoint's recomputation of a value entering a stage reads the value that
+        entered in the forward instead (the k-th recomputed marker of a stage is its k-th
+        forward marker), so each stage keeps its own input and recomputes only its own work."""
+        stage = eqn.params["stage"]
+        k = recomputed.get(stage, 0)
+        recomputed[stage] = k + 1
+        forward = entering.get(stage, [])
+        if k >= len(forward) or [v.aval for v in forward[k]] != [v.aval for v in eqn.outvars]:
+            return False
+        env.update(zip(eqn.outvars, forward[k]))
+        return True
+
+    def visit(body_eqns, env, remat: bool):
         for eqn in body_eqns:
+            if remat and is_marker(eqn) and eqn.params["transpose"] == 0 and reuse_entering(eqn, env):
+                continue
             body = _call_body(eqn)
             if body is not None and _has_marker(body[0]):
                 inner, inner_consts = body
@@ -73,7 +98,7 @@ def inline(program: Program) -> Program:
                     constvars.append(inner_env[var])
                     consts.append(value)
                 inner_env.update(zip(inner.invars, substituted(eqn.invars, env)))
-                visit(inner.eqns, inner_env)
+                visit(inner.eqns, inner_env, remat or eqn.primitive.name in _REMAT)
                 results = substituted(inner.outvars, inner_env)
                 env.update({o: r for o, r in zip(eqn.outvars, results) if is_var(o)})
                 continue
@@ -85,10 +110,12 @@ def inline(program: Program) -> Program:
                         f"conditionals and shard_map bodies. Move mpmdc.stage(...) "
                         f"before or after the `{eqn.primitive.name}`."
                     )
-            eqns.append(copy_eqn(eqn, env))
+            eqns.append(rematerialized(copy_eqn(eqn, env), remat))
+            if not remat and is_marker(eqn) and eqn.params["transpose"] == 0:
+                entering.setdefault(eqn.params["stage"], []).append(eqns[-1].outvars)
 
     env = {}
-    visit(closed.jaxpr.eqns, env)
+    visit(closed.jaxpr.eqns, env, remat=False)
     new = make_closed_jaxpr(
         constvars,
         consts,

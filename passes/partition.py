@@ -58,10 +58,12 @@ from mpmdc.ir import (
     Placement,
     Program,
     copy_eqn,
+    is_rematerialized,
     is_var,
     make_closed_jaxpr,
     placed,
     placement_of,
+    rematerialized,
     substituted,
     vars_of,
 )
@@ -100,13 +102,20 @@ def _is_cheap(eqn, from_literals) -> bool:
     )
 
 
-def _transpose_counts(eqns, producer):
+def _transpose_counts(eqns, producer, users):
     counts = []
     for i, eqn in enumerate(eqns):
         t = max((counts[producer[a]] for a in vars_of(eqn.invars) if a in producer), default=0)
         if is_marker(eqn):
             t = max(t, eqn.params["transpose"])
         counts.append(t)
+    # Recomputation from a checkpoint runs with the backward work that reads it, so a
+    # checkpoint keeps saving only its inputs (and what its policy saves) across a stage.
+    for i in reversed(range(len(eqns))):
+        if is_rematerialized(eqns[i]) and not is_marker(eqns[i]):
+            later = [counts[j] for v in eqns[i].outvars for j in users.get(v, ())]
+            if later:
+                counts[i] = max(counts[i], min(later))
     return counts
 
 
@@ -380,7 +389,7 @@ def partition(program: Program) -> Program:
         if is_marker(eqn):
             program.mesh_of_stage(eqn.params["stage"], eqn)
 
-    transpose = _transpose_counts(eqns, producer)
+    transpose = _transpose_counts(eqns, producer, users)
     candidates = _shard_map_stages(program, eqns)
     seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
     microbatch = _infer_microbatches(eqns, producer, users, cheap)
@@ -431,10 +440,10 @@ def partition(program: Program) -> Program:
     for i, eqn in enumerate(eqns):
         if i in cheap:
             for p in sorted(needed[i], key=Placement.order_key):
-                new_eqns.append(placed(copy_eqn(eqn, clone_env.setdefault(p, {})), p))
+                new_eqns.append(placed(rematerialized(copy_eqn(eqn, clone_env.setdefault(p, {})), False), p))
         else:
             p = placement[i]
-            new_eqns.append(placed(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))), p))
+            new_eqns.append(placed(rematerialized(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))), False), p))
     outvars = [
         substituted([v], clone_env.get(p, {}))[0] for v, p in zip(jaxpr.outvars, out_placement)
     ]

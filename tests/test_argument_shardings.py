@@ -1,0 +1,68 @@
+"""An argument's own sharding is its default ``in_spec``; where arguments and outputs live."""
+
+import jax
+import jax.numpy as jnp
+from helpers import assert_same_array
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import mpmdc
+
+
+def two_stage(w, x):
+    h = jnp.tanh(mpmdc.stage(x, 0) @ w)
+    return jnp.sum(mpmdc.stage(h, 1) ** 2)
+
+
+W = jnp.eye(8) * 0.5
+X = jnp.arange(32.0).reshape(4, 8) / 32
+
+
+def batch_spec(lowered):
+    return lowered.program("after-split").in_specs[1] or P()
+
+
+def test_a_committed_arrays_sharding_is_its_default_in_spec(meshes2):
+    x = jax.device_put(X, NamedSharding(meshes2[0], P("data")))
+    step = mpmdc.compile(jax.value_and_grad(two_stage), meshes2)
+    assert batch_spec(step.lower(W, x)) == P("data")
+    assert batch_spec(step.lower(W, X)) == P()  # an uncommitted array: replicated
+    # A ShapeDtypeStruct's sharding counts the same.
+    typed = jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=NamedSharding(meshes2[1], P("data")))
+    assert batch_spec(step.lower(W, typed)) == P("data")
+    got = step(W, x)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(two_stage))(W, X))):
+        assert_same_array(g, w)
+    # The call cache keys on the sharding: a replicated call compiles its own executable.
+    (_, x_sharding) = step.input_shardings(W, x)[0]
+    (_, replicated) = step.input_shardings(W, X)[0]
+    assert x_sharding.spec == P("data") and replicated.spec == P()
+
+
+def test_in_specs_override_the_arguments_sharding(meshes2):
+    x = jax.device_put(X, NamedSharding(meshes2[0], P("data")))
+    step = mpmdc.compile(two_stage, meshes2, in_specs=(None, P()))
+    # None is "not given": the argument's own sharding stays the default...
+    assert batch_spec(mpmdc.compile(two_stage, meshes2, in_specs=(None, None)).lower(W, x)) == P("data")
+    # ...an explicit spec wins.
+    assert batch_spec(step.lower(W, x)) == P()
+
+
+def test_a_sharding_over_axes_some_mesh_lacks_is_no_default():
+    devices = jax.devices()
+    meshes = [jax.sharding.Mesh(devices[:2], ("data",)), jax.sharding.Mesh(devices[2:4], ("model",))]
+    x = jax.device_put(X, NamedSharding(meshes[0], P("data")))
+    assert batch_spec(mpmdc.compile(two_stage, meshes).lower(W, x)) == P()
+
+
+def test_outputs_fed_back_need_no_moving(meshes2):
+    """A training loop's parameters come back where they went in."""
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(two_stage)(w, x)
+        return w - 0.1 * g, loss
+
+    compiled = mpmdc.compile(step, meshes2)
+    (w_in, _), _ = compiled.input_shardings(W, X)
+    w_out, loss_out = compiled.output_shardings(W, X)
+    assert w_in == w_out
+    assert loss_out.mesh == meshes2[1]
