@@ -50,6 +50,27 @@ def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
     return next(find_eqns(jaxpr.eqns, is_marker), None) is not None
 
 
+def _marker_inside(eqn, marker) -> PlacementError:
+    """The error for ``marker`` found in the body of ``eqn`` (a loop, conditional or
+    ``shard_map``), naming the marker's line, and for a loop what works instead."""
+    name = eqn.primitive.name
+    message = (
+        f"mpmdc.stage(..., {marker.params['stage']}) at {compat.source_line(marker)} runs "
+        f"inside `{name}` (at {compat.source_line(eqn)}); a stage marker must be outside "
+        f"loops, conditionals and shard_map bodies."
+    )
+    if name in ("scan", "while"):
+        message += (
+            " A loop over layers cannot be pipelined as one loop: write a Python loop over "
+            "the stages, each marking its stage and running a `scan` over that stage's own "
+            "stack of layers (parameters stacked per stage), as the README's "
+            "'Layer stacks' section shows."
+        )
+    else:
+        message += f" Move mpmdc.stage(...) before or after the `{name}`."
+    return PlacementError(message)
+
+
 def _call_body(eqn):
     """``(jaxpr, consts)`` of an inlinable call site, else ``None``."""
     param = _CALL_BODIES.get(eqn.primitive.name)
@@ -103,13 +124,9 @@ def inline(program: Program) -> Program:
                 env.update({o: r for o, r in zip(eqn.outvars, results) if is_var(o)})
                 continue
             for sub in jcore.jaxprs_in_params(eqn.params):
-                if _has_marker(sub):
-                    raise PlacementError(
-                        f"a stage marker sits inside `{eqn.primitive.name}` at "
-                        f"{compat.source_line(eqn)}; markers must be outside loops, "
-                        f"conditionals and shard_map bodies. Move mpmdc.stage(...) "
-                        f"before or after the `{eqn.primitive.name}`."
-                    )
+                marker = next(find_eqns(sub.eqns, is_marker), None)
+                if marker is not None:
+                    raise _marker_inside(eqn, marker)
             eqns.append(rematerialized(copy_eqn(eqn, env), remat))
             if not remat and is_marker(eqn) and eqn.params["transpose"] == 0:
                 entering.setdefault(eqn.params["stage"], []).append(eqns[-1].outvars)

@@ -86,7 +86,7 @@ MISTAKES = [
             lambda w: lower(two_stage, w, stage_to_mesh=(0,))),
     Mistake("stage_to_mesh naming a mesh that does not exist", errors.StageError, "only 2 meshes",
             lambda w: mpmdc.compile(two_stage, w.meshes, stage_to_mesh=(0, 5))),
-    Mistake("a stage marker inside a scan body", errors.PlacementError, r"inside `(scan|while)` at",
+    Mistake("a stage marker inside a scan body", errors.PlacementError, r"runs inside `(scan|while)` \(at .*Python loop over the stages",
             lambda w: lower(marker_in_scan, w)),
     # specs and arguments
     Mistake("in_specs with the wrong pytree structure", errors.SpecError, r"in_specs\[0\] does not match",

@@ -135,3 +135,33 @@ def test_kwargs_and_static_args(meshes2):
     out = step(x, 2, y=y)
     ref = jax.jit(fn, static_argnums=1)(x, 2, y=y)
     assert jnp.allclose(out, ref)
+
+
+def stacked_layers_loss(stacks, x):
+    """The layer-stack pattern: a Python loop over stages, a scan over each stage's layers."""
+    for i, stack in enumerate(stacks):
+        x = mpmdc.stage(x, i)
+        x, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stack)
+    return jnp.mean(x**2)
+
+
+def test_a_stack_of_layers_per_stage_runs_as_one_scan_per_stage(meshes4):
+    layers = jax.random.normal(jax.random.key(0), (8, 8, 8)) * 0.4
+    stacks = [layers[i * 2 : (i + 1) * 2] for i in range(4)]  # 2 layers per stage
+    _, grads = assert_same_as_jit(jax.value_and_grad(stacked_layers_loss), meshes4, stacks, data()[0])
+    assert [mesh_index(g, meshes4) for g in grads] == [0, 1, 2, 3]
+
+
+def test_a_marker_inside_a_scan_over_layers_names_its_line_and_the_pattern_that_works(meshes2):
+    def loss(layers, x):
+        def layer(h, w):
+            h = mpmdc.stage(h, 0)  # the marker's line is what the error names
+            return jnp.tanh(h @ w), None
+
+        return jnp.sum(jax.lax.scan(layer, x, layers)[0])
+
+    with pytest.raises(mpmdc.errors.PlacementError) as err:
+        mpmdc.compile(jax.grad(loss), meshes2).lower(jnp.ones((4, 8, 8)), jnp.ones((4, 8)))
+    message = str(err.value)
+    assert "test_pipelines.py" in message and "loss.<locals>.layer)" in message
+    assert "Python loop over the stages" in message and "Layer stacks" in message
