@@ -53,6 +53,7 @@ import math
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.dce import dce
 
 from mpmdc.ir import (
     Placement,
@@ -113,7 +114,8 @@ def _transpose_counts(eqns, producer, users):
     # checkpoint keeps saving only its inputs (and what its policy saves) across a stage.
     for i in reversed(range(len(eqns))):
         if is_rematerialized(eqns[i]) and not is_marker(eqns[i]):
-            later = [counts[j] for v in eqns[i].outvars for j in users.get(v, ())]
+            # (A marker's count is its own, not that of the work feeding it.)
+            later = [counts[j] for v in eqns[i].outvars for j in users.get(v, ()) if not is_marker(eqns[j])]
             if later:
                 counts[i] = max(counts[i], min(later))
     return counts
@@ -182,12 +184,20 @@ class _Placer:
                 yield j
 
     def present(self, v) -> set[int]:
-        """The meshes ``v`` is (or will be) on: its producer's and its placed users'."""
-        out = {self.mesh(self.stage[j]) for j in self.placed_users(v)}
+        """The meshes ``v`` is (or will be) on: its producer's and its placed users';
+        a program input's is where it lives, with its earliest placed user."""
         j = self.producer.get(v)
-        if j is not None and self.stage[j] is not None:
+        if j is None:
+            home = self.home(v)
+            return set() if home is None else {self.mesh(self.stage[home])}
+        out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
+        if self.stage[j] is not None:
             out.add(self.mesh(self.stage[j]))
         return out
+
+    def home(self, v):
+        """The earliest placed user of program input ``v`` (whose mesh will hold it), or ``None``."""
+        return min(self.placed_users(v), key=lambda j: self.key(self.stage[j], self.transpose[j]), default=None)
 
     def operands(self, i, inputs: bool):
         """The values ``i`` reads that cost bytes to move, looking through cheap operands
@@ -303,10 +313,15 @@ class _Placer:
             out: dict = {}
             for a in self.operands(i, inputs=True):
                 j = self.producer.get(a)
-                if j is not None and self.stage[j] is not None:
+                if j is None:
+                    # On equal costs a parameter's update goes where the parameter lives...
+                    home = self.home(a)
+                    self.suggest(out, [] if home is None else [home], rank=2)
+                    continue
+                if self.stage[j] is not None:
                     self.suggest(out, [j])
                 self.suggest(out, (k for k in self.placed_users(a) if k != i))
-            # Like rule 3, on equal costs the work goes to its users.
+            # ...and other work to its users, like rule 3.
             self.suggest(out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)), rank=1)
             return out
 
@@ -372,6 +387,9 @@ def _infer_microbatches(eqns, producer, users, cheap):
 
 def partition(program: Program) -> Program:
     """Place every equation; clone cheap ones per user; choose input and output meshes."""
+    # Dead work must not decide where anything lives (an input read only by it would
+    # otherwise live with it).
+    program = dce(program)
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     producer, users = {}, {}

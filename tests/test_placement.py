@@ -130,7 +130,7 @@ def test_the_transfer_report_counts_each_kind_of_value(meshes4):
         x = mpmdc.stage(emb[tokens], 0)
         x = jnp.tanh(x @ ws[0])
         x = jnp.tanh(mpmdc.stage(x, 1) @ ws[1])
-        return jnp.sum(x @ emb.T)
+        return jnp.sum(jnp.tanh(x @ emb.T))
 
     emb = jnp.ones((32, WIDTH))
     ws = [jnp.eye(WIDTH)] * 2

@@ -1,28 +1,27 @@
 module @jit_s2_fwd attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32} {
   sdy.mesh @mesh = <["data"=2]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}]}}
-  func.func public @main(%arg0: tensor<32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg2: tensor<8xi32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<8x16xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<32x16xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
-    %0 = stablehlo.transpose %arg0, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
-    %1 = stablehlo.dot_general %arg1, %0, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-    %2:3 = call @log_softmax(%1) : (tensor<8x32xf32>) -> (tensor<8x32xf32>, tensor<8x32xf32>, tensor<8x1xf32>)
-    %3 = stablehlo.broadcast_in_dim %arg2, dims = [0] : (tensor<8xi32>) -> tensor<8x1xi32>
-    %4:2 = call @take_along_axis(%2#0, %3) : (tensor<8x32xf32>, tensor<8x1xi32>) -> (tensor<8x1xf32>, tensor<8x1x1xi32>)
+  func.func public @main(%arg0: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<16x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg2: tensor<8xi32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<8x16xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<32x16xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
+    %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+    %1:3 = call @log_softmax(%0) : (tensor<8x32xf32>) -> (tensor<8x32xf32>, tensor<8x32xf32>, tensor<8x1xf32>)
+    %2 = stablehlo.broadcast_in_dim %arg2, dims = [0] : (tensor<8xi32>) -> tensor<8x1xi32>
+    %3:2 = call @take_along_axis(%1#0, %2) : (tensor<8x32xf32>, tensor<8x1xi32>) -> (tensor<8x1xf32>, tensor<8x1x1xi32>)
     %cst = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-    %5 = stablehlo.reduce(%4#0 init: %cst) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x1xf32>, tensor<f32>) -> tensor<f32>
+    %4 = stablehlo.reduce(%3#0 init: %cst) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x1xf32>, tensor<f32>) -> tensor<f32>
     %cst_0 = stablehlo.constant dense<8.000000e+00> : tensor<f32>
-    %6 = stablehlo.divide %5, %cst_0 : tensor<f32>
-    %7 = stablehlo.negate %6 : tensor<f32>
+    %5 = stablehlo.divide %4, %cst_0 : tensor<f32>
+    %6 = stablehlo.negate %5 : tensor<f32>
     %cst_1 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-    %8 = stablehlo.negate %cst_1 : tensor<f32>
+    %7 = stablehlo.negate %cst_1 : tensor<f32>
     %cst_2 = stablehlo.constant dense<8.000000e+00> : tensor<f32>
-    %9 = stablehlo.divide %8, %cst_2 : tensor<f32>
-    %10 = stablehlo.broadcast_in_dim %9, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-    %11 = call @take_along_axis_0(%4#1, %10) : (tensor<8x1x1xi32>, tensor<8x1xf32>) -> tensor<8x32xf32>
-    %12 = call @log_softmax_1(%2#1, %2#2, %11) : (tensor<8x32xf32>, tensor<8x1xf32>, tensor<8x32xf32>) -> tensor<8x32xf32>
-    %13 = stablehlo.dot_general %12, %arg1, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<8x16xf32>) -> tensor<32x16xf32>
-    %14 = stablehlo.transpose %13, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
-    %15 = stablehlo.dot_general %12, %0, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<16x32xf32>) -> tensor<8x16xf32>
-    %16 = stablehlo.transpose %14, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
-    return %7, %15, %16 : tensor<f32>, tensor<8x16xf32>, tensor<32x16xf32>
+    %8 = stablehlo.divide %7, %cst_2 : tensor<f32>
+    %9 = stablehlo.broadcast_in_dim %8, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+    %10 = call @take_along_axis_0(%3#1, %9) : (tensor<8x1x1xi32>, tensor<8x1xf32>) -> tensor<8x32xf32>
+    %11 = call @log_softmax_1(%1#1, %1#2, %10) : (tensor<8x32xf32>, tensor<8x1xf32>, tensor<8x32xf32>) -> tensor<8x32xf32>
+    %12 = stablehlo.dot_general %11, %arg0, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<8x16xf32>) -> tensor<32x16xf32>
+    %13 = stablehlo.transpose %12, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
+    %14 = stablehlo.dot_general %11, %arg1, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<16x32xf32>) -> tensor<8x16xf32>
+    %15 = stablehlo.transpose %13, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
+    return %6, %14, %15 : tensor<f32>, tensor<8x16xf32>, tensor<32x16xf32>
   }
   func.func private @log_softmax(%arg0: tensor<8x32xf32>) -> (tensor<8x32xf32>, tensor<8x32xf32>, tensor<8x1xf32>) {
     %cst = stablehlo.constant dense<0xFF800000> : tensor<f32>

@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.primitives import transfer_p
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "120"))
 SEED = os.environ.get("MPMDC_FUZZ_SEED")
@@ -405,3 +406,50 @@ def test_one_compiled_function_called_with_new_argument_types(case):
         assert_same_results(step(*args), reference(*args), rtol=0.1 if loose else 1e-5, atol=0.1 if loose else 1e-6)
     jax.effects_barrier()
     seen.assert_same_as(expected, rtol=0.1, atol=0.1)
+
+
+# ------------------------------------------------ training steps keep their state
+
+@seeded
+@settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
+@given(programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"}))
+def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc):
+    """Random programs as the loss of a training step with global-norm clipping and
+    momentum: equal to ``jax.jit``, and a parameter read on one mesh only comes back
+    there with its momentum (so a loop feeding them back moves nothing). A parameter
+    several meshes read is sent to them and its gradient contributions summed on the
+    way back, somewhere: where is not checked."""
+    _describe(desc)
+    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    seen, expected = Recorder(), Recorder()
+    n = desc["num_inputs"]
+
+    def training_step(record, meshes_):
+        body = make_body(desc, meshes_, record)
+
+        def step(params, momenta):
+            loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*ps)))(params)
+            norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
+            scale = jnp.minimum(1.0, 1.0 / (norm + 1e-6))
+            momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
+            return loss, [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+
+        return step
+
+    _, args, kwargs = build(desc, meshes, seen)
+    params, momenta = args[:n], [0.5 * a for a in args[:n]]
+    specs = list(kwargs["in_specs"][:n])
+    kwargs["in_specs"] = (specs, specs)  # a momentum sharded as its parameter
+    compiled = mpmdc.compile(training_step(seen, meshes), meshes, **kwargs)
+    program = compiled.lower(params, momenta).program("after-split")
+    jaxpr = program.jaxpr.jaxpr
+    sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
+    for k, v in enumerate(jaxpr.invars[:n]):
+        if v not in sent:
+            event("a parameter read on one mesh")
+            assert program.out_meshes[1 + k] == program.out_meshes[1 + n + k] == program.in_meshes[k], k
+    got = jax.block_until_ready(compiled(params, momenta))
+    want = jax.block_until_ready(jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta))
+    jax.effects_barrier()
+    assert_same_results(got, want)
+    seen.assert_same_as(expected, rtol=1e-5, atol=1e-6)
