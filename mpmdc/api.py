@@ -200,6 +200,7 @@ class Compiled:
         *,
         in_specs=None,
         out_specs=None,
+        out_shardings=None,
         static_argnums=(),
         donate_argnums=(),
         stage_to_mesh=None,
@@ -212,6 +213,7 @@ class Compiled:
         self.meshes = check_meshes(meshes)
         self.in_specs = in_specs
         self.out_specs = out_specs
+        self.out_shardings = out_shardings
         self.static_argnums = _normalize_argnums(static_argnums, "static_argnums")
         self.donate_argnums = _normalize_argnums(donate_argnums, "donate_argnums")
         self.stage_to_mesh = self._checked_stage_to_mesh(stage_to_mesh)
@@ -339,6 +341,9 @@ class Compiled:
                 "the outputs",
                 "out_specs",
             )
+        wanted_out_meshes = None
+        if self.out_shardings is not None:
+            wanted_out_meshes, out_specs = self._flat_out_shardings(out_tree, out_paths, out_specs)
 
         program = Program(
             jaxpr=closed,
@@ -346,6 +351,7 @@ class Compiled:
             stage_to_mesh=self.stage_to_mesh,
             in_specs=tuple(in_specs),
             out_specs=tuple(out_specs),
+            wanted_out_meshes=wanted_out_meshes,
             in_paths=tuple(in_paths),
             out_paths=tuple(out_paths),
             donated=tuple(donated),
@@ -370,6 +376,33 @@ class Compiled:
             out_tree=out_tree,
         )
         return Lowered(dumps, signature, seconds)
+
+    def _flat_out_shardings(self, out_tree, out_paths, out_specs):
+        """``(mesh index or None, spec)`` per output from ``out_shardings``: a pytree
+        (prefix) of ``NamedSharding`` on one of the meshes, or ``None``."""
+        try:
+            flat = broadcast_prefix(
+                self.out_shardings, skeleton(out_tree), lambda s: s is None or isinstance(s, (jax.sharding.Sharding, PartitionSpec))
+            )
+        except ValueError as err:
+            raise SpecError(
+                f"out_shardings does not match the structure of the outputs: {err}. Give a "
+                f"NamedSharding (or None) per output, or a prefix of the pytree."
+            ) from None
+        ids = [tuple(m.device_ids.flat) for m in self.meshes]
+        meshes, specs = [], list(out_specs)
+        for k, (sharding, path) in enumerate(zip(flat, out_paths)):
+            if sharding is None:
+                meshes.append(None)
+                continue
+            if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.device_ids.flat) not in ids:
+                raise SpecError(
+                    f"out_shardings for {path} is {sharding!r}, which is not a NamedSharding on one "
+                    f"of the {len(self.meshes)} meshes; build it as NamedSharding(meshes[i], spec)."
+                )
+            meshes.append(ids.index(tuple(sharding.mesh.device_ids.flat)))
+            specs[k] = sharding.spec
+        return tuple(meshes), specs
 
     def _flat_in_specs(self, args, static, kwargs):
         if self.in_specs is None:
@@ -398,6 +431,7 @@ def compile(
     *,
     in_specs: Any = None,
     out_specs: Any = None,
+    out_shardings: Any = None,
     static_argnums=(),
     donate_argnums=(),
     stage_to_mesh=None,
@@ -407,7 +441,10 @@ def compile(
     """Compile ``fn`` for pipeline execution over ``meshes`` (lazily, like ``jax.jit``).
 
     ``in_specs``/``out_specs`` are pytrees (or prefixes) of ``PartitionSpec`` over the
-    mesh axes, the sharding inside whichever mesh holds each value. Stage ``s`` runs
+    mesh axes, the sharding inside whichever mesh holds each value. ``out_shardings``
+    (a pytree or prefix of ``NamedSharding`` on one of ``meshes``, or ``None``) says on
+    which mesh, and how, an output should live, e.g. the input's sharding for a result
+    a loop feeds back. Stage ``s`` runs
     on ``meshes[s % len(meshes)]`` unless ``stage_to_mesh`` maps it elsewhere.
     """
     return Compiled(
@@ -415,6 +452,7 @@ def compile(
         meshes,
         in_specs=in_specs,
         out_specs=out_specs,
+        out_shardings=out_shardings,
         static_argnums=static_argnums,
         donate_argnums=donate_argnums,
         stage_to_mesh=stage_to_mesh,

@@ -105,6 +105,8 @@ class Program:
     is_split: bool = False  # set by ``split``: top-level equations are fragments and transfers
     in_meshes: tuple[int, ...] | None = None
     out_meshes: tuple[int, ...] | None = None
+    # per output, the mesh the caller asked for (``compile(out_shardings=...)``) or None
+    wanted_out_meshes: tuple[int | None, ...] | None = None
     modules: tuple[tuple[str, str], ...] | None = None  # (fragment, StableHLO) for ``backend``
     schedule: Schedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
     microbatches: int | None = None

@@ -484,6 +484,8 @@ def partition(program: Program) -> Program:
         in_meshes[in_index[v]] if is_var(v) and v in in_index else mesh_of(p)
         for v, p in zip(jaxpr.outvars, out_placement)
     ]
+    if program.wanted_out_meshes is not None:  # the caller's out_shardings win
+        out_meshes = [m if w is None else w for m, w in zip(out_meshes, program.wanted_out_meshes)]
 
     closed = program.jaxpr
     new = make_closed_jaxpr(

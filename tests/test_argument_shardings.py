@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import assert_same_array
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -66,3 +67,29 @@ def test_outputs_fed_back_need_no_moving(meshes2):
     w_out, loss_out = compiled.output_shardings(W, X)
     assert w_in == w_out
     assert loss_out.mesh == meshes2[1]
+
+
+def test_out_shardings_say_where_results_live(meshes2):
+    def step(w, x):
+        loss, g = jax.value_and_grad(two_stage)(w, x)
+        return w - 0.1 * g, loss
+
+    x = jax.device_put(X, NamedSharding(meshes2[0], P("data")))
+    wanted = (None, NamedSharding(meshes2[0], P()))  # the loss next to the first stage
+    compiled = mpmdc.compile(step, meshes2, out_shardings=wanted)
+    w_new, loss = compiled(W, x)
+    assert loss.sharding.mesh == meshes2[0] and compiled.output_shardings(W, x)[1] == wanted[1]
+    for g, want in zip((w_new, loss), jax.jit(step)(W, X)):
+        assert_same_array(g, want)
+    # A result fed back can be asked to live with its input, sharded as it is.
+    sharded = mpmdc.compile(lambda x: mpmdc.stage(x, 1) * 2, meshes2, out_shardings=x.sharding)
+    out = sharded(x)
+    assert out.sharding == x.sharding
+
+
+def test_out_shardings_off_the_meshes_are_named(meshes2):
+    other = jax.sharding.Mesh(jax.devices()[4:6], ("data",))
+    with pytest.raises(mpmdc.errors.SpecError, match=r"out_shardings for out\[1\].*not a NamedSharding on one of the 2 meshes"):
+        mpmdc.compile(lambda x: (x, x * 2), meshes2, out_shardings=(None, NamedSharding(other, P()))).lower(X)
+    with pytest.raises(mpmdc.errors.SpecError, match=r"out_shardings for out is P\(\), which is not a NamedSharding"):
+        mpmdc.compile(lambda x: x * 2, meshes2, out_shardings=P()).lower(X)
