@@ -95,6 +95,8 @@ MISTAKES = [
             lambda w: lower(two_stage, w, in_specs=(P(),))),
     Mistake("in_specs naming an axis the mesh lacks", errors.SpecError, r"args\[1\].*names axis 'model'",
             lambda w: lower(two_stage, w, in_specs=(P(), P("model")))),
+    Mistake("out_shardings given as a PartitionSpec", errors.SpecError, r"out_shardings for out is P\('data',\), which is not a NamedSharding",
+            lambda w: lower(two_stage, w, out_shardings=P("data"))),
     Mistake("in_specs splitting a dimension the axis does not divide", errors.SpecError, "does not divide",
             lambda w: lower(two_stage, w, jnp.ones((3, 3)), jnp.ones((3, 3)), in_specs=(P(), P("data")))),
     Mistake("out_specs that do not match the outputs", errors.SpecError, "out_specs does not match",
