@@ -10,6 +10,7 @@ are only ``fragment`` and ``transfer``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -143,6 +144,11 @@ class Program:
 
 
 # ------------------------------------------------------------- building jaxprs
+
+
+def nbytes(aval) -> int:
+    """Bytes of an array of type ``aval`` (a PRNG key counts its key data's size)."""
+    return math.prod(aval.shape) * getattr(aval.dtype, "itemsize", 4)
 
 
 def is_var(atom) -> bool:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
-from mpmdc.ir import Program, is_var, vars_of
+from mpmdc.ir import Program, is_var, nbytes, vars_of
 from mpmdc.primitives import fragment_p
 
 
@@ -49,10 +48,6 @@ class MeshMemory:
     peak_microbatches: int  # most microbatches with activations live at the same time
 
 
-def _nbytes(var) -> int:
-    return int(np.prod(var.aval.shape, dtype=np.int64)) * var.aval.dtype.itemsize
-
-
 def memory_profile(program: Program) -> tuple[MeshMemory, ...]:
     """Each mesh's peak live intermediate buffers when ``program`` runs in order.
 
@@ -70,11 +65,11 @@ def memory_profile(program: Program) -> tuple[MeshMemory, ...]:
             forward_mb = eqn.params["microbatch"] if eqn.params["kind"] == "F" else None
             for v in vars_of(eqn.outvars):
                 origin[v] = forward_mb
-                live[v] = (mesh, _nbytes(v), forward_mb)
+                live[v] = (mesh, nbytes(v.aval), forward_mb)
         else:
             for a, v in zip(eqn.invars, eqn.outvars):
                 origin[v] = origin.get(a) if is_var(a) else None
-                live[v] = (eqn.params["dst"], _nbytes(v), origin[v])
+                live[v] = (eqn.params["dst"], nbytes(v.aval), origin[v])
         touched = {eqn.params["mesh"]} if eqn.primitive is fragment_p else {eqn.params["dst"]}
         for mesh in touched:
             held = [(b, mb) for m, b, mb in live.values() if m == mesh]

@@ -17,10 +17,9 @@ A scheduled program is unrolled over its microbatches, so the counts here are pe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from mpmdc.ir import Program
+from mpmdc.ir import Program, nbytes
 from mpmdc.primitives import transfer_p
 
 CATEGORIES = ("activations/cotangents", "parameters/optimizer state", "other")
@@ -30,11 +29,6 @@ _CATEGORY_OF = {
     "state": CATEGORIES[1],
     "other": CATEGORIES[2],
 }
-
-
-def nbytes(aval) -> int:
-    """Bytes of an array of type ``aval``."""
-    return math.prod(aval.shape) * getattr(aval.dtype, "itemsize", 4)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from mpmdc.ir import (
     is_rematerialized,
     is_var,
     make_closed_jaxpr,
+    nbytes,
     placed,
     placement_of,
     rematerialized,
@@ -82,10 +83,6 @@ _SMALL = 64
 _EXPANDING = frozenset(
     {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"}
 )
-
-
-def _nbytes(aval) -> int:
-    return math.prod(aval.shape) * getattr(aval.dtype, "itemsize", 4)
 
 
 def _is_cheap(eqn, from_literals) -> bool:
@@ -166,6 +163,7 @@ class _Placer:
         self.transpose, self.microbatch = transpose, microbatch
         self.stage = [e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)]
         self.default = min((e.params["stage"] for e in eqns if is_marker(e)), default=0)
+        self.depends, self.prepares = self.pipeline_work()
 
     def mesh(self, stage: int) -> int:
         return self.program.mesh_of_stage(stage)
@@ -221,16 +219,16 @@ class _Placer:
         outputs = [(v, {self.mesh(self.stage[j]) for j in self.placed_users(v)}) for v in self.eqns[i].outvars]
         # Inside the microbatch loop a program input is moved once for every microbatch,
         # a result once per microbatch.
-        shared = self.program.microbatches or 1 if self.microbatch[i] is not None else 1
+        shared = (self.program.microbatches or 1) if self.microbatch[i] is not None else 1
 
         def size(a):
-            return _nbytes(a.aval) / (shared if a not in self.producer else 1)
+            return nbytes(a.aval) / (shared if a not in self.producer else 1)
 
         def cost(s):
             m = self.mesh(s)
             moved = sum(size(a) for a, where in operands if m not in where)
             if with_users:
-                moved += sum(_nbytes(v.aval) * len(where - {m}) for v, where in outputs)
+                moved += sum(nbytes(v.aval) * len(where - {m}) for v, where in outputs)
             return moved
 
         return min(candidates, key=lambda s: (cost(s), tuple(-k for k in candidates[s])))
@@ -253,10 +251,10 @@ class _Placer:
             j = self.producer[a]
             if self.stage[j] is None:
                 if j in self.depends:  # (work reading inputs alone follows its users)
-                    waiting = max(waiting, _nbytes(a.aval))
+                    waiting = max(waiting, nbytes(a.aval))
             elif through_boundaries or not is_transposed_marker(self.eqns[j]):
                 self.suggest(candidates, [j])
-                placed = max(placed, _nbytes(a.aval))
+                placed = max(placed, nbytes(a.aval))
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet.
         if not candidates or waiting > placed:
@@ -274,8 +272,9 @@ class _Placer:
         j = min(found, key=lambda j: self.key(self.stage[j], self.transpose[j]))
         return self.stage[j]
 
-    def settle(self, members, prepares, through_boundaries: bool) -> None:
-        """Rule 2 over ``members`` and rule 3 over those in ``prepares``, until nothing changes."""
+    def settle(self, members, through_boundaries: bool) -> None:
+        """Rule 2 over ``members`` and rule 3 over those preparing a marker's input,
+        until nothing changes."""
         changed = True
         while changed:
             changed = False
@@ -284,7 +283,7 @@ class _Placer:
                     self.stage[i] = self.from_operands(i, through_boundaries)
                     changed |= self.stage[i] is not None
             for i in reversed(members):
-                if self.stage[i] is None and i in prepares:
+                if self.stage[i] is None and i in self.prepares:
                     self.stage[i] = self.from_users(i)
                     changed |= self.stage[i] is not None
 
@@ -347,12 +346,11 @@ class _Placer:
 
     def run(self) -> list:
         """Stage per equation index."""
-        self.depends, prepares = self.pipeline_work()
         for t in sorted(set(self.transpose)):
-            members = [i for i in sorted(self.depends | prepares) if self.stage[i] is None and self.transpose[i] == t]
-            self.settle(members, prepares, through_boundaries=False)
+            members = [i for i in sorted(self.depends | self.prepares) if self.stage[i] is None and self.transpose[i] == t]
+            self.settle(members, through_boundaries=False)
             # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
-            self.settle(members, prepares, through_boundaries=True)
+            self.settle(members, through_boundaries=True)
         rest = [i for i, s in enumerate(self.stage) if s is None and i not in self.cheap]
         self.place_by_cost(rest)
         for i in rest:
