@@ -95,14 +95,20 @@ def _checked_outputs(out):
     return [leaf for _, leaf in leaves_with_path], paths, tree
 
 
-def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
+def _committed_spec(leaf) -> PartitionSpec | None:
     """The ``PartitionSpec`` of a committed ``jax.Array``'s (or a ``ShapeDtypeStruct``'s)
-    ``NamedSharding``, if every mesh can shard the leaf that way (any of them may hold it)."""
+    ``NamedSharding`` when it shards anything; cheap, as the call cache reads it per leaf."""
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or (isinstance(leaf, jax.Array) and not leaf.committed):
         return None
-    spec = sharding.spec
-    if not any(spec) or any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
+    return sharding.spec if any(sharding.spec) else None
+
+
+def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
+    """``_committed_spec(leaf)`` if every mesh can shard the leaf that way (any of them
+    may hold it): the argument's default ``in_spec``."""
+    spec = _committed_spec(leaf)
+    if spec is None or any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
         return None
     return spec
 
@@ -268,7 +274,7 @@ class Compiled:
         except ArgumentError:
             _, paths, _ = _flat_arguments(dynamic, kwargs)
             types = tuple(map(leaf_type, leaves, paths))  # raises, naming the argument
-        specs = tuple(_sharding_spec(leaf, self.meshes) for leaf in leaves)
+        specs = tuple(map(_committed_spec, leaves))
         return (static_values, treedef, types, specs, donate), leaves
 
     def _executable(self, args, kwargs):

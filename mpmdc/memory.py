@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from mpmdc.ir import Program, is_var, nbytes, vars_of
 from mpmdc.primitives import fragment_p
 

@@ -193,9 +193,13 @@ class _Placer:
             out.add(self.mesh(self.stage[j]))
         return out
 
+    def earliest(self, js):
+        """The earliest in pipeline order of the placed equations ``js``, or ``None``."""
+        return min(js, key=lambda j: self.key(self.stage[j], self.transpose[j]), default=None)
+
     def home(self, v):
         """The earliest placed user of program input ``v`` (whose mesh will hold it), or ``None``."""
-        return min(self.placed_users(v), key=lambda j: self.key(self.stage[j], self.transpose[j]), default=None)
+        return self.earliest(self.placed_users(v))
 
     def operands(self, i, inputs: bool):
         """The values ``i`` reads that cost bytes to move, looking through cheap operands
@@ -266,11 +270,8 @@ class _Placer:
 
     def from_users(self, i):
         """Rule 3: the earliest stage among ``i``'s placed users, or ``None``."""
-        found = [j for v in self.eqns[i].outvars for j in self.placed_users(v)]
-        if not found:
-            return None
-        j = min(found, key=lambda j: self.key(self.stage[j], self.transpose[j]))
-        return self.stage[j]
+        j = self.earliest(j for v in self.eqns[i].outvars for j in self.placed_users(v))
+        return None if j is None else self.stage[j]
 
     def settle(self, members, through_boundaries: bool) -> None:
         """Rule 2 over ``members`` and rule 3 over those preparing a marker's input,
