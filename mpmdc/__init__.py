@@ -7,9 +7,10 @@ transfers that run with the same numbers as ``jax.jit``.
 
 import os as _os
 
-from mpmdc import _jax_compat, backends, errors, lowering, passes, schedules
+from mpmdc import _jax_compat, backends, distributed, errors, lowering, passes, schedules
 from mpmdc.accumulate import accumulate
 from mpmdc.api import Compiled, Lowered, compile
+from mpmdc.distributed import fetch
 from mpmdc.errors import MpmdcError
 from mpmdc.meshes import make_meshes
 from mpmdc.primitives import stage
@@ -28,7 +29,9 @@ __all__ = [
     "accumulate",
     "backends",
     "compile",
+    "distributed",
     "errors",
+    "fetch",
     "make_meshes",
     "schedules",
     "stage",

@@ -61,3 +61,21 @@ def direct_call(executable):
     make = getattr(executable._executable, "create_cpp_call", None)
     call = make(executable._params) if make is not None else None
     return call if call is not None else executable
+
+
+def detect_cluster():
+    """``(coordinator address, process count, process id, local device ids)`` as
+    ``jax.distributed`` detects them from a cluster's environment (SLURM, Open MPI,
+    Kubernetes, TPU pods), or ``None`` outside any cluster it knows."""
+    from jax._src import clusters
+
+    if not any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types):
+        return None
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 300)
+
+
+def distributed_client():
+    """The key-value store client of ``jax.distributed``, or ``None`` before it starts."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -15,7 +15,8 @@ from pathlib import Path
 import jax
 
 from mpmdc import _jax_compat as compat
-from mpmdc import backends, schedules
+from mpmdc import backends, distributed, schedules
+from mpmdc.launch import launch
 from mpmdc.demo import run as run_demo
 from mpmdc.dump import dump_files, render_stages, stage_header, write_dump_dir
 from mpmdc.errors import InternalError, MpmdcError, ScheduleError, TargetError, UsageError
@@ -31,13 +32,34 @@ commands:
   dump    print or save the IR of a program after any pass, and its StableHLO
   schedule  simulate a pipeline schedule: timeline, makespan, bubble fraction
   backends  list the registered backends
+  launch  run a command as N local processes of one multi-process program
 
 examples:
   mpmdc demo
+  mpmdc launch -n 4 -- mpmdc demo
   mpmdc dump tests/programs/mlp2_grad.py:lowered --stage all
   mpmdc dump model.py:loss --args "f32[8,16], f32[16,4]" --meshes "4x(data=2)" --stage stablehlo
 
 exit status: 0 success, 1 compile or user-code failure, 2 usage mistake.
+"""
+
+_LAUNCH_DESCRIPTION = """\
+Run CMD as N processes of one multi-process mpmdc program on this machine (like
+torchrun, for local runs and CI). Each process learns the coordinator address, its
+id and its cross-host transfer address (all on the loopback interface) from MPMDC_*
+variables that mpmdc.distributed.initialize() reads, and gets K CPU devices. Output
+lines are prefixed with the process id. The exit status is 0 only if every process
+exits 0; when one fails, the others are stopped after --grace seconds and the
+launcher says which process failed first and how.
+"""
+
+_LAUNCH_EPILOG = """\
+examples:
+  mpmdc launch -n 4 -- mpmdc demo
+  mpmdc launch -n 2 --devices-per-process 2 --timeout 300 -- python train.py
+
+exit status: 0 all processes succeeded; the first failing process's status (1 for a
+signal); 124 --timeout; 2 usage mistake.
 """
 
 _DUMP_DESCRIPTION = """\
@@ -195,9 +217,32 @@ def _backends(args) -> int:
 
 
 def _demo(args) -> int:
+    distributed.initialize()  # under `mpmdc launch`; nothing in one process
     _start_jax(8)
     worst = run_demo(schedule=args.schedule, trace=args.trace)
     return EXIT_OK if worst <= 2e-5 else EXIT_FAILED
+
+
+def _launch(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("give the command to run after --, e.g. mpmdc launch -n 2 -- python train.py")
+    for name in ("processes", "devices_per_process"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("timeout", "fault_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+    return launch(
+        command,
+        args.processes,
+        devices_per_process=args.devices_per_process,
+        timeout=args.timeout,
+        fault_timeout=args.fault_timeout,
+        grace=args.grace,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,6 +340,31 @@ def build_parser() -> argparse.ArgumentParser:
         "compiles and runs fragments.",
     )
     backends_cmd.set_defaults(handler=_backends)
+
+    launch_cmd = sub.add_parser(
+        "launch",
+        help="run a command as N local processes of one multi-process mpmdc program",
+        description=_LAUNCH_DESCRIPTION,
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch_cmd.add_argument("-n", "--processes", type=int, required=True, metavar="N", help="processes to start")
+    launch_cmd.add_argument(
+        "--devices-per-process", type=int, metavar="K", help="CPU devices per process (jax_num_cpu_devices)"
+    )
+    launch_cmd.add_argument("--timeout", type=float, metavar="S", help="stop everything after S seconds (exit 124)")
+    launch_cmd.add_argument(
+        "--fault-timeout",
+        type=float,
+        metavar="S",
+        help=f"how long a process waits on another before it fails (default {distributed.DEFAULT_FAULT_TIMEOUT:g})",
+    )
+    launch_cmd.add_argument(
+        "--grace", type=float, default=5.0, metavar="S",
+        help="after a process fails, how long the others may run to report what they saw (default 5)",
+    )
+    launch_cmd.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command every process runs")
+    launch_cmd.set_defaults(handler=_launch)
     return parser
 
 

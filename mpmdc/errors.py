@@ -63,7 +63,15 @@ class InternalError(MpmdcError):
 
 
 class MpmdRuntimeError(MpmdcError):
-    """A fragment failed while running."""
+    """A fragment or transfer failed while running, or a peer process failed or stopped."""
+
+
+class DistributedError(MpmdcError):
+    """``mpmdc.distributed`` or ``mpmdc launch`` was set up wrongly (too late, bad settings)."""
+
+
+class ProgramMismatchError(MpmdcError):
+    """Processes of one multi-process run traced different programs or arguments."""
 
 
 class UsageError(MpmdcError):

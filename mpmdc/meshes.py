@@ -23,6 +23,13 @@ def make_meshes(
 
     Axes are ``AxisType.Auto`` (classic sharding propagation inside each mesh) unless
     ``axis_types`` says otherwise.
+
+    With several processes each mesh stays inside one process when the counts allow,
+    meshes spread evenly over the processes in process order: with one mesh per
+    process, mesh ``i`` is process ``i``'s; with two per process, meshes ``2i`` and
+    ``2i+1``. Otherwise (a mesh larger than a process's devices) meshes take devices in
+    process order and may span processes; every process owning a device of a mesh then
+    runs that mesh's fragments, as SPMD.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise MeshError(f"make_meshes: n must be a positive int, got {n!r}.")
@@ -38,13 +45,26 @@ def make_meshes(
         )
     kind = axis_types if axis_types is not None else AxisType.Auto
     return tuple(
-        Mesh(
-            np.array(devices[i * per_mesh : (i + 1) * per_mesh]).reshape(tuple(axes.values())),
-            tuple(axes),
-            axis_types=(kind,) * len(axes),
-        )
-        for i in range(n)
+        Mesh(np.array(group).reshape(tuple(axes.values())), tuple(axes), axis_types=(kind,) * len(axes))
+        for group in _device_groups(devices, n, per_mesh)
     )
+
+
+def _device_groups(devices: list, n: int, size: int) -> list[list]:
+    """``n`` disjoint groups of ``size`` devices, each within one process where possible."""
+    by_process: dict[int, list] = {}
+    for d in devices:
+        by_process.setdefault(d.process_index, []).append(d)
+    chunks = [devices[i * size : (i + 1) * size] for i in range(n)]
+    if len(by_process) == 1 or size > min(len(ds) for ds in by_process.values()):
+        return chunks
+    owned = list(by_process.values())
+    if n % len(owned) == 0 and all(len(ds) >= n // len(owned) * size for ds in owned):
+        per_process = [n // len(owned)] * len(owned)
+    else:
+        per_process = [len(ds) // size for ds in owned]
+    groups = [ds[k * size : (k + 1) * size] for ds, count in zip(owned, per_process) for k in range(count)]
+    return groups[:n] if len(groups) >= n else chunks
 
 
 def device_platform(device) -> str:

@@ -1,11 +1,19 @@
-"""The single-process runtime: run a split program on its meshes.
+"""The runtime: run a split program on its meshes, in one process or in many.
 
 Each fragment's module, as the ``lower`` pass produced it (static shardings,
 donation and all), is compiled ahead of time for its mesh, so every call is a plain
 executable call and what runs is exactly the StableHLO that ``lower`` shows.
 Fragments with the same body, mesh, shardings and donation share one executable.
-Transfers are ``device_put`` onto the destination mesh. JAX's asynchronous dispatch
-lets meshes overlap; each intermediate value is dropped right after its last use.
+Transfers are ``device_put`` onto the destination mesh (:mod:`mpmdc.transfers`).
+JAX's asynchronous dispatch lets meshes overlap; each intermediate value is dropped
+right after its last use.
+
+With several processes (``jax.distributed``) every process holds the whole program
+but compiles and runs only the fragments of meshes with devices here, and the
+transfers it takes part in; transfers between processes are issued by all
+processes in program order (:mod:`mpmdc.transfers` says why). Before its first call
+the processes check they hold the same program (:mod:`mpmdc.peers`), and each call
+waits for this process's own work under the fault timeout.
 """
 
 from __future__ import annotations
@@ -20,20 +28,23 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
-from mpmdc import backends
+from mpmdc import backends, distributed
 from mpmdc._jax_compat import direct_call
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir import Program, fragment_key, is_var
 from mpmdc.memory import MeshMemory, memory_profile, release_plan
 from mpmdc.passes.schedule import action_of
+from mpmdc.peers import Progress, program_entries
 from mpmdc.primitives import fragment_p
 from mpmdc.pytrees import first_difference, skeleton
 from mpmdc.schedules import Action
 from mpmdc.sharding import named
 from mpmdc.simulate import Slot, Timeline
+from mpmdc.transfers import MeshTransfer, is_here, placeholder, processes_of
 
 PROGRESS_MIN_FRAGMENTS = 8  # fewer distinct fragments compile too fast to need a bar
 
@@ -126,6 +137,7 @@ class _Step:
     name: str
     action: Action | None
     effectful: bool  # a fragment with effects (a callback): waited for as it runs
+    senders: tuple[int, ...] = ()  # a transfer from other processes: theirs
 
 
 def _finished(results, effectful: bool):
@@ -141,6 +153,9 @@ def _finished(results, effectful: bool):
 class Executable:
     """A compiled MPMD program: call it like the function it was lowered from."""
 
+    _built_multiprocess = 0  # executables built in a multi-process run, numbering their checks
+    _timed_runs = 0  # multi-process ``run_timed`` calls, numbering their barriers
+
     def __init__(self, program: Program, signature: Signature):
         self.program = program
         self.signature = signature
@@ -148,6 +163,8 @@ class Executable:
         meshes = program.meshes
         backend = backends.get(program.backend)
         backend.check_can_run(meshes)
+        self.multiprocess = distributed.is_multiprocess()
+        here = [is_here(m) for m in meshes]
         self._in_shardings = [
             named(meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
         ]
@@ -155,9 +172,14 @@ class Executable:
             raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
         releases = release_plan(jaxpr)
 
-        # Compile every module `lower` produced once, in parallel (XLA releases the GIL
-        # while it compiles); nothing is lowered here, so what runs is what `lower` shows.
-        keys = {i: fragment_key(eqn) for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive is fragment_p}
+        # Compile every module `lower` produced for meshes here once, in parallel (XLA
+        # releases the GIL while it compiles); nothing is lowered here, so what runs is
+        # what `lower` shows.
+        keys = {
+            i: fragment_key(eqn)
+            for i, eqn in enumerate(jaxpr.eqns)
+            if eqn.primitive is fragment_p and here[eqn.params["mesh"]]
+        }
         executables = compile_all(backend, {k: program.lowerings[k] for k in keys.values()})
         direct_calls = {k: direct_call(e) for k, e in executables.items()}
 
@@ -175,35 +197,67 @@ class Executable:
 
         for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
             slot_of(v, c)
-        self._input_slots = [slot_of(v) for v in jaxpr.invars]
+        # Arguments for meshes elsewhere are not read (their processes place them).
+        self._inputs = [
+            (slot_of(v), sharding)
+            for v, sharding, m in zip(jaxpr.invars, self._in_shardings, program.in_meshes)
+            if here[m]
+        ]
         self._steps = []
         for i, eqn in enumerate(jaxpr.eqns):
+            senders: tuple[int, ...] = ()
             if eqn.primitive is fragment_p:
                 mesh, name = eqn.params["mesh"], eqn.params["name"]
+                if not here[mesh]:
+                    continue
                 call = direct_calls[keys[i]]
             else:
-                mesh, name = eqn.params["dst"], f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}"
-                dst_mesh = meshes[mesh]
-                call = _transfer_call(backend, [named(dst_mesh, s) for s in eqn.params["dst_specs"]])
+                src, mesh = eqn.params["src"], eqn.params["dst"]
+                name = f"transfer mesh{src}->mesh{mesh}"
+                call = MeshTransfer(
+                    backend,
+                    meshes[src],
+                    meshes[mesh],
+                    [named(meshes[src], s) for s in eqn.params["src_specs"]],
+                    [named(meshes[mesh], s) for s in eqn.params["dst_specs"]],
+                    [v.aval for v in eqn.invars],
+                    name,
+                )
+                if not (call.everyone or call.sends):
+                    continue
+                if call.receives and not call.sends:
+                    senders = tuple(sorted(set(processes_of(meshes[src]))))
             self._steps.append(
                 _Step(
                     call,
                     [slot_of(a) for a in eqn.invars],
                     [slot_of(v) for v in eqn.outvars],
-                    [slots[v] for v in releases[i]],
+                    [slots[v] for v in releases[i] if v in slots],
                     mesh,
                     name,
                     action_of(eqn),
                     eqn.primitive is fragment_p and bool(eqn.effects),
+                    senders,
                 )
             )
         # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
         # An empty release list is None, so the loop skips it with one test.
         self._plan = [(st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self._steps]
         self._executables = executables
+        self._out_shardings = []
         self._outputs = []
         for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
-            self._outputs.append((slot_of(v), named(meshes[m], spec)))
+            sharding = named(meshes[m], spec)
+            self._out_shardings.append(sharding)
+            # An output living elsewhere is a global array with no shard here.
+            self._outputs.append((slot_of(v), sharding) if here[m] else (None, placeholder(v.aval, sharding)))
+        if self.multiprocess:
+            Executable._built_multiprocess += 1
+            distributed.check_agreement(
+                f"program-{Executable._built_multiprocess}",
+                program_entries(program, signature.in_types),
+                "the program they compiled",
+            )
 
     @property
     def memory(self) -> tuple[MeshMemory, ...]:
@@ -221,7 +275,7 @@ class Executable:
     def output_shardings(self):
         """Where each output lives, a pytree of ``jax.sharding.Sharding`` (as
         ``jax.stages.Compiled.output_shardings``)."""
-        return jax.tree_util.tree_unflatten(self.signature.out_tree, [s for _, s in self._outputs])
+        return jax.tree_util.tree_unflatten(self.signature.out_tree, self._out_shardings)
 
     @property
     def num_executables(self) -> int:
@@ -236,6 +290,8 @@ class Executable:
 
     def call_flat(self, leaves):
         """Run with already-checked flat arguments; returns the output pytree."""
+        if self.multiprocess:
+            return self._call_with_peers(leaves)
         env = self._start(leaves)
         read = env.__getitem__
         k, results = 0, None
@@ -257,16 +313,50 @@ class Executable:
             raise _fault(self._steps[k], err)
         return self._finish(env)
 
+    def _call_with_peers(self, leaves):
+        """``call_flat`` of one process among many: the same loop, keeping track of the
+        results in flight so that the call ends only when this process's work is done,
+        or fails within the fault timeout (:class:`~mpmdc.peers.Progress`)."""
+        env = self._start(leaves)
+        progress = Progress(_announced_fault)
+        step = None
+        try:
+            for step, (call, inputs, outputs, release, wait) in zip(self._steps, self._plan):
+                results = call(*[env[i] for i in inputs])
+                if wait:
+                    _finished(results, True)
+                for i, value in zip(outputs, results):
+                    env[i] = value
+                if release:
+                    for i in release:
+                        env[i] = None
+                progress.add(step, results)
+                progress.settle()
+            progress.wait()
+        except MpmdRuntimeError:
+            env.clear()
+            raise
+        except Exception as err:
+            env.clear()
+            results = None  # noqa: F841
+            raise _announced_fault(step, err) from None
+        return self._finish(env)
+
     def _start(self, leaves) -> list:
         env = list(self._initial)
-        for i, x, sharding in zip(self._input_slots, leaves, self._in_shardings):
+        for (i, sharding), x in zip(self._inputs, self._local_leaves(leaves)):
             env[i] = _placed(x, sharding)
         return env
+
+    def _local_leaves(self, leaves):
+        if len(self._inputs) == len(leaves):
+            return leaves
+        return [x for x, sharding in zip(leaves, self._in_shardings) if is_here(sharding.mesh)]
 
     def _finish(self, env):
         outs = []
         for v, target in self._outputs:
-            outs.append(_placed(env[v], target))
+            outs.append(target if v is None else _placed(env[v], target))
         return jax.tree_util.tree_unflatten(self.signature.out_tree, outs)
 
     def run_timed(self, *args, **kwargs):
@@ -277,12 +367,28 @@ class Executable:
         action where it has one) and per transfer (on the receiving mesh). Each mesh
         waits for its work to finish before timing the next piece, so this run is a
         little slower than a plain call; ``timeline.chrome_trace()`` writes it for Perfetto.
+
+        With several processes every process must call it (like a plain call); each
+        measures its own meshes and all get the merged timeline of every mesh.
         """
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         self.signature.check(args, kwargs, leaves, treedef)
+        if not self.multiprocess:
+            env = self._start(leaves)
+            timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
+            return self._finish(env), timeline
+        # Every process starts its clock as the last one arrives, so the merged
+        # timeline of all processes lines up to a barrier's latency.
+        Executable._timed_runs += 1
+        topic = f"timed-{Executable._timed_runs}"
+        distributed.barrier(topic)
         env = self._start(leaves)
-        timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes))
-        return self._finish(env), timeline
+        try:
+            timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes), _announced_fault)
+        except MpmdRuntimeError as err:
+            distributed.announce_failure(str(err))
+            raise
+        return self._finish(env), distributed.merge_timelines(topic, timeline)
 
 
 def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
@@ -303,12 +409,26 @@ def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
     return error
 
 
+def _announced_fault(step: _Step, err: Exception) -> MpmdRuntimeError:
+    """``_fault``, also told to the other processes (which may be waiting on this one)."""
+    error = _fault(step, err)
+    distributed.announce_failure(f"{error}")
+    return error
+
+
 def _placed(x, sharding):
     """``x`` with ``sharding``; an array already placed so (or equivalently: a one-device
-    array on a one-device mesh) is passed through untouched, saving a ``device_put``."""
+    array on a one-device mesh) is passed through untouched, saving a ``device_put``.
+
+    A mesh with devices on other processes too gets a global array of which this
+    process makes only its own shards, from a host value equal on all processes.
+    """
     if isinstance(x, jax.Array) and (x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)):
         return x
-    return jax.device_put(x, sharding)
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
 
 
 def compile_all(backend, lowerings: dict) -> dict:
@@ -336,19 +456,18 @@ def compile_all(backend, lowerings: dict) -> dict:
     return out
 
 
-def _transfer_call(backend, shardings):
-    def transfer(*values):
-        return backend.transfer(values, shardings)
-
-    return transfer
-
-
-def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Timeline:
+def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int, fault=None) -> Timeline:
     """Run ``steps`` with one thread per mesh, each in program order; bind results in ``env``.
 
     A step waits until its inputs exist. Values are dropped once every reader has
-    run, as in a plain call. The first error stops every thread and is raised.
+    run, as in a plain call. The first error stops every thread and is raised
+    (made by ``fault(step, error)``, default ``_fault``).
+
+    Transfers every process issues (between processes) go from one more thread, in
+    program order, as JAX pairs them by that order; the mesh that reads a value
+    received so then waits for its arrival, and that wait is its transfer's slot.
     """
+    fault = fault or _fault
     ready = {v: threading.Event() for step in steps for v in step.outputs}
     readers: dict = {}
     for step in steps:
@@ -356,6 +475,9 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
             if a in ready:
                 readers[a] = readers.get(a, 0) + 1
     released = {v for step in steps for v in step.release}
+    in_order = [s for s in steps if getattr(s.call, "everyone", False)]
+    lane_of = {id(s): None if getattr(s.call, "everyone", False) else s.mesh for s in steps}
+    arriving = {v: s for s in in_order if s.call.receives for v in s.outputs}
     lock = threading.Lock()
     failed: list[BaseException] = []  # the first error, as raised to the caller
     slots: list[list[Slot]] = [[] for _ in range(num_meshes)]
@@ -367,30 +489,54 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
                 return False
         return True
 
-    def worker(mesh: int):
+    def bind(step, results):
+        with lock:
+            for i, value in zip(step.outputs, results):
+                env[i] = value
+            for a in step.inputs:
+                if a in readers:
+                    readers[a] -= 1
+                    if readers[a] == 0 and a in released:
+                        env[a] = None
+        for v in step.outputs:
+            ready[v].set()
+
+    def await_arrivals(step, mesh: int):
+        for a in step.inputs:
+            transfer = arriving.pop(a, None)
+            if transfer is not None:
+                start = time.perf_counter()
+                try:
+                    jax.block_until_ready([env[i] for i in transfer.outputs])
+                except Exception as err:
+                    raise _StepFailed(transfer, err) from None
+                slots[mesh].append(Slot(None, (start - t0) * 1e3, (time.perf_counter() - t0) * 1e3, transfer.name))
+
+    def worker(mesh: int | None):
+        step = None
         try:
-            for step in (s for s in steps if s.mesh == mesh):
+            for step in (s for s in steps if lane_of[id(s)] == mesh):
                 if not all(wait(a) for a in step.inputs if a in ready):
                     return
-                start = time.perf_counter()
-                results = _finished(step.call(*[env[i] for i in step.inputs]), step.effectful)
-                end = time.perf_counter()
-                slots[mesh].append(Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name))
-                with lock:
-                    for i, value in zip(step.outputs, results):
-                        env[i] = value
-                    for a in step.inputs:
-                        if a in readers:
-                            readers[a] -= 1
-                            if readers[a] == 0 and a in released:
-                                env[a] = None
-                for v in step.outputs:
-                    ready[v].set()
+                if mesh is not None:
+                    await_arrivals(step, mesh)
+                    start = time.perf_counter()
+                    results = _finished(step.call(*[env[i] for i in step.inputs]), step.effectful)
+                    end = time.perf_counter()
+                    slots[mesh].append(Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name))
+                else:
+                    results = step.call(*[env[i] for i in step.inputs])
+                bind(step, results)
+        except _StepFailed as err:
+            failed.append(fault(err.step, err.error))
         except Exception as err:  # re-raised by the caller's thread
             results = None  # noqa: F841 (the traceback keeps this frame, not its buffers)
-            failed.append(_fault(step, err))
+            failed.append(fault(step, err))
 
-    threads = [threading.Thread(target=worker, args=(m,), name=f"mpmdc-mesh{m}") for m in range(num_meshes)]
+    lanes = sorted({m for m in lane_of.values() if m is not None})
+    threads = [threading.Thread(target=worker, args=(m,), name=f"mpmdc-mesh{m}") for m in lanes]
+    if in_order:
+        threads.append(threading.Thread(target=worker, args=(None,), name="mpmdc-transfers"))
     for t in threads:
         t.start()
     for t in threads:
@@ -399,3 +545,11 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int) -> Time
         env.clear()
         raise failed[0]
     return Timeline(tuple(tuple(row) for row in slots))
+
+
+class _StepFailed(Exception):
+    """A step's results failed where another step waited for them."""
+
+    def __init__(self, step: _Step, error: Exception):
+        super().__init__(str(error))
+        self.step, self.error = step, error

@@ -1,0 +1,376 @@
+"""Many processes: ``jax.distributed`` set up for mpmdc, and what processes tell each other.
+
+Every process runs the same script (JAX's multi-controller model). :func:`initialize`
+starts ``jax.distributed`` from what ``mpmdc launch`` put in the environment, or from
+a cluster's environment (whatever ``jax.distributed`` detects: SLURM, Open MPI,
+Kubernetes, TPU pods), and turns on what mpmdc's runtime relies on:
+
+- JAX's cross-host ``device_put`` between disjoint device sets (the socket transport,
+  on an address of this host; a backend with its own cross-host transfers uses those);
+- recoverable tasks, so that a process that dies becomes an error in the others
+  instead of JAX aborting them all;
+- a bound on every wait (:func:`fault_timeout`): a transfer whose sender never comes,
+  a peer that stops.
+
+The rest goes through ``jax.distributed``'s key-value store: failures a process
+announces before it raises (:func:`announce_failure`), and checks that all processes
+hold the same thing (:func:`check_agreement`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import socket
+import time
+
+import jax
+import numpy as np
+
+from mpmdc import _jax_compat as compat
+from mpmdc.errors import DistributedError, MpmdRuntimeError, ProgramMismatchError
+
+# What ``mpmdc launch`` tells each process it starts.
+ENV_COORDINATOR = "MPMDC_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "MPMDC_NUM_PROCESSES"
+ENV_PROCESS_ID = "MPMDC_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "MPMDC_DEVICES_PER_PROCESS"
+ENV_TRANSFER_ADDRESS = "MPMDC_TRANSFER_ADDRESS"
+ENV_FAULT_TIMEOUT = "MPMDC_FAULT_TIMEOUT"
+
+DEFAULT_FAULT_TIMEOUT = 60.0
+_PREFIX = "mpmdc/"
+_fault_timeout: float | None = None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    devices_per_process: int | None = None,
+    fault_timeout: float | None = None,
+    transfer_address: str | None = None,
+) -> None:
+    """Start ``jax.distributed`` for an mpmdc program; call it first, before JAX runs anything.
+
+    Arguments left out come from ``mpmdc launch`` (``MPMDC_*`` variables), else from
+    the cluster's environment as ``jax.distributed.initialize()`` detects it. With
+    neither, this is one process and nothing is started (``devices_per_process`` still
+    sets the number of CPU devices), so a script calls it unconditionally.
+
+    ``devices_per_process`` sets ``jax_num_cpu_devices`` (CPU only).
+    ``fault_timeout`` (seconds, default 60 or ``MPMDC_FAULT_TIMEOUT``) bounds every
+    wait on another process: a transfer that never arrives, a peer that died. A step
+    that makes no progress for that long fails with ``MpmdRuntimeError``.
+    ``transfer_address`` (``host:port``) is where this process serves cross-host
+    transfers; by default a free port on the interface that reaches the coordinator.
+    Calling it again, or after ``jax.distributed.initialize()``, changes nothing but
+    ``fault_timeout``.
+    """
+    global _fault_timeout
+    env = os.environ
+    if fault_timeout is None and ENV_FAULT_TIMEOUT in env:
+        fault_timeout = _number(env[ENV_FAULT_TIMEOUT], ENV_FAULT_TIMEOUT)
+    if fault_timeout is not None:
+        if not fault_timeout > 0:
+            raise DistributedError(f"fault_timeout must be a positive number of seconds, got {fault_timeout!r}.")
+        _fault_timeout = float(fault_timeout)
+    if jax.distributed.is_initialized():
+        return
+    coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
+    num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
+    devices_per_process = devices_per_process if devices_per_process is not None else _int_env(ENV_DEVICES_PER_PROCESS)
+    local_device_ids = None
+    if coordinator_address is None:
+        found = compat.detect_cluster()
+        if found is not None:
+            coordinator_address, num_processes, process_id, local_device_ids = found
+    if compat.backends_are_initialized():
+        if coordinator_address is None and devices_per_process in (None, len(jax.local_devices())):
+            return
+        raise DistributedError(
+            "mpmdc.distributed.initialize() was called after JAX started its devices (by jax.devices(), "
+            "creating an array, or a computation); call it first thing in the script."
+        )
+    if devices_per_process is not None:
+        jax.config.update("jax_num_cpu_devices", devices_per_process)
+    if coordinator_address is None or num_processes in (None, 1):
+        return
+    timeout = fault_timeout_seconds()
+    host = coordinator_address.rsplit(":", 1)[0].strip("[]")
+    address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or _free_address(host)
+    # A peer that dies must become an error in the others, not make JAX abort them.
+    jax.config.update("jax_enable_recoverability", True)
+    # CPU meshes that span processes run their collectives through gloo.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+    jax.config.update("jax_cross_host_transport_addresses", address.rsplit(":", 1)[0] + ":0")
+    jax.config.update("jax_cross_host_transfer_timeout_seconds", math.ceil(timeout))
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        local_device_ids=local_device_ids,
+        heartbeat_timeout_seconds=max(2, math.ceil(timeout)),
+    )
+    # With recoverable tasks JAX's own shutdown no longer waits for every process, and
+    # one leaving while the coordinator's process has gone aborts; so all leave together.
+    atexit.register(_leave_together)
+    _connect_peers()
+
+
+def _leave_together() -> None:
+    """At exit: wait for every process, then disconnect the others before the
+    coordinator's process, which hosts the service they disconnect from."""
+    client = _client()
+    timeout_ms = int(fault_timeout_seconds() * 1000)
+    try:
+        if not peer_failures():
+            client.wait_at_barrier(f"{_PREFIX}exit", timeout_ms)
+        if jax.process_index() != 0:
+            jax.distributed.shutdown()
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(client.get_live_nodes(list(range(jax.process_count())))) > 1:
+            time.sleep(0.05)
+    except Exception:  # leaving anyway; JAX's own shutdown follows
+        pass
+
+
+def fault_timeout_seconds() -> float:
+    """How long a process waits on another before it fails (see :func:`initialize`)."""
+    if _fault_timeout is not None:
+        return _fault_timeout
+    if ENV_FAULT_TIMEOUT in os.environ:
+        return _number(os.environ[ENV_FAULT_TIMEOUT], ENV_FAULT_TIMEOUT)
+    return DEFAULT_FAULT_TIMEOUT
+
+
+def is_multiprocess() -> bool:
+    """True when this program runs in several processes (``jax.process_count() > 1``)."""
+    return jax.process_count() > 1
+
+
+def _connect_peers() -> None:
+    """Open every process pair's transfer connection now.
+
+    JAX opens the socket between two processes at their first transfer, which waits
+    (about 2 s) for the peer's address; paid inside a first training step, that would
+    look like a slow step. One byte from every process to every other, pair after
+    pair in the same order on every process, those not in a pair too: JAX pairs
+    cross-host transfers by the order processes issue them (a batch mixing sends and
+    receives stalls).
+    """
+    first = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    here = jax.process_index()
+    for src, dst in ((a, b) for a in first for b in first if a != b):
+        sharding = jax.sharding.SingleDeviceSharding(first[src])
+        if src == here:
+            source = jax.device_put(np.zeros((1,), np.uint8), sharding)
+        else:
+            source = jax.make_array_from_single_device_arrays((1,), sharding, [], dtype=np.uint8)
+        jax.block_until_ready(jax.device_put(source, jax.sharding.SingleDeviceSharding(first[dst])))
+
+
+def _free_address(coordinator_host: str) -> str:
+    """``host:port`` with this machine's address towards the coordinator and a free port."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(coordinator_host), 9))
+            host = probe.getsockname()[0]
+    except OSError:
+        host = "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"environment variable {name}={value!r} is not an integer.") from None
+
+
+def _number(value: str, name: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise DistributedError(f"{name}={value!r} is not a number of seconds.") from None
+
+
+def _client():
+    client = compat.distributed_client()
+    if client is None:
+        raise DistributedError("jax.distributed is not running; call mpmdc.distributed.initialize() first.")
+    return client
+
+
+def announce_failure(message: str) -> None:
+    """Tell the other processes that this one failed, and why (before raising here)."""
+    try:
+        _client().key_value_set(f"{_PREFIX}failed/{jax.process_index()}", message)
+    except Exception:  # the store itself may be gone: the peers then time out instead
+        pass
+
+
+def peer_failures() -> dict[int, str]:
+    """``{process: message}`` of the processes that announced a failure."""
+    try:
+        entries = _client().key_value_dir_get(f"{_PREFIX}failed/")
+    except Exception:
+        return {}
+    return {int(key.rsplit("/", 1)[1]): message for key, message in entries}
+
+
+def dead_peers() -> list[int]:
+    """Processes ``jax.distributed`` no longer hears from (may take a heartbeat to tell)."""
+    try:
+        live = _client().get_live_nodes(list(range(jax.process_count())))
+    except Exception:
+        return []
+    return sorted(set(range(jax.process_count())) - set(live))
+
+
+def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> None:
+    """Raise ``ProgramMismatchError`` unless every process holds the same ``entries``.
+
+    ``entries`` are ``(name, digest)`` pairs in order; the error names the first name
+    whose digest differs between this process and another, or the first one missing.
+    ``what`` says what the entries are ("the program compiled at the first call").
+    Every process must call this with the same ``topic``, in the same order.
+    """
+    client = _client()
+    here = jax.process_index()
+    client.key_value_set(f"{_PREFIX}agree/{topic}/{here}", json.dumps(entries))
+    timeout = fault_timeout_seconds()
+    for peer in range(jax.process_count()):
+        if peer == here:
+            continue
+        try:
+            theirs = json.loads(client.blocking_key_value_get(f"{_PREFIX}agree/{topic}/{peer}", int(timeout * 1000)))
+        except Exception:
+            raise MpmdRuntimeError(
+                f"process {here} waited {timeout:g} s for process {peer} to reach {what} ({topic}); it "
+                f"did not: it failed, hangs, or runs different code. Check its output."
+            ) from None
+        mine = [tuple(e) for e in entries]
+        theirs = [tuple(e) for e in theirs]
+        if mine == theirs:
+            continue
+        for (name, digest), other in zip(mine, theirs):
+            if other[0] != name or other[1] != digest:
+                differ = name if other[0] == name else f"{name} (process {peer} has {other[0]})"
+                break
+        else:
+            longer, count = (mine, len(theirs)) if len(mine) > len(theirs) else (theirs, len(mine))
+            differ = f"{longer[count][0]} (only one of the two has it)"
+        raise ProgramMismatchError(
+            f"processes {here} and {peer} differ in {what}: first at {differ}. Every process must run "
+            f"the same code with arguments of the same types and the same mpmdc and JAX versions."
+        )
+
+
+_fetches = 0  # fetch calls so far; every process makes the same ones, in the same order
+
+
+def fetch(tree):
+    """The values of a pytree of arrays as numpy arrays, on every process.
+
+    In one process this is ``jax.device_get``. With several, an output of a compiled
+    step is addressable only on its mesh's processes; this brings it to all of them
+    (for logging a loss, for checks). Every process must call it with a tree of the
+    same structure, in the same order, like a collective. Values go through the
+    ``jax.distributed`` key-value store: meant for losses and metrics, not for
+    gigabytes of parameters.
+    """
+    global _fetches
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if jax.process_count() == 1 or not any(isinstance(x, jax.Array) for x in leaves):
+        return jax.tree_util.tree_unflatten(treedef, [np.asarray(jax.device_get(x)) for x in leaves])
+    _fetches += 1
+    client = _client()
+    topic = f"{_PREFIX}fetch/{_fetches}"
+    timeout_ms = int(fault_timeout_seconds() * 1000)
+    everyone = set(range(jax.process_count()))
+    written = []
+    for k, x in enumerate(leaves):
+        if not isinstance(x, jax.Array) or not x.addressable_shards:
+            continue
+        if x.is_fully_replicated and {d.process_index for d in x.sharding.device_set} == everyone:
+            continue  # every process has it whole
+        for shard in x.addressable_shards:
+            key = f"{topic}/{k}/{_index_text(shard.index, x.shape)}"
+            if key not in written:
+                client.key_value_set_bytes(key, np.ascontiguousarray(np.asarray(shard.data)).tobytes(), allow_overwrite=True)
+                written.append(key)
+    out = []
+    for k, x in enumerate(leaves):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            out.append(np.asarray(jax.device_get(x)))
+            continue
+        value = np.empty(x.shape, x.dtype)
+        indices = {_index_text(i, x.shape): i for i in x.sharding.devices_indices_map(x.shape).values()}
+        for text, index in indices.items():
+            try:
+                data = client.blocking_key_value_get_bytes(f"{topic}/{k}/{text}", timeout_ms)
+            except Exception:
+                raise MpmdRuntimeError(
+                    f"mpmdc.fetch on process {jax.process_index()}: leaf {k} ({x.dtype}{list(x.shape)}) did not "
+                    f"arrive from its processes {sorted({d.process_index for d in x.sharding.device_set})} within "
+                    f"{fault_timeout_seconds():g} s; every process must call fetch with the same tree."
+                ) from None
+            value[index] = np.frombuffer(data, x.dtype).reshape(value[index].shape)
+        out.append(value)
+    try:
+        barrier(f"fetch/{_fetches}")
+    finally:
+        for key in written:
+            client.key_value_delete(key)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _index_text(index, shape) -> str:
+    """A shard's index as text, the same on every process: ``0:4,0:8``."""
+    return ",".join(f"{s.start or 0}:{n if s.stop is None else s.stop}" for s, n in zip(index, shape)) or "scalar"
+
+
+def barrier(topic: str) -> None:
+    """Wait until every process reaches ``topic`` (bounded by the fault timeout)."""
+    try:
+        _client().wait_at_barrier(f"{_PREFIX}{topic}", int(fault_timeout_seconds() * 1000))
+    except Exception as err:
+        raise MpmdRuntimeError(
+            f"process {jax.process_index()} waited {fault_timeout_seconds():g} s at {topic} for the other "
+            f"processes; not all came ({type(err).__name__}). Check the other processes' output."
+        ) from None
+
+
+def merge_timelines(topic: str, timeline):
+    """Every process's measured ``timeline`` merged into one, on every process: each
+    mesh's row from the first process that measured it."""
+    from mpmdc.schedules import Action
+    from mpmdc.simulate import Slot, Timeline
+
+    client = _client()
+    rows = [
+        [[str(s.action) if s.action is not None else None, s.start, s.end, s.name] for s in row] for row in timeline.meshes
+    ]
+    client.key_value_set(f"{_PREFIX}timeline/{topic}/{jax.process_index()}", json.dumps(rows))
+    merged = [[] for _ in rows]
+    timeout_ms = int(fault_timeout_seconds() * 1000)
+    for peer in range(jax.process_count()):
+        theirs = json.loads(client.blocking_key_value_get(f"{_PREFIX}timeline/{topic}/{peer}", timeout_ms))
+        for m, row in enumerate(theirs):
+            if row and not merged[m]:
+                merged[m] = [Slot(Action.parse(a) if a else None, start, end, name) for a, start, end, name in row]
+    return Timeline(tuple(tuple(row) for row in merged))

@@ -1,0 +1,180 @@
+"""``mpmdc launch``: run one command as N local processes of one multi-process program.
+
+Like ``torchrun`` for local runs and CI: it picks a coordinator address and one
+cross-host transfer address per process on the loopback interface, tells each
+process its id through ``MPMDC_*`` variables (read by
+:func:`mpmdc.distributed.initialize`), and streams each process's output with its
+id in front. It exits 0 only if every process does. When one process fails (a
+non-zero status or a signal) the others get ``grace`` seconds to report what they
+saw, then are stopped; the launcher says which process failed first and how.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from mpmdc import distributed
+
+EXIT_TIMEOUT = 124
+
+
+@dataclass
+class _Process:
+    index: int
+    popen: subprocess.Popen
+    reader: threading.Thread
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on the loopback interface (held open until all
+    are chosen, so none is picked twice)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _stream(index: int, pipe, out, lock: threading.Lock) -> None:
+    """Copy ``pipe`` to ``out`` line by line, each line prefixed with the process id."""
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        with lock:
+            try:
+                out.write(f"[{index}] {line}\n")
+                out.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+    pipe.close()
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+def _stop(processes: list[_Process], wait: float = 3.0) -> None:
+    """SIGTERM every running process group, then SIGKILL what is left after ``wait`` s."""
+    for sig, pause in ((signal.SIGTERM, wait), (signal.SIGKILL, 0)):
+        alive = [p for p in processes if p.popen.poll() is None]
+        for p in alive:
+            try:
+                os.killpg(p.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + pause
+        while pause and time.monotonic() < deadline and any(p.popen.poll() is None for p in alive):
+            time.sleep(0.05)
+
+
+def launch(
+    command: list[str],
+    num_processes: int,
+    *,
+    devices_per_process: int | None = None,
+    timeout: float | None = None,
+    fault_timeout: float | None = None,
+    grace: float = 5.0,
+    out=None,
+    err=None,
+) -> int:
+    """Run ``command`` as ``num_processes`` processes; return the exit status (see module doc).
+
+    ``timeout`` (seconds) stops all of them and returns 124; ``fault_timeout`` is
+    passed to each process (``MPMDC_FAULT_TIMEOUT``).
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    ports = _free_ports(num_processes + 1)
+    base = dict(os.environ)
+    base.update(
+        {
+            distributed.ENV_COORDINATOR: f"127.0.0.1:{ports[0]}",
+            distributed.ENV_NUM_PROCESSES: str(num_processes),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if devices_per_process is not None:
+        base[distributed.ENV_DEVICES_PER_PROCESS] = str(devices_per_process)
+    if fault_timeout is not None:
+        base[distributed.ENV_FAULT_TIMEOUT] = str(fault_timeout)
+    lock = threading.Lock()
+    processes: list[_Process] = []
+    try:
+        for i in range(num_processes):
+            env = dict(base)
+            env[distributed.ENV_PROCESS_ID] = str(i)
+            env[distributed.ENV_TRANSFER_ADDRESS] = f"127.0.0.1:{ports[i + 1]}"
+            try:
+                popen = subprocess.Popen(
+                    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            except OSError as error:
+                _stop(processes)
+                print(f"mpmdc launch: cannot start {command[0]!r}: {error.strerror}", file=err)
+                return 127
+            reader = threading.Thread(target=_stream, args=(i, popen.stdout, out, lock), daemon=True)
+            reader.start()
+            processes.append(_Process(i, popen, reader))
+        return _supervise(processes, timeout, grace, err)
+    except KeyboardInterrupt:
+        _stop(processes)
+        print("mpmdc launch: interrupted; stopped every process", file=err)
+        return 130
+    finally:
+        for p in processes:
+            p.reader.join(timeout=2)
+
+
+def _supervise(processes: list[_Process], timeout: float | None, grace: float, err) -> int:
+    start = time.monotonic()
+    first: _Process | None = None
+    stop_at = None
+    while True:
+        running = [p for p in processes if p.popen.poll() is None]
+        if first is None:
+            failed = [p for p in processes if p.popen.returncode not in (None, 0)]
+            if failed:
+                first = failed[0]
+                stop_at = time.monotonic() + grace
+        if not running:
+            break
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            _stop(processes)
+            ids = ", ".join(str(p.index) for p in running)
+            print(f"mpmdc launch: timed out after {timeout:g} s; stopped process(es) {ids}", file=err)
+            return EXIT_TIMEOUT
+        if stop_at is not None and now > stop_at:
+            _stop(processes)
+            ids = ", ".join(str(p.index) for p in running)
+            print(
+                f"mpmdc launch: process {first.index} failed first: it {_how(first.popen.returncode)}; "
+                f"stopped process(es) {ids} {grace:g} s later",
+                file=err,
+            )
+            return first.popen.returncode if first.popen.returncode > 0 else 1
+        time.sleep(0.05)
+    if first is not None:
+        others = [p.index for p in processes if p is not first and p.popen.returncode != 0]
+        also = f"; process(es) {', '.join(map(str, others))} failed too" if others else ""
+        print(f"mpmdc launch: process {first.index} failed first: it {_how(first.popen.returncode)}{also}", file=err)
+        return first.popen.returncode if first.popen.returncode > 0 else 1
+    return 0

@@ -1,0 +1,130 @@
+"""What a process of a multi-process run checks about its peers.
+
+- :func:`program_entries`: what every process must agree on before the first call (the
+  versions, each argument's type and place, each equation of the scheduled program,
+  the constants), compared through :func:`mpmdc.distributed.check_agreement`.
+- :class:`Progress`: this process's work in flight during a call. Waiting for it is
+  bounded: a step that gets no further for ``fault_timeout`` seconds, a peer that
+  announced a failure, or a transfer whose sender is gone ends in an
+  ``MpmdRuntimeError`` naming the peer, the transfer or fragment waited on and its mesh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from importlib import metadata
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from mpmdc import _jax_compat as compat
+from mpmdc import distributed
+from mpmdc.errors import MpmdRuntimeError
+from mpmdc.ir import Program
+
+_POLL_PEERS_EVERY = 0.25  # seconds between looks at the key-value store while waiting
+
+
+def _digest(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def program_entries(program: Program, in_types) -> list[tuple[str, str]]:
+    """``(name, digest)`` of everything processes running ``program`` must share, in order."""
+    jaxpr = program.jaxpr.jaxpr
+    ctx = compat.JaxprPpContext()
+    settings = compat.JaxprPpSettings()
+    entries = [("the versions", f"jax {jax.__version__}, mpmdc {_version()}")]
+    meshes = ", ".join(f"{dict(m.shape)}" for m in program.meshes)
+    entries.append(("the meshes", _digest(meshes + repr(program.schedule))))
+    for path, (shape, dtype, weak), mesh, spec in zip(program.in_paths, in_types, program.in_meshes, program.in_specs):
+        entries.append((f"argument {path}", f"{dtype}{list(shape)}{'(weak)' if weak else ''} @mesh{mesh} {spec}"))
+    for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
+        value = np.asarray(jax.random.key_data(c) if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key) else c)
+        entries.append((f"a constant {v.aval.str_short()} the function closes over", _digest(value.tobytes())))
+    for k, eqn in enumerate(jaxpr.eqns):
+        p = eqn.params
+        name = p["name"] if "name" in p else f"transfer #{k} mesh{p['src']}->mesh{p['dst']}"
+        entries.append((f"equation {k} ({name})", _digest(compat.pp_eqn(eqn, ctx, settings).format())))
+    return entries
+
+
+def _version() -> str:
+    try:
+        return metadata.version("mpmdc")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class _InFlight:
+    step: object  # runtime._Step
+    arrays: list
+
+
+class Progress:
+    """The results this process is waiting for during one call, oldest first.
+
+    ``add`` records a step's results; ``settle`` drops those already computed (raising
+    for one that failed); ``wait`` waits for the rest under the bounds of the module
+    docstring. ``fault`` turns an error into the ``MpmdRuntimeError`` to raise, and
+    announces it to the peers.
+    """
+
+    def __init__(self, fault):
+        self.fault = fault
+        self.in_flight: list[_InFlight] = []
+
+    def add(self, step, results) -> None:
+        arrays = [r for r in results if isinstance(r, jax.Array) and r.addressable_shards]
+        if arrays:
+            self.in_flight.append(_InFlight(step, arrays))
+
+    def settle(self) -> int:
+        """Drop the oldest entries whose results are ready; return how many went."""
+        done = 0
+        while self.in_flight and all(a.is_ready() for a in self.in_flight[0].arrays):
+            entry = self.in_flight.pop(0)
+            try:
+                jax.block_until_ready(entry.arrays)
+            except Exception as err:
+                raise self.fault(entry.step, err) from None
+            done += 1
+        return done
+
+    def wait(self) -> None:
+        """Wait until every result is computed; raise ``MpmdRuntimeError`` as the module says."""
+        timeout = distributed.fault_timeout_seconds()
+        last_progress = next_look = time.monotonic()
+        pause = 0.0005
+        while True:
+            if self.settle():
+                last_progress, pause = time.monotonic(), 0.0005
+            if not self.in_flight:
+                return
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + _POLL_PEERS_EVERY
+                failed = distributed.peer_failures()
+                if failed:
+                    peer = min(failed)
+                    raise self._stopped(f"process {peer} failed: {failed[peer]}")
+            if now - last_progress > timeout:
+                dead = distributed.dead_peers()
+                gone = f"; process(es) {', '.join(map(str, dead))} no longer answer" if dead else ""
+                raise self._stopped(f"nothing arrived for {timeout:g} s (the fault timeout){gone}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _stopped(self, why: str) -> MpmdRuntimeError:
+        step = self.in_flight[0].step
+        what = f"{step.name} on mesh{step.mesh}"
+        if step.senders:
+            what += f" (sent by process {', '.join(map(str, step.senders))})"
+        message = f"process {jax.process_index()} stopped waiting for {what}: {why}."
+        distributed.announce_failure(message)
+        self.in_flight.clear()
+        return MpmdRuntimeError(message)
