@@ -43,6 +43,7 @@ ENV_FAULT_TIMEOUT = "MPMDC_FAULT_TIMEOUT"
 DEFAULT_FAULT_TIMEOUT = 60.0
 _PREFIX = "mpmdc/"
 _fault_timeout: float | None = None
+_failed = False  # this process announced a failure: it leaves without waiting for the others
 
 
 def initialize(
@@ -126,11 +127,12 @@ def initialize(
 def _leave_together() -> None:
     """At exit: wait for every process, then disconnect the others before the
     coordinator's process, which hosts the service they disconnect from."""
+    if _failed or peer_failures():
+        return  # the run failed: nobody waits for anybody
     client = _client()
     timeout_ms = int(fault_timeout_seconds() * 1000)
     try:
-        if not peer_failures():
-            client.wait_at_barrier(f"{_PREFIX}exit", timeout_ms)
+        client.wait_at_barrier(f"{_PREFIX}exit", timeout_ms)
         if jax.process_index() != 0:
             jax.distributed.shutdown()
             return
@@ -217,6 +219,8 @@ def _client():
 
 def announce_failure(message: str) -> None:
     """Tell the other processes that this one failed, and why (before raising here)."""
+    global _failed
+    _failed = True
     try:
         _client().key_value_set(f"{_PREFIX}failed/{jax.process_index()}", message)
     except Exception:  # the store itself may be gone: the peers then time out instead

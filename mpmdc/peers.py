@@ -124,7 +124,7 @@ class Progress:
         what = f"{step.name} on mesh{step.mesh}"
         if step.senders:
             what += f" (sent by process {', '.join(map(str, step.senders))})"
-        message = f"process {jax.process_index()} stopped waiting for {what}: {why}."
+        message = f"process {jax.process_index()} stopped waiting for {what}: {why.rstrip('.')}."
         distributed.announce_failure(message)
         self.in_flight.clear()
         return MpmdRuntimeError(message)

@@ -391,27 +391,34 @@ class Executable:
         return self._finish(env), distributed.merge_timelines(topic, timeline)
 
 
-def _fault(step: _Step, err: Exception) -> MpmdRuntimeError:
+def _fault(step: _Step, err: Exception, among_processes: bool = False) -> MpmdRuntimeError:
     """``err``, raised while ``step`` ran, as an error naming the fragment and where it ran
     (with ``err`` as its cause, also when raised from another thread)."""
     where = f"{step.name} on mesh{step.mesh}"
     if step.action is not None:
         where += f" (stage {step.action.stage}, microbatch {step.action.microbatch})"
+    if among_processes:
+        where = f"process {jax.process_index()}: {where}"
+        if step.senders:
+            where += f", sent by process {', '.join(map(str, step.senders))},"
     detail = str(err).strip().splitlines()
-    summary = detail[-1] if detail else ""
+    summary = (detail[-1] if detail else "").rstrip(".")
     if not re.match(r"[\w.]+(Error|Exception): ", summary):  # XLA's text often names the cause
         summary = f"{type(err).__name__}: {summary}"
-    error = MpmdRuntimeError(
-        f"{where} failed while running: {summary}. The call was "
-        f"abandoned and its intermediate buffers freed; the executable can be called again."
-    )
+    if not among_processes:
+        then = "The call was abandoned and its intermediate buffers freed; the executable can be called again."
+    elif step.senders:
+        then = "The connection to the sender broke: that process has probably died; see its output."
+    else:
+        then = "The other processes are told; this run cannot go on."
+    error = MpmdRuntimeError(f"{where} failed while running: {summary}. {then}")
     error.__cause__ = err
     return error
 
 
 def _announced_fault(step: _Step, err: Exception) -> MpmdRuntimeError:
     """``_fault``, also told to the other processes (which may be waiting on this one)."""
-    error = _fault(step, err)
+    error = _fault(step, err, among_processes=True)
     distributed.announce_failure(f"{error}")
     return error
 

@@ -1,0 +1,76 @@
+"""Failures in a run of two processes; run it under ``mpmdc launch -n 2``
+(``tests/test_multiprocess.py`` does).
+
+``python faults.py MODE``, MODE one of
+
+- ``kill``: process 1 kills itself (SIGKILL) inside its stage's fragment, in step 2;
+- ``raise``: a callback in process 1's fragment raises, in step 2;
+- ``code``: process 1 traces a different function;
+- ``arguments``: process 1 passes an argument of another shape.
+
+A process that gets an ``mpmdc.MpmdcError`` prints ``caught <type>: <message>`` with
+the seconds since the step began and exits with status 3.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import mpmdc
+
+mpmdc.distributed.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+MODE = sys.argv[1]
+HERE = jax.process_index()
+calls = {"n": 0}
+
+
+def misbehave(x):
+    calls["n"] += 1
+    if calls["n"] > 2:  # two microbatches per step: the third call is in step 2
+        if MODE == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if MODE == "raise":
+            raise ValueError("the callback of stage 1 failed on purpose")
+
+
+def loss(params, x):
+    for i, w in enumerate(params):
+        x = mpmdc.stage(x, i)
+        if i == 1 and MODE in ("kill", "raise"):
+            jax.debug.callback(misbehave, x)
+        scale = 2.0 if (MODE == "code" and HERE == 1 and i == 1) else 1.0
+        x = jnp.tanh(x @ w) * scale
+    return jnp.mean(x**2)
+
+
+def step(params, x):
+    value, grads = mpmdc.accumulate(
+        lambda mb: jax.value_and_grad(loss)(params, mb), x, microbatches=2, reduce="mean"
+    )
+    return value, [p - 0.1 * g for p, g in zip(params, grads)]
+
+
+def main():
+    meshes = mpmdc.make_meshes(2, {"data": 1})
+    params = [jnp.full((8, 8), 0.1), jnp.full((8, 8), 0.2)]
+    rows = 6 if (MODE == "arguments" and HERE == 1) else 4
+    x = jnp.ones((rows, 8))
+    compiled = mpmdc.compile(step, meshes)
+    for k in range(3):
+        start = time.monotonic()
+        try:
+            value, params = compiled(params, x)
+            print(f"step {k}: loss {float(mpmdc.fetch(value)):.6f}", flush=True)
+        except mpmdc.MpmdcError as err:
+            print(f"caught {type(err).__name__} after {time.monotonic() - start:.1f} s: {err}", flush=True)
+            sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()
