@@ -24,6 +24,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 
 import jax
@@ -121,7 +122,21 @@ def initialize(
     # With recoverable tasks JAX's own shutdown no longer waits for every process, and
     # one leaving while the coordinator's process has gone aborts; so all leave together.
     atexit.register(_leave_together)
+    sys.excepthook = _announcing(sys.excepthook)
     _connect_peers()
+
+
+def _announcing(excepthook):
+    """``excepthook`` that first tells the peers this process dies of an uncaught error,
+    so that they stop waiting for it now rather than after the fault timeout."""
+
+    def hook(kind, value, traceback):
+        if not _failed:
+            last = (str(value).strip().splitlines() or [""])[-1]
+            announce_failure(f"process {jax.process_index()} raised {kind.__name__}: {last}".rstrip(": "))
+        excepthook(kind, value, traceback)
+
+    return hook
 
 
 def _leave_together() -> None:

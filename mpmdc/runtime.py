@@ -171,6 +171,13 @@ class Executable:
         if program.lowerings is None:
             raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
         releases = release_plan(jaxpr)
+        donated_at = {
+            v: i
+            for i, eqn in enumerate(jaxpr.eqns)
+            if eqn.primitive is fragment_p
+            for k, v in enumerate(eqn.invars)
+            if k in eqn.params["donate_argnums"]
+        }
 
         # Compile every module `lower` produced for meshes here once, in parallel (XLA
         # releases the GIL while it compiles); nothing is lowered here, so what runs is
@@ -222,6 +229,7 @@ class Executable:
                     [named(meshes[mesh], s) for s in eqn.params["dst_specs"]],
                     [v.aval for v in eqn.invars],
                     name,
+                    [donated_at.get(v, -1) > i for v in eqn.invars],
                 )
                 if not (call.everyone or call.sends):
                     continue

@@ -67,8 +67,11 @@ class MeshTransfer:
     order: it takes the values (``None`` where they live elsewhere) and returns them on
     the destination (placeholders where the destination is elsewhere)."""
 
-    def __init__(self, backend, src: Mesh, dst: Mesh, src_shardings, dst_shardings, avals, where: str):
+    def __init__(self, backend, src: Mesh, dst: Mesh, src_shardings, dst_shardings, avals, where: str, donated_later=()):
         self.kind = route(src, dst, where)
+        # JAX sends a value to another process when that process asks for it, which may be
+        # after a later fragment here took the buffer by donation; such values go as copies.
+        self.copies = tuple(donated_later) or (False,) * len(avals)
         self.backend = backend
         self.sends, self.receives = is_here(src), is_here(dst)
         # Every process issues cross-process sends in one global order (module docstring).
@@ -95,9 +98,9 @@ class MeshTransfer:
             return [self._shardwise(x, b, d) for x, b, d in zip(values, self.bridges, self.dst_shardings)]
         if self.sends:
             if self.kind == "cross":
-                sources = jax.device_put(list(values), self.bridges)
+                sources = [jax.device_put(x, b, may_alias=not c) for x, b, c in zip(values, self.bridges, self.copies)]
             else:
-                sources = [_first_shard(x, w, b) for x, w, b in zip(values, self.whole, self.bridges)]
+                sources = [_first_shard(x, w, b, c) for x, w, b, c in zip(values, self.whole, self.bridges, self.copies)]
         else:
             sources = self.stand_ins
         moved = jax.device_put(sources, self.targets)
@@ -113,9 +116,9 @@ class MeshTransfer:
         return jax.make_array_from_single_device_arrays(x.shape, dst, shards)
 
 
-def _first_shard(x, whole, bridge):
+def _first_shard(x, whole, bridge, copy: bool):
     """``x`` whole, as an array on the first device of its mesh (``bridge``)."""
-    gathered = jax.device_put(x, whole)
+    gathered = jax.device_put(x, whole, may_alias=not copy)
     first = bridge.mesh.devices.flat[0]
     data = next(s.data for s in gathered.addressable_shards if s.device == first)
     return jax.make_array_from_single_device_arrays(x.shape, bridge, [data])

@@ -32,6 +32,10 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from training import mlp_data, sgd_step  # noqa: E402
 
 SCHEDULE_STAGES = {"interleaved-1f1b": 8}
+# Adam divides by sqrt(v): a summation-order difference of one ulp in a gradient can
+# move an updated weight by 1e-5 after two steps (jax.jit against itself with another
+# order of the same sums differs that much too).
+TOLERANCE = {"mlp": dict(rtol=2e-5, atol=2e-6), "mixed": dict(rtol=2e-5, atol=2e-6), "transformer": dict(rtol=1e-4, atol=2e-5)}
 
 
 def mixed_meshes():
@@ -90,7 +94,7 @@ def run(out_dir: str, case: str, meshes):
         got = mpmdc.fetch(out)
         if checker:
             for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-                np.testing.assert_allclose(a, np.asarray(b), rtol=2e-5, atol=2e-6)
+                np.testing.assert_allclose(a, np.asarray(b), **TOLERANCE[model])
             ref_args = feed(ref, ref_args)
         results.append(got)
         args = feed(out, args)

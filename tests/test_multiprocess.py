@@ -1,0 +1,168 @@
+"""Many processes: ``mpmdc launch`` starts local CPU processes on the loopback interface.
+
+Every launch runs under two hard limits (``mpmdc launch --timeout`` and the
+subprocess timeout), so nothing here can hang CI. The scripts the processes run are
+in ``tests/multiprocess/``; the training one checks numbers against ``jax.jit`` and
+where every output lives on each process, and process 0 saves what it fetched, which
+is compared here with single-process mpmdc, bit for bit.
+
+The schedule x model x process-layout matrix is spread over two launches (every
+schedule and both models appear in each layout) to keep these tests near 2 minutes
+on 2 cores.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import mpmdc
+from mpmdc.launch import launch
+
+HERE = Path(__file__).parent
+SCRIPTS = HERE / "multiprocess"
+sys.path.insert(0, str(SCRIPTS))
+LIMIT = 150  # seconds any launch may take
+
+
+def run_launch(*argv: str, limit: int = LIMIT) -> tuple[int, str]:
+    """``mpmdc launch ARGV`` in a subprocess; returns (exit status, output)."""
+    env = dict(os.environ)
+    env.pop("MPMDC_VERIFY", None)  # the processes verify nothing extra: 2 cores, 4 processes
+    result = subprocess.run(
+        [sys.executable, "-m", "mpmdc", "launch", "--timeout", str(limit - 10), *argv],
+        capture_output=True,
+        text=True,
+        timeout=limit,
+        env=env,
+        cwd=HERE.parent,
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def process_lines(output: str, index: int) -> list[str]:
+    return [line[len(f"[{index}] ") :] for line in output.splitlines() if line.startswith(f"[{index}] ")]
+
+
+def single_process_results(case: str):
+    """What one process with 4 one-device meshes computes for ``case`` over two steps."""
+    import train
+
+    model, schedule = case.split(":")
+    step, args, feed = train.case_inputs(model, schedule)
+    compiled = mpmdc.compile(step, mpmdc.make_meshes(4, {"data": 1}), donate_argnums=(0,))
+    results = []
+    for _ in range(2):
+        out = compiled(*args)
+        results.append([np.asarray(x) for x in jax.tree_util.tree_leaves(out)])
+        args = feed(out, args)
+    return results
+
+
+def check_training(tmp_path, cases, output, bitwise):
+    for case in cases:
+        for index in range(2):
+            assert f"ok {case}" in process_lines(output, index), output[-3000:]
+    for case in bitwise:
+        saved = np.load(tmp_path / f"{case.replace(':', '-')}.npz")
+        for step, leaves in enumerate(single_process_results(case)):
+            for k, want in enumerate(leaves):
+                np.testing.assert_array_equal(saved[f"{step}/{k}"], want, err_msg=f"{case} step {step} leaf {k}")
+
+
+def test_four_processes_of_one_device_train_like_jit(tmp_path):
+    cases = ["mlp:gpipe", "mlp:1f1b", "mlp:zb-h1", "mlp:interleaved-1f1b", "transformer:1f1b"]
+    status, output = run_launch("-n", "4", "--", sys.executable, str(SCRIPTS / "train.py"), str(tmp_path), *cases)
+    assert status == 0, output[-3000:]
+    assert "meshes on processes [[0], [1], [2], [3]]" in process_lines(output, 0)
+    check_training(tmp_path, cases, output, bitwise=["mlp:1f1b", "transformer:1f1b"])
+
+
+def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):
+    cases = ["transformer:gpipe", "transformer:zb-h1", "transformer:interleaved-1f1b", "mlp:1f1b", "mixed:1f1b"]
+    status, output = run_launch(
+        "-n", "2", "--devices-per-process", "2", "--", sys.executable, str(SCRIPTS / "train.py"), str(tmp_path), *cases
+    )
+    assert status == 0, output[-3000:]
+    assert "meshes on processes [[0], [0], [1], [1]]" in process_lines(output, 0)
+    check_training(tmp_path, cases, output, bitwise=["transformer:zb-h1"])
+
+
+def faults(mode: str) -> tuple[int, str]:
+    return run_launch(
+        "-n", "2", "--fault-timeout", "10", "--grace", "15", "--", sys.executable, str(SCRIPTS / "faults.py"), mode,
+        limit=60,
+    )
+
+
+def caught(output: str, index: int) -> tuple[float, str]:
+    """(seconds, message) of the error process ``index`` caught."""
+    for line in process_lines(output, index):
+        found = re.match(r"caught (\w+) after ([\d.]+) s: (.*)", line)
+        if found:
+            return float(found.group(2)), f"{found.group(1)}: {found.group(3)}"
+    raise AssertionError(f"process {index} caught nothing:\n{output[-3000:]}")
+
+
+def test_a_process_killed_mid_step_fails_the_others_quickly():
+    status, output = faults("kill")
+    assert status != 0
+    assert "mpmdc launch: process 1 failed first: it was killed by SIGKILL" in output
+    seconds, message = caught(output, 0)
+    assert seconds < 10 + 2, message  # within the fault timeout
+    assert message.startswith("MpmdRuntimeError: process 0: transfer mesh1->mesh0")
+    assert "sent by process 1" in message
+
+
+def test_a_process_that_raises_fails_the_others_naming_it():
+    status, output = faults("raise")
+    assert status == 3
+    assert "mpmdc launch: process 1 failed first: it exited with status 3" in output
+    _, own = caught(output, 1)
+    assert "s1_fwd_mb0 on mesh1 (stage 1, microbatch 0)" in own and "failed on purpose" in own
+    seconds, message = caught(output, 0)
+    assert seconds < 10 + 2, message
+    assert "process 0 stopped waiting for transfer mesh1->mesh0 on mesh0 (sent by process 1)" in message
+    assert "process 1 failed: " in message and "failed on purpose" in message
+
+
+@pytest.mark.parametrize(
+    "mode, differ",
+    [("code", "equation 5 (s1_fwd_mb0)"), ("arguments", "argument args[1]")],
+)
+def test_processes_that_traced_different_programs_fail_at_the_first_call(mode, differ):
+    status, output = faults(mode)
+    assert status == 3
+    for index in range(2):
+        _, message = caught(output, index)
+        assert message.startswith("ProgramMismatchError: processes") and f"first at {differ}" in message
+
+
+def test_the_demo_runs_in_four_processes():
+    status, output = run_launch("-n", "4", "--", sys.executable, "-m", "mpmdc", "demo")
+    assert status == 0, output[-3000:]
+    report = process_lines(output, 0)
+    assert "in 4 processes" in report[0]
+    assert "max |mpmdc - jax.jit| = 0" in report
+    for index in range(1, 4):
+        assert f"process {index} ran mesh(es) [{index}]; max |mpmdc - jax.jit| = 0" in process_lines(output, index)
+
+
+def test_launch_reports_the_first_failure_and_stops_the_rest(capsys):
+    code = "import sys, time, os; i = int(os.environ['MPMDC_PROCESS_ID']); print('hi', i); time.sleep(0 if i else 60); sys.exit(7 if not i else 0)"
+    status = launch([sys.executable, "-c", code], 2, grace=0.5, timeout=30)
+    out, err = capsys.readouterr()
+    assert status == 7
+    assert "[0] hi 0" in out and "[1] hi 1" in out
+    assert "process 0 failed first: it exited with status 7; stopped process(es) 1" in err
+
+
+def test_launch_times_out(capsys):
+    status = launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=1)
+    assert status == 124
+    assert "timed out after 1 s" in capsys.readouterr().err
