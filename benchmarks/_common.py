@@ -21,8 +21,9 @@ from mpmdc.models import (
     transformer_step,
 )
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+if not jax.distributed.is_initialized():  # a process of `mpmdc launch` has its own devices
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
