@@ -189,3 +189,10 @@ def test_launch_times_out(capsys):
     status = launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=1)
     assert status == 124
     assert "timed out after 1 s" in capsys.readouterr().err
+
+
+def test_meshes_spanning_processes_run_their_fragments_as_spmd():
+    status, output = run_launch("-n", "4", "--", sys.executable, str(SCRIPTS / "spanning.py"), limit=90)
+    assert status == 0, output[-3000:]
+    for index in range(4):
+        assert "ok [[0, 1], [2, 3]]" in process_lines(output, index), output[-3000:]
