@@ -25,7 +25,7 @@ against ``jax.jit`` of the same arguments; a result computed in a stage from the
 alone must keep its weak type. Every pass is re-checked (``MPMDC_VERIFY=1``,
 set by the test configuration).
 
-CI runs ``MPMDC_FUZZ_EXAMPLES`` programs (default 90) and a sixth as many repeat-call
+CI runs ``MPMDC_FUZZ_EXAMPLES`` programs (default 60) and a sixth as many repeat-call
 sequences, always the same ones; ``MPMDC_FUZZ_EXAMPLES=2000 pytest tests/fuzz`` runs
 longer, and ``MPMDC_FUZZ_SEED=<n>`` draws other programs (run several seeds side by
 side to use more cores). A failure is
@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 import mpmdc
 from mpmdc.primitives import transfer_p
 
-EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "90"))
+EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("MPMDC_FUZZ_SEED")
 SIZES = (4, 6)  # every operation works on square values of either size
 
