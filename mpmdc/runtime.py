@@ -297,11 +297,15 @@ class Executable:
         return self.call_flat(leaves)
 
     def call_flat(self, leaves):
-        """Run with already-checked flat arguments; returns the output pytree."""
-        if self.multiprocess:
-            return self._call_with_peers(leaves)
+        """Run with already-checked flat arguments; returns the output pytree.
+
+        Among several processes the loop also keeps track of the results in flight, so
+        that the call ends only when this process's work is done, or fails within the
+        fault timeout (:class:`~mpmdc.peers.Progress`).
+        """
         env = self._start(leaves)
         read = env.__getitem__
+        progress = Progress(_announced_fault) if self.multiprocess else None
         k, results = 0, None
         try:
             for call, inputs, outputs, release, wait in self._plan:
@@ -313,41 +317,20 @@ class Executable:
                 if release:
                     for i in release:
                         env[i] = None
+                if progress is not None:
+                    progress.add(self._steps[k], results)
+                    progress.settle()
                 k += 1
+            if progress is not None:
+                progress.wait()
+        except MpmdRuntimeError:  # from ``progress``: already told to the peers
+            env.clear()
+            raise
         except Exception as err:
             # The traceback keeps this frame alive; the buffers it holds need not live on.
             env.clear()
             results = None  # noqa: F841
-            raise _fault(self._steps[k], err)
-        return self._finish(env)
-
-    def _call_with_peers(self, leaves):
-        """``call_flat`` of one process among many: the same loop, keeping track of the
-        results in flight so that the call ends only when this process's work is done,
-        or fails within the fault timeout (:class:`~mpmdc.peers.Progress`)."""
-        env = self._start(leaves)
-        progress = Progress(_announced_fault)
-        step = None
-        try:
-            for step, (call, inputs, outputs, release, wait) in zip(self._steps, self._plan):
-                results = call(*[env[i] for i in inputs])
-                if wait:
-                    _finished(results, True)
-                for i, value in zip(outputs, results):
-                    env[i] = value
-                if release:
-                    for i in release:
-                        env[i] = None
-                progress.add(step, results)
-                progress.settle()
-            progress.wait()
-        except MpmdRuntimeError:
-            env.clear()
-            raise
-        except Exception as err:
-            env.clear()
-            results = None  # noqa: F841
-            raise _announced_fault(step, err) from None
+            raise (_announced_fault if self.multiprocess else _fault)(self._steps[k], err)
         return self._finish(env)
 
     def _start(self, leaves) -> list:
