@@ -23,6 +23,7 @@ import atexit
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -140,18 +141,18 @@ def _announcing(excepthook):
 
 
 def _leave_together() -> None:
-    """At exit: wait for every process, then disconnect the others before the
-    coordinator's process, which hosts the service they disconnect from."""
-    if _failed or peer_failures():
-        return  # the run failed: nobody waits for anybody
+    """At exit: wait for every process (unless the run failed), then disconnect the
+    others before the coordinator's process, which hosts the service they disconnect
+    from (leaving after it aborts a process)."""
+    failed = _failed or bool(peer_failures())
     client = _client()
-    timeout_ms = int(fault_timeout_seconds() * 1000)
     try:
-        client.wait_at_barrier(f"{_PREFIX}exit", timeout_ms)
+        if not failed:
+            client.wait_at_barrier(f"{_PREFIX}exit", int(fault_timeout_seconds() * 1000))
         if jax.process_index() != 0:
             jax.distributed.shutdown()
             return
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + (5 if failed else 10)
         while time.monotonic() < deadline and len(client.get_live_nodes(list(range(jax.process_count())))) > 1:
             time.sleep(0.05)
     except Exception:  # leaving anyway; JAX's own shutdown follows
@@ -260,6 +261,30 @@ def dead_peers() -> list[int]:
     return sorted(set(range(jax.process_count())) - set(live))
 
 
+def _wait_for(key: str, peer: int, what: str) -> str:
+    """The value of ``key``, which process ``peer`` sets on reaching ``what``; raises
+    ``MpmdRuntimeError`` once a process announces a failure, or after the fault timeout."""
+    client = _client()
+    timeout = fault_timeout_seconds()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.blocking_key_value_get(key, 250)
+        except Exception:
+            failed = peer_failures()
+            if failed:
+                first = min(failed)
+                raise MpmdRuntimeError(
+                    f"process {jax.process_index()} stopped waiting for process {peer} to reach {what}: "
+                    f"process {first} failed: {failed[first]}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise MpmdRuntimeError(
+                    f"process {jax.process_index()} waited {timeout:g} s for process {peer} to reach {what}; "
+                    f"it did not: it failed, hangs, or runs different code. Check its output."
+                ) from None
+
+
 def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> None:
     """Raise ``ProgramMismatchError`` unless every process holds the same ``entries``.
 
@@ -271,24 +296,22 @@ def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> No
     client = _client()
     here = jax.process_index()
     client.key_value_set(f"{_PREFIX}agree/{topic}/{here}", json.dumps(entries))
-    timeout = fault_timeout_seconds()
     for peer in range(jax.process_count()):
         if peer == here:
             continue
-        try:
-            theirs = json.loads(client.blocking_key_value_get(f"{_PREFIX}agree/{topic}/{peer}", int(timeout * 1000)))
-        except Exception:
-            raise MpmdRuntimeError(
-                f"process {here} waited {timeout:g} s for process {peer} to reach {what} ({topic}); it "
-                f"did not: it failed, hangs, or runs different code. Check its output."
-            ) from None
+        theirs = json.loads(_wait_for(f"{_PREFIX}agree/{topic}/{peer}", peer, f"{what} ({topic})"))
         mine = [tuple(e) for e in entries]
         theirs = [tuple(e) for e in theirs]
         if mine == theirs:
             continue
         for (name, digest), other in zip(mine, theirs):
             if other[0] != name or other[1] != digest:
-                differ = name if other[0] == name else f"{name} (process {peer} has {other[0]})"
+                if other[0] != name:
+                    differ = f"{name} (process {peer} has {other[0]})"
+                elif re.fullmatch("[0-9a-f]{16}", digest):  # a hash: nothing to show
+                    differ = name
+                else:
+                    differ = f"{name}: {digest} on process {here}, {other[1]} on process {peer}"
                 break
         else:
             longer, count = (mine, len(theirs)) if len(mine) > len(theirs) else (theirs, len(mine))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from mpmdc.distributed import ENV_COORDINATOR
 from mpmdc.errors import MeshError
 
 
@@ -39,9 +41,15 @@ def make_meshes(
     devices = list(jax.devices() if devices is None else devices)
     per_mesh = math.prod(axes.values())
     if n * per_mesh > len(devices):
+        hint = "use fewer or smaller meshes"
+        if os.environ.get(ENV_COORDINATOR) and not jax.distributed.is_initialized():
+            hint = (
+                "this process was started by `mpmdc launch`, but jax.distributed is not running: call "
+                "mpmdc.distributed.initialize() first thing in the script, before anything starts JAX"
+            )
         raise MeshError(
             f"make_meshes: {n} meshes of {axes} need {n * per_mesh} devices but only "
-            f"{len(devices)} are available; use fewer or smaller meshes."
+            f"{len(devices)} are available; {hint}."
         )
     kind = axis_types if axis_types is not None else AxisType.Auto
     return tuple(

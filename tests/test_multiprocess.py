@@ -148,6 +148,14 @@ def test_a_process_that_raises_fails_the_others_naming_it():
     assert "process 1 failed: " in message and "failed on purpose" in message
 
 
+def test_an_uncaught_error_in_one_script_fails_the_others_naming_it():
+    status, output = faults("uncaught")
+    assert "mpmdc launch: process 1 failed first: it exited with status 1" in output, output[-3000:]
+    seconds, message = caught(output, 0)
+    assert seconds < 10 + 2, message
+    assert "process 1 failed: process 1 raised ValueError: a mistake in the training loop" in message
+
+
 @pytest.mark.parametrize(
     "mode, differ",
     [("code", "equation 5 (s1_fwd_mb0)"), ("arguments", "argument args[1]")],

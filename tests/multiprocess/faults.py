@@ -5,6 +5,7 @@
 
 - ``kill``: process 1 kills itself (SIGKILL) inside its stage's fragment, in step 2;
 - ``raise``: a callback in process 1's fragment raises, in step 2;
+- ``uncaught``: process 1's script raises an exception of its own before step 2;
 - ``code``: process 1 traces a different function;
 - ``arguments``: process 1 passes an argument of another shape.
 
@@ -63,6 +64,8 @@ def main():
     x = jnp.ones((rows, 8))
     compiled = mpmdc.compile(step, meshes)
     for k in range(3):
+        if MODE == "uncaught" and HERE == 1 and k == 1:
+            raise ValueError("a mistake in the training loop")
         start = time.monotonic()
         try:
             value, params = compiled(params, x)
