@@ -152,7 +152,10 @@ def _leave_together() -> None:
         if jax.process_index() != 0:
             jax.distributed.shutdown()
             return
-        deadline = time.monotonic() + (5 if failed else 10)
+        if failed:  # the others are leaving too, or dead (then asking blocks for a heartbeat)
+            time.sleep(1)
+            return
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline and len(client.get_live_nodes(list(range(jax.process_count())))) > 1:
             time.sleep(0.05)
     except Exception:  # leaving anyway; JAX's own shutdown follows

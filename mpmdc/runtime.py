@@ -210,6 +210,7 @@ class Executable:
             for v, sharding, m in zip(jaxpr.invars, self._in_shardings, program.in_meshes)
             if here[m]
         ]
+        self._input_here = [here[m] for m in program.in_meshes]
         self._steps = []
         for i, eqn in enumerate(jaxpr.eqns):
             senders: tuple[int, ...] = ()
@@ -225,7 +226,6 @@ class Executable:
                     backend,
                     meshes[src],
                     meshes[mesh],
-                    [named(meshes[src], s) for s in eqn.params["src_specs"]],
                     [named(meshes[mesh], s) for s in eqn.params["dst_specs"]],
                     [v.aval for v in eqn.invars],
                     name,
@@ -342,7 +342,7 @@ class Executable:
     def _local_leaves(self, leaves):
         if len(self._inputs) == len(leaves):
             return leaves
-        return [x for x, sharding in zip(leaves, self._in_shardings) if is_here(sharding.mesh)]
+        return [x for x, here in zip(leaves, self._input_here) if here]
 
     def _finish(self, env):
         outs = []

@@ -67,7 +67,7 @@ class MeshTransfer:
     order: it takes the values (``None`` where they live elsewhere) and returns them on
     the destination (placeholders where the destination is elsewhere)."""
 
-    def __init__(self, backend, src: Mesh, dst: Mesh, src_shardings, dst_shardings, avals, where: str, donated_later=()):
+    def __init__(self, backend, src: Mesh, dst: Mesh, dst_shardings, avals, where: str, donated_later=()):
         self.kind = route(src, dst, where)
         # JAX sends a value to another process when that process asks for it, which may be
         # after a later fragment here took the buffer by donation; such values go as copies.
