@@ -75,12 +75,12 @@ def initialize(
     """
     global _fault_timeout
     env = os.environ
-    if fault_timeout is None and ENV_FAULT_TIMEOUT in env:
-        fault_timeout = _number(env[ENV_FAULT_TIMEOUT], ENV_FAULT_TIMEOUT)
+    # the argument, else MPMDC_FAULT_TIMEOUT, else the default
+    timeout = float(fault_timeout) if fault_timeout is not None else fault_timeout_seconds()
+    if not timeout > 0:
+        raise DistributedError(f"fault_timeout must be a positive number of seconds, got {timeout!r}.")
     if fault_timeout is not None:
-        if not fault_timeout > 0:
-            raise DistributedError(f"fault_timeout must be a positive number of seconds, got {fault_timeout!r}.")
-        _fault_timeout = float(fault_timeout)
+        _fault_timeout = timeout
     if jax.distributed.is_initialized():
         return
     coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
@@ -103,7 +103,6 @@ def initialize(
         jax.config.update("jax_num_cpu_devices", devices_per_process)
     if coordinator_address is None or num_processes in (None, 1):
         return
-    timeout = fault_timeout_seconds()
     host = coordinator_address.rsplit(":", 1)[0].strip("[]")
     address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or _free_address(host)
     # A peer that dies must become an error in the others, not make JAX abort them.
