@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 
 import mpmdc
-from mpmdc.models import (
+from mpmdc.cli.models import (
     TransformerConfig,
     adam_init,
     init_transformer,

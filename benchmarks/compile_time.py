@@ -22,7 +22,7 @@ import _common
 import jax
 
 import mpmdc
-from mpmdc.models import init_transformer, transformer_loss
+from mpmdc.cli.models import init_transformer, transformer_loss
 
 PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
 

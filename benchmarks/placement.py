@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 import mpmdc
-from mpmdc.primitives import transfer_p
+from mpmdc.ir.primitives import transfer_p
 
 _spec = importlib.util.spec_from_file_location("nnx_gpt", _common.Path(__file__).parents[1] / "examples" / "nnx_gpt.py")
 nnx_gpt = importlib.util.module_from_spec(_spec)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import mpmdc
-from mpmdc.models import init_transformer, transformer_loss
+from mpmdc.cli.models import init_transformer, transformer_loss
 
 
 def blocked(fn, *args):

@@ -14,7 +14,7 @@ import _common
 from mpmdc.passes.schedule import layout_of
 
 import mpmdc
-from mpmdc.simulate import bubble_formula, measured_costs, simulate
+from mpmdc.schedules import bubble_formula, measured_costs, simulate
 
 
 def measure(schedule: str) -> dict:

@@ -11,8 +11,8 @@ import jax
 from jax.experimental import checkify
 from jax.extend import core as jcore
 
-from mpmdc.ir import Program, find_eqns
-from mpmdc.sharding import named
+from mpmdc.ir.program import Program, find_eqns
+from mpmdc.ir.sharding import named
 
 
 def _throw(error) -> None:

@@ -2,6 +2,6 @@
 
 import sys
 
-from mpmdc.cli import main
+from mpmdc.cli.main import main
 
 sys.exit(main())

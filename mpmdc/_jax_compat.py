@@ -6,6 +6,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 
 from jax._src import core as _core
 from jax._src import effects as _effects
+from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import xla_bridge as _xla_bridge
@@ -14,10 +15,10 @@ Var = _core.Var
 JaxprPpContext = _core.JaxprPpContext
 JaxprPpSettings = _core.JaxprPpSettings
 pp_eqn = _core.pp_eqn
-pp_jaxpr = _core.pp_jaxpr
 pp_var = _core.pp_var
 custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
+shard_map_p = _shard_map.shard_map_p
 ordered_effects = _effects.ordered_effects
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mpmdc import backends
-from mpmdc.accumulate import unrolled
+from mpmdc.schedules.accumulate import unrolled
 from mpmdc.errors import (
     AccumulateError,
     ArgumentError,
@@ -26,13 +26,13 @@ from mpmdc.errors import (
     SpecError,
     StageError,
 )
-from mpmdc.ir import Program
-from mpmdc.meshes import check_meshes
+from mpmdc.ir.program import Program
+from mpmdc.runtime.meshes import check_meshes
 from mpmdc.pipeline import resolve, run_pipeline
-from mpmdc.pytrees import broadcast_prefix, skeleton
-from mpmdc.runtime import Executable, Signature, leaf_type
-from mpmdc.sharding import spec_problem
-from mpmdc.traffic import TransferReport, transfer_report
+from mpmdc.ir.pytrees import broadcast_prefix, skeleton
+from mpmdc.runtime.executable import Executable, Signature, leaf_type
+from mpmdc.ir.sharding import spec_problem
+from mpmdc.ir.traffic import TransferReport, transfer_report
 
 
 def _is_spec_leaf(x) -> bool:
@@ -124,6 +124,30 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
         ) from None
 
 
+def _donated(dynamic, kwargs, donate) -> tuple[bool, ...]:
+    """Per flat input, whether its argument is donated (keyword arguments never are)."""
+    donated = []
+    for i, a in dynamic:
+        donated += [i in donate] * len(jax.tree_util.tree_leaves(a))
+    return tuple(donated + [False] * len(jax.tree_util.tree_leaves(kwargs)))
+
+
+def _through_passes(program: Program, passes, signature, started: float) -> Lowered:
+    """``program`` taken through ``passes``, with every stage and its wall time kept
+    (``input``'s time is what was spent since ``started``: tracing)."""
+    dumps, seconds = [], {}
+    last = started
+
+    def record(name, p):
+        nonlocal last
+        now = time.perf_counter()
+        seconds[name], last = now - last, now
+        dumps.append((name, p))
+
+    run_pipeline(program, passes, record, verify=os.environ.get("MPMDC_VERIFY") == "1")
+    return Lowered(dumps, signature, seconds)
+
+
 class Lowered:
     """A program taken through every pass, with the IR after each one kept for inspection."""
 
@@ -157,6 +181,11 @@ class Lowered:
             program = self._lowered(platform)
         return program.as_text()
 
+    def rerun(self, passes) -> Lowered:
+        """The traced program (stage ``input``) taken through ``passes`` instead: names,
+        ``name{option=value}`` texts, one comma-separated text, or pass objects."""
+        return _through_passes(self.program("input"), resolve(passes), self.signature, time.perf_counter())
+
     def _last_split(self, unlowered: bool = False) -> Program:
         for name in reversed(self._order):
             program = self._dumps[name]
@@ -176,7 +205,7 @@ class Lowered:
         if last.modules is not None and last.backend == key:
             return last
         if key not in self._by_backend:
-            self._by_backend[key] = lower(self._last_split(unlowered=True), key)
+            self._by_backend[key] = lower(self._last_split(unlowered=True), backend=key)
         return self._by_backend[key]
 
     def stablehlo(self, platform: str | None = None) -> dict[str, str]:
@@ -185,7 +214,7 @@ class Lowered:
 
     def transfer_report(self) -> TransferReport:
         """What a step moves between meshes (per mesh pair and kind of value) and what
-        each mesh holds; see ``mpmdc.traffic``."""
+        each mesh holds; see ``mpmdc.ir.traffic``."""
         return transfer_report(self._last_split())
 
     def compile(self) -> Executable:
@@ -249,7 +278,7 @@ class Compiled:
             out.append(int(m))
         return tuple(out)
 
-    def _split_args(self, args, kwargs):
+    def _split_args(self, args):
         static = _check_argnums(self.static_argnums, len(args), "static_argnums") if self.static_argnums else ()
         donate = _check_argnums(self.donate_argnums, len(args), "donate_argnums") if self.donate_argnums else ()
         if set(static) & set(donate):
@@ -267,7 +296,7 @@ class Compiled:
     def _signature_key(self, args, kwargs):
         """What the executable cache is keyed on: static values, pytree structure, each
         leaf's shape, dtype, weak type and sharding spec (as ``jax.jit``), donated arguments."""
-        static_values, dynamic, donate = self._split_args(args, kwargs)
+        static_values, dynamic, donate = self._split_args(args)
         leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in dynamic), kwargs))
         try:
             types = tuple(map(leaf_type, leaves))
@@ -302,22 +331,33 @@ class Compiled:
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
-        static_values, dynamic, donate = self._split_args(args, kwargs)
+        static_values, dynamic, donate = self._split_args(args)
         static = dict(static_values)
         leaves, in_paths, in_tree = _flat_arguments(dynamic, kwargs)
         in_types = tuple(map(leaf_type, leaves, in_paths))
-        leaf_types = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types]
+        started = time.perf_counter()
+        closed, loop, out_tree, out_paths = self._trace(in_tree, static, in_types)
+        out_specs, wanted_out_meshes = self._output_specs(out_tree, out_paths)
+        program = Program(
+            jaxpr=closed,
+            meshes=self.meshes,
+            stage_to_mesh=self.stage_to_mesh,
+            in_specs=self._input_specs(args, static, kwargs, leaves),
+            out_specs=out_specs,
+            wanted_out_meshes=wanted_out_meshes,
+            in_paths=tuple(in_paths),
+            out_paths=tuple(out_paths),
+            donated=_donated(dynamic, kwargs, donate),
+            backend=self.backend,
+            schedule=loop.schedule if loop else None,
+            microbatches=loop.microbatches if loop else None,
+        )
+        signature = Signature(in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree)
+        return _through_passes(program, self.passes, signature, started)
 
-        # An argument's own sharding is its default spec; in_specs overrides it.
-        in_specs = [
-            spec if spec is not None else _sharding_spec(leaf, self.meshes)
-            for spec, leaf in zip(self._flat_in_specs(args, static, kwargs), leaves)
-        ]
-        donated = []
-        for i, a in dynamic:
-            donated += [i in donate] * len(jax.tree_util.tree_leaves(a))
-        donated += [False] * len(jax.tree_util.tree_leaves(kwargs))
-
+    def _trace(self, in_tree, static: dict, in_types):
+        """``(closed jaxpr, accumulate loop or None, output treedef, output paths)`` of
+        ``fn`` traced on abstract values of ``in_types``, static arguments put back."""
         out_store = {}
 
         def flat_fn(*leaves):
@@ -328,7 +368,7 @@ class Compiled:
             out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(self.fn(*full, **kw))
             return out_leaves
 
-        started = time.perf_counter()
+        leaf_types = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types]
         with unrolled() as loops:
             closed = jax.make_jaxpr(flat_fn)(*leaf_types)
         if len(loops) > 1:
@@ -337,51 +377,26 @@ class Compiled:
                 f"one microbatch loop per function. Put all per-microbatch work in one "
                 f"accumulate call (it can return a pytree of results)."
             )
-        out_tree, out_paths = out_store["tree"], out_store["paths"]
+        return closed, (loops[0] if loops else None), out_store["tree"], out_store["paths"]
+
+    def _input_specs(self, args, static: dict, kwargs, leaves) -> tuple:
+        """Per flat input, ``in_specs``' entry, else the argument's own sharding."""
+        return tuple(
+            spec if spec is not None else _sharding_spec(leaf, self.meshes)
+            for spec, leaf in zip(self._flat_in_specs(args, static, kwargs), leaves)
+        )
+
+    def _output_specs(self, out_tree, out_paths):
+        """``(spec per output, mesh asked for per output or None)`` from ``out_specs``
+        and ``out_shardings``."""
         if self.out_specs is None:
             out_specs = [None] * out_tree.num_leaves
         else:
-            out_specs = _flat_specs(
-                self.out_specs,
-                skeleton(out_tree),
-                "the outputs",
-                "out_specs",
-            )
-        wanted_out_meshes = None
-        if self.out_shardings is not None:
-            wanted_out_meshes, out_specs = self._flat_out_shardings(out_tree, out_paths, out_specs)
-
-        program = Program(
-            jaxpr=closed,
-            meshes=self.meshes,
-            stage_to_mesh=self.stage_to_mesh,
-            in_specs=tuple(in_specs),
-            out_specs=tuple(out_specs),
-            wanted_out_meshes=wanted_out_meshes,
-            in_paths=tuple(in_paths),
-            out_paths=tuple(out_paths),
-            donated=tuple(donated),
-            backend=self.backend,
-            schedule=loops[0].schedule if loops else None,
-            microbatches=loops[0].microbatches if loops else None,
-        )
-        dumps, seconds = [], {}
-        last = started
-
-        def record(name, p):
-            nonlocal last
-            now = time.perf_counter()
-            seconds[name], last = now - last, now
-            dumps.append((name, p))
-
-        run_pipeline(program, self.passes, record, verify=os.environ.get("MPMDC_VERIFY") == "1")
-        signature = Signature(
-            in_tree=in_tree,
-            in_types=in_types,
-            in_paths=tuple(in_paths),
-            out_tree=out_tree,
-        )
-        return Lowered(dumps, signature, seconds)
+            out_specs = _flat_specs(self.out_specs, skeleton(out_tree), "the outputs", "out_specs")
+        if self.out_shardings is None:
+            return tuple(out_specs), None
+        wanted_out_meshes, out_specs = self._flat_out_shardings(out_tree, out_paths, out_specs)
+        return tuple(out_specs), wanted_out_meshes
 
     def _flat_out_shardings(self, out_tree, out_paths, out_specs):
         """``(mesh index or None, spec)`` per output from ``out_shardings``: a pytree

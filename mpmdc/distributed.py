@@ -402,8 +402,7 @@ def barrier(topic: str) -> None:
 def merge_timelines(topic: str, timeline):
     """Every process's measured ``timeline`` merged into one, on every process: each
     mesh's row from the first process that measured it."""
-    from mpmdc.schedules import Action
-    from mpmdc.simulate import Slot, Timeline
+    from mpmdc.schedules import Action, Slot, Timeline
 
     client = _client()
     rows = [

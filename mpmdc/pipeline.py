@@ -10,31 +10,19 @@ import gc
 from typing import Callable, Iterable, Protocol
 
 from mpmdc.errors import InternalError, MpmdcError, PassError
-from mpmdc.ir import Program
-from mpmdc.passes import (
-    Dce,
-    Inline,
-    Lower,
-    Partition,
-    SchedulePass,
-    Split,
-    VmaTypecheck,
-)
+from mpmdc.ir.program import Program
+from mpmdc.passes import pass_from_text
 from mpmdc.passes.vma_typecheck import verify as verify_program
 
 
 class Pass(Protocol):
-    """What the runner needs of a pass."""
+    """What the runner needs of a pass (a registered ``FunctionPass`` or a user's own)."""
 
     name: str
     summary: str
 
     def run(self, program: Program) -> Program: ...
 
-
-PASSES: dict[str, Pass] = {
-    p.name: p for p in (Inline(), Partition(), Dce(), VmaTypecheck(), Split(), SchedulePass(), Lower())
-}
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "inline",  # first: markers hidden in nested jit/custom_vjp calls must be visible
@@ -52,16 +40,29 @@ def stage_name(pass_name: str) -> str:
     return "stablehlo" if pass_name == "lower" else f"after-{pass_name}"
 
 
-def resolve(passes: Iterable[str | Pass] | None) -> list[Pass]:
-    """Pass objects for a list of names or objects (``None``: the default pipeline)."""
-    out = []
-    for p in DEFAULT_PIPELINE if passes is None else passes:
-        if isinstance(p, str):
-            if p not in PASSES:
-                raise PassError(f"unknown pass {p!r}; known passes: {', '.join(PASSES)}.")
-            p = PASSES[p]
-        out.append(p)
-    return out
+def resolve(passes: Iterable[str | Pass] | str | None) -> list[Pass]:
+    """Pass objects for pass objects or texts (``name`` or ``name{option=value}``), or for
+    one comma-separated text of them; ``None`` is the default pipeline."""
+    if passes is None:
+        passes = DEFAULT_PIPELINE
+    elif isinstance(passes, str):
+        passes = _split_pipeline_text(passes)
+    return [pass_from_text(p) if isinstance(p, str) else p for p in passes]
+
+
+def _split_pipeline_text(text: str) -> list[str]:
+    """``"a,b{x=1,y=2},c"`` as ``["a", "b{x=1,y=2}", "c"]`` (commas inside braces stay)."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth != 0:
+        raise PassError(f"unbalanced braces in the pass list {text!r}.")
+    return [item for item in (*items, current) if item.strip()]
 
 
 def run_pipeline(

@@ -1,28 +1,33 @@
-"""mpmdc's passes, one per module; each is a frozen dataclass over a pure function."""
+"""mpmdc's passes, one per module, importable as ``mpmdc.passes``.
 
-from mpmdc.passes.dce import Dce, dce
-from mpmdc.passes.in_program_transfers import InProgramTransfers, in_program_transfers
-from mpmdc.passes.inline import Inline, inline
-from mpmdc.passes.lower import Lower, lower
-from mpmdc.passes.partition import Partition, partition
-from mpmdc.passes.schedule import SchedulePass, schedule
-from mpmdc.passes.split import Split, split
-from mpmdc.passes.vma_typecheck import VmaTypecheck, vma_typecheck
+Each module holds one pure function ``program -> program`` registered under its
+kebab-case name with :func:`~mpmdc.passes.base.register`; :data:`PASSES` maps every
+name to its :class:`~mpmdc.passes.base.FunctionPass`. ``mpmdc.pipeline`` orders them.
+
+Layer 4: imports :mod:`mpmdc.ir`, :mod:`mpmdc.schedules`, :mod:`mpmdc.lowering`,
+:mod:`mpmdc.backends` and below; never the runtime, the API or the command line.
+"""
+
+from mpmdc.passes.base import PASSES, FunctionPass, pass_from_text, register
+from mpmdc.passes.dce import dce
+from mpmdc.passes.in_program_transfers import in_program_transfers
+from mpmdc.passes.inline import inline
+from mpmdc.passes.lower import lower
+from mpmdc.passes.partition import partition
+from mpmdc.passes.schedule import schedule
+from mpmdc.passes.split import split
+from mpmdc.passes.vma_typecheck import vma_typecheck
 
 __all__ = [
-    "Dce",
-    "InProgramTransfers",
-    "Inline",
-    "Lower",
-    "Partition",
-    "SchedulePass",
-    "Split",
-    "VmaTypecheck",
+    "PASSES",
+    "FunctionPass",
     "dce",
     "in_program_transfers",
     "inline",
     "lower",
     "partition",
+    "pass_from_text",
+    "register",
     "schedule",
     "split",
     "vma_typecheck",

@@ -1,24 +1,91 @@
-"""The shape every pass shares: a frozen dataclass wrapping one pure function."""
+"""What a pass is, and the registry of passes by name.
+
+A pass is a :class:`FunctionPass`: a kebab-case name, a one-line summary and a pure
+function ``body(program, **options) -> program`` that tests call directly. Each pass
+module registers its function with :func:`register`; options are the function's
+keyword-only parameters, set by name (``lower{backend=tpu}`` in a pipeline text).
+"""
 
 from __future__ import annotations
 
+import ast
+import inspect
+import re
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Any, Callable
 
-from mpmdc.ir import Program
+from mpmdc.errors import PassError
+from mpmdc.ir.program import Program
+
+_PASS_TEXT = re.compile(r"^\s*([a-z][a-z0-9-]*)\s*(?:\{(.*)\})?\s*$")
 
 
 @dataclass(frozen=True)
 class FunctionPass:
-    """A pass whose work is the plain function ``body`` (which tests call directly).
+    """A pass whose work is the plain function ``body``, called with ``options``."""
 
-    Subclasses set ``name`` (kebab-case), ``summary`` (one line) and ``body``.
-    """
-
-    name: ClassVar[str]
-    summary: ClassVar[str]
-    body: ClassVar[Callable[[Program], Program]]
+    name: str
+    summary: str
+    body: Callable[..., Program]
+    options: tuple[tuple[str, Any], ...] = ()
 
     def run(self, program: Program) -> Program:
         """Apply the pass."""
-        return type(self).body(program)
+        return self.body(program, **dict(self.options))
+
+    def option_names(self) -> tuple[str, ...]:
+        """The options this pass takes (its function's keyword-only parameters)."""
+        params = inspect.signature(self.body).parameters.values()
+        return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+
+    def with_options(self, **options) -> FunctionPass:
+        """This pass with ``options`` set; an option it does not take is a ``PassError``."""
+        unknown = sorted(set(options) - set(self.option_names()))
+        if unknown:
+            known = ", ".join(self.option_names()) or "none"
+            raise PassError(f"pass `{self.name}` has no option {', '.join(unknown)}; its options: {known}.")
+        return FunctionPass(self.name, self.summary, self.body, tuple(sorted({**dict(self.options), **options}.items())))
+
+    def __str__(self) -> str:
+        options = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.name}{{{options}}}" if options else self.name
+
+
+PASSES: dict[str, FunctionPass] = {}
+
+
+def register(name: str, summary: str):
+    """Decorator: register ``body`` as the pass ``name`` (the function is returned as is)."""
+
+    def add(body: Callable[..., Program]) -> Callable[..., Program]:
+        if name in PASSES:
+            raise PassError(f"a pass named `{name}` is already registered ({PASSES[name].body.__module__}).")
+        PASSES[name] = FunctionPass(name, summary, body)
+        return body
+
+    return add
+
+
+def _option_value(text: str):
+    """A Python literal (``2``, ``True``, ``'x'``), else the text itself (``tpu``)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def pass_from_text(text: str) -> FunctionPass:
+    """The registered pass ``name`` or ``name{option=value,...}``."""
+    match = _PASS_TEXT.match(text)
+    if not match:
+        raise PassError(f"{text!r} is not a pass; write a name or name{{option=value,...}}, e.g. lower{{backend=tpu}}.")
+    name, options_text = match[1], match[2]
+    if name not in PASSES:
+        raise PassError(f"unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}.")
+    options = {}
+    for item in filter(None, (s.strip() for s in (options_text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise PassError(f"option {item!r} of pass `{name}` needs a value: {key.strip()}=VALUE.")
+        options[key.strip()] = _option_value(value.strip())
+    return PASSES[name].with_options(**options)

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.interpreters import partial_eval as pe
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 
-from mpmdc.ir import Program
+from mpmdc.ir.program import Program
 
 
+@register("dce", "remove equations, fragments and transfers nobody uses")
 def dce(program: Program) -> Program:
     """Remove dead code, keeping all inputs and outputs."""
     closed = program.jaxpr
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     return program.replace(jaxpr=jcore.ClosedJaxpr(jaxpr, closed.consts))
-
-
-class Dce(FunctionPass):
-    """Pass object for :func:`dce`."""
-
-    name = "dce"
-    summary = "remove equations, fragments and transfers nobody uses"
-    body = staticmethod(dce)

@@ -22,11 +22,12 @@ from mpmdc.lowering.send_recv import (
     recv_p,
     send_p,
 )
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 from mpmdc.passes.dce import dce
 
-from mpmdc.ir import Program, fresh_like, is_var, make_closed_jaxpr
-from mpmdc.primitives import fragment_p, transfer_p
+from mpmdc.ir.graph import def_use
+from mpmdc.ir.program import Program, fresh_like, is_var, make_closed_jaxpr
+from mpmdc.ir.primitives import fragment_p, transfer_p
 
 
 def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
@@ -70,18 +71,11 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
     return eqn.replace(invars=outer_invars, outvars=outvars, params=params, effects=inner.effects)
 
 
+@register("in-program-transfers", "replace fragment-to-fragment transfers by send/recv pairs with channel ids")
 def in_program_transfers(program: Program) -> Program:
     """Replace every fragment-to-fragment transfer of a split program by send/recv pairs."""
     eqns = list(program.jaxpr.jaxpr.eqns)
-    producer = {}
-    for i, eqn in enumerate(eqns):
-        if eqn.primitive is fragment_p:
-            producer.update((v, (i, k)) for k, v in enumerate(eqn.outvars))
-    readers: dict = {}
-    for i, eqn in enumerate(eqns):
-        for a in eqn.invars:
-            if is_var(a) and i not in readers.get(a, ()):
-                readers.setdefault(a, []).append(i)
+    producer, readers = def_use(eqns)
     program_outputs = {v for v in program.jaxpr.jaxpr.outvars if is_var(v)}
 
     sends = {i: [] for i in range(len(eqns))}
@@ -98,6 +92,7 @@ def in_program_transfers(program: Program) -> Program:
             movable = (
                 is_var(x)
                 and x in producer
+                and eqns[producer[x]].primitive is fragment_p
                 and y not in program_outputs
                 and bool(users)
                 and all(eqns[u].primitive is fragment_p for u in users)
@@ -105,7 +100,8 @@ def in_program_transfers(program: Program) -> Program:
             if not movable:
                 continue
             channel = {"channel": next(channels), "src": src, "dst": dst}
-            f, k = producer[x]
+            f = producer[x]
+            k = eqns[f].outvars.index(x)
             body_out = eqns[f].params["jaxpr"].jaxpr.outvars[k]
             sends[f].append(
                 jcore.new_jaxpr_eqn([body_out], [], send_p, channel, {peer_transfer_effect}, eqn.source_info)
@@ -132,11 +128,3 @@ def in_program_transfers(program: Program) -> Program:
     # Moved values are now dead transfer results (pruned by the transfer DCE rule), and
     # sent values nobody else reads are dead fragment outputs.
     return dce(program.replace(jaxpr=closed))
-
-
-class InProgramTransfers(FunctionPass):
-    """Pass object for :func:`in_program_transfers`."""
-
-    name = "in-program-transfers"
-    summary = "replace fragment-to-fragment transfers by send/recv pairs with channel ids"
-    body = staticmethod(in_program_transfers)

@@ -10,11 +10,11 @@ one unit of work on one mesh). A marker inside a loop, conditional or
 from __future__ import annotations
 
 from jax.extend import core as jcore
-from mpmdc.passes.base import FunctionPass
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
-from mpmdc.ir import (
+from mpmdc.ir.calls import REMAT_CALLS, call_body
+from mpmdc.ir.program import (
     Program,
     copy_eqn,
     find_eqns,
@@ -24,27 +24,8 @@ from mpmdc.ir import (
     rematerialized,
     substituted,
 )
-from mpmdc.primitives import is_marker
-
-# Call-like primitives whose body is semantically a plain function call once
-# differentiation is done, and the parameter holding that body.
-_CALL_BODIES = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
-
-
-# Checkpointed calls: what ``inline`` takes out of them stays rematerialized (``partition``
-# keeps recomputation in the backward work that reads it).
-_REMAT = frozenset({"remat2", "checkpoint"})
-
+from mpmdc.ir.primitives import is_marker
+from mpmdc.passes.base import register
 
 def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
     return next(find_eqns(jaxpr.eqns, is_marker), None) is not None
@@ -71,17 +52,7 @@ def _marker_inside(eqn, marker) -> PlacementError:
     return PlacementError(message)
 
 
-def _call_body(eqn):
-    """``(jaxpr, consts)`` of an inlinable call site, else ``None``."""
-    param = _CALL_BODIES.get(eqn.primitive.name)
-    body = eqn.params.get(param) if param else None
-    if isinstance(body, jcore.ClosedJaxpr):
-        return body.jaxpr, body.consts
-    if isinstance(body, jcore.Jaxpr):
-        return body, []
-    return None
-
-
+@register("inline", "inline nested calls that contain stage markers")
 def inline(program: Program) -> Program:
     """Inline every call site whose body contains a stage marker (recursively)."""
     closed = program.jaxpr
@@ -110,7 +81,7 @@ def inline(program: Program) -> Program:
         for eqn in body_eqns:
             if remat and is_marker(eqn) and eqn.params["transpose"] == 0 and reuse_entering(eqn, env):
                 continue
-            body = _call_body(eqn)
+            body = call_body(eqn)
             if body is not None and _has_marker(body[0]):
                 inner, inner_consts = body
                 inner_env = {}
@@ -119,7 +90,7 @@ def inline(program: Program) -> Program:
                     constvars.append(inner_env[var])
                     consts.append(value)
                 inner_env.update(zip(inner.invars, substituted(eqn.invars, env)))
-                visit(inner.eqns, inner_env, remat or eqn.primitive.name in _REMAT)
+                visit(inner.eqns, inner_env, remat or eqn.primitive in REMAT_CALLS)
                 results = substituted(inner.outvars, inner_env)
                 env.update({o: r for o, r in zip(eqn.outvars, results) if is_var(o)})
                 continue
@@ -142,11 +113,3 @@ def inline(program: Program) -> Program:
         closed.jaxpr.debug_info,
     )
     return program.replace(jaxpr=new)
-
-
-class Inline(FunctionPass):
-    """Pass object for :func:`inline`."""
-
-    name = "inline"
-    summary = "inline nested calls that contain stage markers"
-    body = staticmethod(inline)

@@ -18,20 +18,20 @@ were lowered for (the stage called ``stablehlo`` prints them), and the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from mpmdc.lowering import lower_fragment
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 from mpmdc.passes.in_program_transfers import in_program_transfers
 
 from mpmdc import backends
 from mpmdc.errors import PassError
-from mpmdc.ir import Program, fragment_key, make_closed_jaxpr
-from mpmdc.memory import release_plan
-from mpmdc.primitives import fragment_p
+from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
+from mpmdc.ir.graph import release_plan
+from mpmdc.ir.primitives import fragment_p
 
 
-def lower(program: Program, backend: str | None = None) -> Program:
+@register("lower", "emit StableHLO per fragment for the backend's platform")
+def lower(program: Program, *, backend: str | None = None) -> Program:
     """Attach one StableHLO module per fragment, lowered for ``backend``'s platform."""
     if not program.is_split:
         raise PassError("the `lower` pass needs a split program; run `split` before it.")
@@ -69,17 +69,3 @@ def with_donations(program: Program) -> Program:
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
     )
     return program.replace(jaxpr=closed)
-
-
-@dataclass(frozen=True)
-class Lower(FunctionPass):
-    """Pass object for :func:`lower`; ``backend=None`` uses the program's backend."""
-
-    name = "lower"
-    summary = "emit StableHLO per fragment for the backend's platform"
-    body = staticmethod(lower)
-    backend: str | None = None
-
-    def run(self, program: Program) -> Program:
-        """Apply the pass."""
-        return lower(program, self.backend)

@@ -52,10 +52,12 @@ import math
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 from mpmdc.passes.dce import dce
 
-from mpmdc.ir import (
+from mpmdc import _jax_compat as compat
+from mpmdc.ir.graph import def_use
+from mpmdc.ir.program import (
     Placement,
     Program,
     copy_eqn,
@@ -69,7 +71,7 @@ from mpmdc.ir import (
     substituted,
     vars_of,
 )
-from mpmdc.primitives import (
+from mpmdc.ir.primitives import (
     is_marker,
     is_microbatch_marker,
     is_transposed_marker,
@@ -133,7 +135,7 @@ def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
         stages = range(max(len(program.meshes), max(marked, default=0) + 1))
     out = {}
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name == "shard_map" and isinstance(eqn.params["mesh"], Mesh):
+        if eqn.primitive is compat.shard_map_p and isinstance(eqn.params["mesh"], Mesh):
             ids = eqn.params["mesh"].device_ids.tolist()
             out[i] = [s for s in stages if program.meshes[program.mesh_of_stage(s)].device_ids.tolist() == ids]
     return out
@@ -384,6 +386,7 @@ def _infer_microbatches(eqns, producer, users, cheap):
     return microbatch
 
 
+@register("partition", "place every equation on a stage and mesh")
 def partition(program: Program) -> Program:
     """Place every equation; clone cheap ones per user; choose input and output meshes."""
     # Dead work must not decide where anything lives (an input read only by it would
@@ -391,12 +394,9 @@ def partition(program: Program) -> Program:
     program = dce(program)
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
-    producer, users = {}, {}
+    producer, users = def_use(eqns)
     cheap, cheap_vars, from_literals = set(), set(), set()
     for i, eqn in enumerate(eqns):
-        for a in vars_of(eqn.invars):
-            users.setdefault(a, []).append(i)
-        producer.update((v, i) for v in eqn.outvars if is_var(v))
         if _is_cheap(eqn, from_literals):
             cheap.add(i)
             cheap_vars.update(eqn.outvars)
@@ -495,11 +495,3 @@ def partition(program: Program) -> Program:
         in_meshes=tuple(in_meshes),
         out_meshes=tuple(out_meshes),
     )
-
-
-class Partition(FunctionPass):
-    """Pass object for :func:`partition`."""
-
-    name = "partition"
-    summary = "place every equation on a stage and mesh"
-    body = staticmethod(partition)

@@ -31,9 +31,10 @@ import math
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 
-from mpmdc.ir import (
+from mpmdc.ir.graph import def_use
+from mpmdc.ir.program import (
     Program,
     fresh_like,
     is_var,
@@ -41,9 +42,8 @@ from mpmdc.ir import (
     sub_jaxpr,
     vars_of,
 )
-from mpmdc.primitives import fragment_p, transfer_p
-from mpmdc.schedules import Action, Layout
-from mpmdc.simulate import simulate
+from mpmdc.ir.primitives import ActionKind, fragment_p, transfer_p
+from mpmdc.schedules import Action, Layout, action_of, simulate
 
 
 def layout_of(program: Program) -> Layout:
@@ -57,25 +57,15 @@ def layout_of(program: Program) -> Layout:
     )
 
 
-def action_of(eqn) -> Action | None:
-    """The schedule action a fragment equation carries out (``None`` outside the loop)."""
-    if eqn.primitive is not fragment_p or eqn.params["microbatch"] is None:
-        return None
-    return Action(eqn.params["stage"], eqn.params["kind"], eqn.params["microbatch"])
-
-
 def _final_readers(eqns):
     """For each variable, the fragment equations that read it, directly or via transfers."""
-    direct: dict = {}
-    for eqn in eqns:
-        for a in vars_of(eqn.invars):
-            direct.setdefault(a, []).append(eqn)
+    direct = def_use(eqns).readers
     out: dict = {}
 
     def readers(v):
         if v not in out:
             found = []
-            for r in direct.get(v, ()):
+            for r in (eqns[i] for i in direct.get(v, ())):
                 if r.primitive is transfer_p:
                     found += readers(r.outvars[r.invars.index(v)])
                 else:
@@ -103,7 +93,7 @@ def _sub_fragment(eqn, members, outs, outer_in, name, kind):
     return [outer_in[v][0] for v in inputs], params
 
 
-def _part_name(name: str, kind: str) -> str:
+def _part_name(name: str, kind: ActionKind) -> str:
     """``s1_bwd_mb3`` becomes ``s1_igrad_mb3`` or ``s1_wgrad_mb3``."""
     part = f"_{kind.lower()}grad"
     return name.replace("_bwd", part, 1) if "_bwd" in name else name + part
@@ -140,8 +130,8 @@ def split_backward(eqn, is_cotangent: list[bool]) -> list:
     in_weight = [is_var(v) and v in weight_defined for v in body.outvars]
     parts = []
     for kind, members, chosen, extra in (
-        ("I", input_eqns, [not w for w in in_weight], bridges),
-        ("W", weight_eqns, in_weight, []),
+        (ActionKind.I, input_eqns, [not w for w in in_weight], bridges),
+        (ActionKind.W, weight_eqns, in_weight, []),
     ):
         outs = [v for v, c in zip(body.outvars, chosen) if c] + extra
         if not members and not outs:
@@ -163,7 +153,7 @@ def _with_split_backwards(eqns, wanted: set[Action]):
     out = []
     for eqn in eqns:
         action = action_of(eqn)
-        if action is None or action.kind != "B" or Action(action.stage, "I", action.microbatch) not in wanted:
+        if action is None or action.kind is not ActionKind.B or Action(action.stage, ActionKind.I, action.microbatch) not in wanted:
             out.append(eqn)
             continue
         stage = eqn.params["stage"]
@@ -174,7 +164,7 @@ def _with_split_backwards(eqns, wanted: set[Action]):
 
 def _ordered(eqns, start: dict[Action, float]):
     """``eqns`` in dependency order, earliest simulated start first among the ready ones."""
-    producer = {}
+    producer = def_use(eqns).producer
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(eqns)))
     time = []
@@ -186,11 +176,11 @@ def _ordered(eqns, start: dict[Action, float]):
             time.append(start[action])
         else:
             time.append(max((time[j] for j in deps), default=-math.inf))
-        producer.update((v, i) for v in eqn.outvars if is_var(v))
     order = nx.lexicographical_topological_sort(graph, key=lambda i: (time[i], i))
     return [eqns[i] for i in order]
 
 
+@register("schedule", "split backwards for zero-bubble schedules and order fragments by the schedule")
 def schedule(program: Program) -> Program:
     """Order the fragments of ``program``'s microbatch loop by its schedule."""
     if program.schedule is None:
@@ -205,11 +195,3 @@ def schedule(program: Program) -> Program:
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, _ordered(eqns, start), jaxpr.debug_info
     )
     return program.replace(jaxpr=closed)
-
-
-class SchedulePass(FunctionPass):
-    """Pass object for :func:`schedule`."""
-
-    name = "schedule"
-    summary = "split backwards for zero-bubble schedules and order fragments by the schedule"
-    body = staticmethod(schedule)

@@ -16,7 +16,7 @@ fragments on one mesh are passed directly.
 Every top-level value gets a static ``PartitionSpec`` inside its mesh: program
 inputs their ``in_specs``, fragment results their ``out_specs`` where they are
 program outputs (replicated where none was given), other fragment results the spec
-their inputs' sharded dimensions carry to them (``mpmdc.spec_propagation``),
+their inputs' sharded dimensions carry to them (``mpmdc.ir.spec_rules``),
 transferred values the source's spec as far as the destination mesh has those axes.
 Fragments and transfers carry these specs, so the StableHLO that ``lower`` emits is
 exactly what runs.
@@ -27,9 +27,10 @@ from __future__ import annotations
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 
-from mpmdc.ir import (
+from mpmdc.ir.graph import def_use
+from mpmdc.ir.program import (
     Placement,
     Program,
     fresh_like,
@@ -40,14 +41,14 @@ from mpmdc.ir import (
     substituted,
     vars_of,
 )
-from mpmdc.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
-from mpmdc.sharding import fit_spec
-from mpmdc.spec_propagation import propagate_specs
+from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
+from mpmdc.ir.sharding import fit_spec
+from mpmdc.ir.spec_rules import propagate_specs
 
 
 def _parts(eqns, placements):
     """Part id per equation: acyclic, one part per placement where possible."""
-    producer = {}
+    producer = def_use(eqns).producer
     level = []
     for i, eqn in enumerate(eqns):
         lvl = 0
@@ -56,7 +57,6 @@ def _parts(eqns, placements):
             if j is not None:
                 lvl = max(lvl, level[j] + (placements[j] != placements[i]))
         level.append(lvl)
-        producer.update((v, i) for v in eqn.outvars if is_var(v))
 
     part_of = [(placements[i], level[i]) for i in range(len(eqns))]
     graph = nx.DiGraph()
@@ -91,7 +91,7 @@ def _can_merge(graph, a, b) -> bool:
 
 
 def _what_values_carry(jaxpr, env):
-    """What a transferred value is, for the transfer report (``mpmdc.traffic``):
+    """What a transferred value is, for the transfer report (``mpmdc.ir.traffic``):
     ``activation``/``cotangent`` where it crosses a stage marker, ``state`` where it is
     computed from program inputs alone, ``other`` otherwise."""
     crossing = {}
@@ -109,6 +109,7 @@ def _what_values_carry(jaxpr, env):
     return carries
 
 
+@register("split", "cut the placed program into fragments and transfers")
 def split(program: Program) -> Program:
     """Turn a placed program into ``fragment`` and ``transfer`` equations."""
     closed = program.jaxpr
@@ -221,11 +222,3 @@ def split(program: Program) -> Program:
         jaxpr.constvars, closed.consts, jaxpr.invars, final, top_eqns, jaxpr.debug_info
     )
     return program.replace(jaxpr=new, is_split=True)
-
-
-class Split(FunctionPass):
-    """Pass object for :func:`split`."""
-
-    name = "split"
-    summary = "cut the placed program into fragments and transfers"
-    body = staticmethod(split)

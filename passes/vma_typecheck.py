@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
-from mpmdc.passes.base import FunctionPass
+from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
-from mpmdc.ir import Program, find_eqns, is_var
-from mpmdc.primitives import fragment_p, transfer_p
-from mpmdc.sharding import check_spec
+from mpmdc.ir.program import Program, find_eqns, is_var
+from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.sharding import check_spec
 
 
 def _check_specs(program: Program) -> None:
@@ -38,7 +38,7 @@ def _check_specs(program: Program) -> None:
 
 
 def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
-    for eqn in find_eqns(eqns, lambda e: e.primitive.name == "shard_map"):
+    for eqn in find_eqns(eqns, lambda e: e.primitive is compat.shard_map_p):
         inner = eqn.params["mesh"]
         same_shape = dict(inner.shape) == dict(mesh.shape)
         same_devices = not isinstance(inner, Mesh) or inner.device_ids.tolist() == mesh.device_ids.tolist()
@@ -147,6 +147,7 @@ def _check_user_choices(program: Program) -> None:
             _check_fit_mesh(body, program, eqn.params["mesh"], f"fragment {eqn.params['name']}")
 
 
+@register("vma-typecheck", "check types, meshes, shardings and manual axes")
 def vma_typecheck(program: Program) -> Program:
     """Check ``program``: :func:`verify`, then the user's specs, ``shard_map`` meshes and
     ordered effects. Returns it unchanged or raises ``TypeCheckError``."""
@@ -154,11 +155,3 @@ def vma_typecheck(program: Program) -> Program:
     if program.in_meshes is not None:
         _check_user_choices(program)
     return program
-
-
-class VmaTypecheck(FunctionPass):
-    """Pass object for :func:`vma_typecheck`."""
-
-    name = "vma-typecheck"
-    summary = "check types, meshes, shardings and manual axes"
-    body = staticmethod(vma_typecheck)

@@ -10,7 +10,7 @@ from helpers import assert_same_as_jit, mesh_index
 from training import assert_trees_close, hand_written_sgd_step, mlp_data, sgd_step
 
 import mpmdc
-from mpmdc.demo import init_params
+from mpmdc.cli.demo import init_params
 from mpmdc.errors import AccumulateError, ScheduleError
 
 

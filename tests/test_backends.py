@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import mpmdc
 from mpmdc import backends, errors
 from mpmdc.backends import Backend
-from mpmdc.demo import mlp_loss
+from mpmdc.cli.demo import mlp_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import mpmdc
 from golden import check_golden
-from test_pipeline import Crashing, passes_with
+from test_pipeline import CRASHING, passes_with
 from mpmdc import backends, errors
-from mpmdc.cli import main as cli_main
+from mpmdc.cli.main import main as cli_main
 from mpmdc.schedules import ActionLists
 
 REPO = str(Path(__file__).resolve().parent.parent) + "/"
@@ -124,10 +124,10 @@ MISTAKES = [
                 lambda v: v * 2, mesh=jax.sharding.Mesh(jax.devices()[6:8], ("data",)),
                 in_specs=P("data"), out_specs=P("data"))(mpmdc.stage(x, 1)), 1).sum(), w)),
     # names: passes, stages, backends
-    Mistake("an unknown pass", errors.PassError, "known passes: inline, partition",
+    Mistake("an unknown pass", errors.PassError, "known passes: dce, in-program-transfers, inline, lower",
             lambda w: lower(two_stage, w, passes=["inline", "fuse"])),
     Mistake("a pass of one's own that raises", errors.InternalError, r"internal error in pass `crashing`",
-            lambda w: lower(two_stage, w, passes=passes_with(Crashing(), after="dce"))),
+            lambda w: lower(two_stage, w, passes=passes_with(CRASHING, after="dce"))),
     Mistake("an unknown dump stage", errors.PassError, "stages: input, after-inline",
             lambda w: w.step.lower(w.w, w.x).as_text("after-fusion")),
     Mistake("an unknown backend", errors.BackendError, r"unknown backend 'metal'; available backends: .*cpu",

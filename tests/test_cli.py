@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mpmdc import cli
-from mpmdc.targets import load_module
+from mpmdc.cli.parsing import load_module
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP2 = "tests/programs/mlp2_grad.py:lowered"

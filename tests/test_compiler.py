@@ -11,8 +11,8 @@ from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 
 import mpmdc
 from mpmdc import backends
-from mpmdc.ir import Placement
-from mpmdc.primitives import fragment_p, transfer_p
+from mpmdc.ir.program import Placement
+from mpmdc.ir.primitives import fragment_p, transfer_p
 
 
 def mlp_loss(ws, x):
@@ -209,7 +209,7 @@ def test_an_argument_already_where_it_runs_is_not_copied():
 
 
 def test_demo_matches_jit():
-    from mpmdc.demo import run
+    from mpmdc.cli.demo import run
 
     lines = []
     assert run(lines.append, schedule="gpipe") <= 2e-5

@@ -1,5 +1,7 @@
 """Every user mistake is a typed MpmdcError naming the culprit, never a raw JAX traceback."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,14 +46,19 @@ def test_meshes_sharing_a_device():
         mpmdc.compile(two_stage, [a, b])
 
 
-def test_meshes_on_different_platforms(monkeypatch, meshes2):
-    # no second platform on this machine: pretend mesh 1's devices are TPUs
-    tpu_ids = {d.id for d in meshes2[1].devices.flat}
-    monkeypatch.setattr(
-        mpmdc.meshes, "device_platform", lambda d: "tpu" if d.id in tpu_ids else d.platform
-    )
+@dataclasses.dataclass(frozen=True)
+class _TpuDevice:
+    """A stand-in device of a platform this machine does not have (a Mesh only reads these)."""
+
+    id: int
+    platform: str = "tpu"
+    process_index: int = 0
+
+
+def test_meshes_on_different_platforms(meshes2):
+    tpus = Mesh(np.array([_TpuDevice(100), _TpuDevice(101)]), ("data",))
     with pytest.raises(errors.MeshError, match=r"mix platforms: cpu \(meshes\[0\]\), tpu \(meshes\[1\]\)"):
-        mpmdc.compile(two_stage, meshes2)
+        mpmdc.compile(two_stage, [meshes2[0], tpus])
 
 
 @pytest.mark.parametrize("bad", [[], (), "mesh", [object()], None])
@@ -119,7 +126,7 @@ def test_marker_inside_loop_body(meshes2):
 def test_unknown_backend_and_pass(meshes2):
     with pytest.raises(errors.BackendError, match=r"unknown backend 'metal'; available backends: cpu, cuda, .*tpu"):
         mpmdc.compile(two_stage, meshes2, backend="metal")
-    with pytest.raises(errors.PassError, match="known passes: inline, partition"):
+    with pytest.raises(errors.PassError, match="known passes: dce, in-program-transfers, inline, lower"):
         mpmdc.compile(two_stage, meshes2, passes=["inline", "fuse-everything"])
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from golden import check_golden
-from mpmdc.targets import load_module
+from mpmdc.cli.parsing import load_module
 
 PROGRAM_DIR = Path(__file__).resolve().parent / "programs"
 PROGRAMS = sorted(p.stem for p in PROGRAM_DIR.glob("*.py") if not p.name.startswith("_"))

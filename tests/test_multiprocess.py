@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import mpmdc
-from mpmdc.launch import launch
+from mpmdc.cli.launch import launch
 
 HERE = Path(__file__).parent
 SCRIPTS = HERE / "multiprocess"

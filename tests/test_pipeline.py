@@ -1,15 +1,13 @@
 """The pass runner: stage names, verification after every pass, internal errors that name
 the pass and the program it got."""
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 import mpmdc
 from mpmdc import cli, errors
-from mpmdc.ir import placed
+from mpmdc.ir.program import placed
 from mpmdc.passes.base import FunctionPass
 from mpmdc.pipeline import DEFAULT_PIPELINE, run_pipeline
 
@@ -18,27 +16,19 @@ def two_stage(x):
     return jnp.sum(jnp.tanh(mpmdc.stage(jnp.sin(x), 1)))
 
 
-@dataclass(frozen=True)
-class Crashing(FunctionPass):
-    """A pass with a bug: it raises a plain Python error."""
-
-    name = "crashing"
-    summary = "raises KeyError"
-    body = staticmethod(lambda program: {}["missing"])
+def _crash(program):
+    return {}["missing"]
 
 
-@dataclass(frozen=True)
-class ForgetsPlacements(FunctionPass):
-    """A pass with a bug: its output has an equation without a placement."""
+def _forget_placements(program):
+    eqns = list(program.jaxpr.jaxpr.eqns)
+    eqns[0] = placed(eqns[0], None)
+    return program.replace(jaxpr=program.jaxpr.replace(jaxpr=program.jaxpr.jaxpr.replace(eqns=eqns)))
 
-    name = "forgets-placements"
-    summary = "drops the first equation's placement"
 
-    @staticmethod
-    def body(program):
-        eqns = list(program.jaxpr.jaxpr.eqns)
-        eqns[0] = placed(eqns[0], None)
-        return program.replace(jaxpr=program.jaxpr.replace(jaxpr=program.jaxpr.jaxpr.replace(eqns=eqns)))
+# Passes with a bug: one raises a plain Python error, one drops an equation's placement.
+CRASHING = FunctionPass("crashing", "raises KeyError", _crash)
+FORGETS_PLACEMENTS = FunctionPass("forgets-placements", "drops the first equation's placement", _forget_placements)
 
 
 def passes_with(extra, after):
@@ -47,7 +37,7 @@ def passes_with(extra, after):
 
 
 def test_a_pass_that_raises_is_an_internal_error_naming_it(meshes2):
-    compiled = mpmdc.compile(two_stage, meshes2, passes=passes_with(Crashing(), after="dce"))
+    compiled = mpmdc.compile(two_stage, meshes2, passes=passes_with(CRASHING, after="dce"))
     with pytest.raises(errors.InternalError) as caught:
         compiled.lower(jnp.ones(4))
     err = caught.value
@@ -61,8 +51,8 @@ def test_a_pass_that_raises_is_an_internal_error_naming_it(meshes2):
 def test_verification_failure_names_the_pass_whose_output_failed(meshes2):
     program = mpmdc.compile(two_stage, meshes2).lower(jnp.ones(4)).program("after-partition")
     with pytest.raises(errors.InternalError, match=r"`forgets-placements`, run on the program 'input': its output fails verification: TypeCheckError: `sin` at .*has no placement"):
-        run_pipeline(program, [ForgetsPlacements()], verify=True)
-    run_pipeline(program, [ForgetsPlacements()], verify=False)  # unverified, nothing notices
+        run_pipeline(program, [FORGETS_PLACEMENTS], verify=True)
+    run_pipeline(program, [FORGETS_PLACEMENTS], verify=False)  # unverified, nothing notices
 
 
 def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
@@ -74,10 +64,10 @@ def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
     target = tmp_path / "broken.py"
     target.write_text(
         "import jax.numpy as jnp, mpmdc\n"
-        "from test_pipeline import Crashing, passes_with, two_stage\n"
+        "from test_pipeline import CRASHING, passes_with, two_stage\n"
         "def lowered():\n"
         "    meshes = mpmdc.make_meshes(2, {'data': 2})\n"
-        "    passes = passes_with(Crashing(), after='partition')\n"
+        "    passes = passes_with(CRASHING, after='partition')\n"
         "    return mpmdc.compile(two_stage, meshes, passes=passes).lower(jnp.ones(4))\n"
     )
     status = cli.main(["dump", f"{target}:lowered", "--stage", "all"])

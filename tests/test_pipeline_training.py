@@ -17,12 +17,11 @@ from training import (
 )
 
 import mpmdc
-from mpmdc.demo import init_params
+from mpmdc.cli.demo import init_params
 from mpmdc.errors import AccumulateError, ScheduleError
-from mpmdc.models import adam_init, init_transformer, transformer_step
-from mpmdc.primitives import fragment_p
-from mpmdc.schedules import ActionLists
-from mpmdc.simulate import measured_costs, simulate
+from mpmdc.cli.models import adam_init, init_transformer, transformer_step
+from mpmdc.ir.primitives import fragment_p
+from mpmdc.schedules import ActionLists, measured_costs, simulate
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
 
@@ -110,7 +109,7 @@ def test_one_f_one_b_holds_at_most_p_microbatches_and_gpipe_all(meshes4, sgd_run
 
 
 def test_memory_without_a_loop_counts_buffers_but_no_microbatches(meshes4):
-    from mpmdc.demo import mlp_loss
+    from mpmdc.cli.demo import mlp_loss
 
     params = init_params(jax.random.key(0), widths("1f1b"))
     x, y = mlp_data(8)

@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_same_array, mesh_index
 
 import mpmdc
-from mpmdc.primitives import transfer_p
+from mpmdc.ir.primitives import transfer_p
 
 STAGES = 4
 WIDTH = 16

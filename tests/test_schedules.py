@@ -7,8 +7,7 @@ import pytest
 
 from mpmdc import cli, schedules
 from mpmdc.errors import ScheduleError
-from mpmdc.schedules import Action, ActionLists, Layout
-from mpmdc.simulate import bubble_formula, simulate
+from mpmdc.schedules import Action, ActionLists, Layout, bubble_formula, simulate
 
 
 def timeline(name, stages, microbatches, meshes=None, costs=None):

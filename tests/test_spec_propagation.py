@@ -1,4 +1,4 @@
-"""Batch sharding carried from the inputs to intermediate values (``mpmdc.spec_propagation``)."""
+"""Batch sharding carried from the inputs to intermediate values (``mpmdc.ir.spec_rules``)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from mpmdc.primitives import fragment_p
-from mpmdc.spec_propagation import propagate_specs
+from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.spec_rules import propagate_specs
 
 
 def specs_of(fn, in_specs, *args):

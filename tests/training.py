@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpmdc
-from mpmdc.demo import mlp_loss
-from mpmdc.models import adam_update, transformer_loss
+from mpmdc.cli.demo import mlp_loss
+from mpmdc.cli.models import adam_update, transformer_loss
 
 
 def mlp_data(batch=32):
-    """Inputs and targets for the tanh MLP of ``mpmdc.demo``."""
+    """Inputs and targets for the tanh MLP of ``mpmdc.cli.demo``."""
     return jax.random.normal(jax.random.key(1), (batch, 16)), jax.random.normal(jax.random.key(2), (batch, 8))
 
 
@@ -53,7 +53,7 @@ def assert_trees_close(got, want, rtol=2e-5, atol=1e-6):
 
 
 def hand_written_transformer_step(params, state, tokens, microbatches=4):
-    """``mpmdc.models.transformer_step`` as a plain per-microbatch Python loop."""
+    """``mpmdc.cli.models.transformer_step`` as a plain per-microbatch Python loop."""
     loss, grads = microbatch_mean(transformer_loss, params, (tokens,), microbatches)
     params, state = adam_update(params, grads, state)
     return params, state, loss

@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from mpmdc.primitives import transfer_p
+from mpmdc.ir.primitives import transfer_p
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("MPMDC_FUZZ_SEED")

@@ -25,9 +25,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mpmdc.demo import init_params  # noqa: E402
-from mpmdc.traffic import transfer_report  # noqa: E402
-from mpmdc.models import TransformerConfig, adam_init, init_transformer, transformer_step  # noqa: E402
+from mpmdc.cli.demo import init_params  # noqa: E402
+from mpmdc.ir.traffic import transfer_report  # noqa: E402
+from mpmdc.cli.models import TransformerConfig, adam_init, init_transformer, transformer_step  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from training import mlp_data, sgd_step  # noqa: E402

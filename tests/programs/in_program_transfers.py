@@ -10,7 +10,7 @@ from _shapes import f32, mlp_params
 
 import mpmdc
 from mpmdc import backends
-from mpmdc.demo import mlp_loss
+from mpmdc.cli.demo import mlp_loss
 
 IN_PROGRAM = ("cuda-in-program", "rocm-in-program")
 GOLDEN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu", *IN_PROGRAM)

@@ -4,7 +4,7 @@ import jax
 from _shapes import f32, mlp_params
 
 import mpmdc
-from mpmdc.demo import mlp_loss
+from mpmdc.cli.demo import mlp_loss
 
 
 def lowered():

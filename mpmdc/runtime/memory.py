@@ -15,25 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpmdc.ir import Program, is_var, nbytes, vars_of
-from mpmdc.primitives import fragment_p
-
-
-def release_plan(jaxpr) -> list[list]:
-    """Per top-level equation, the variables to drop once it has run (their last read).
-
-    Program outputs are never dropped; neither is a value nobody reads (it was never
-    stored past its producer's results).
-    """
-    last_use = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        last_use.update((a, i) for a in vars_of(eqn.invars))
-    for v in vars_of(jaxpr.outvars):
-        last_use.pop(v, None)
-    releases = [[] for _ in jaxpr.eqns]
-    for v, i in last_use.items():
-        releases[i].append(v)
-    return releases
+from mpmdc.ir.graph import release_plan
+from mpmdc.ir.program import Program, is_var, nbytes, vars_of
+from mpmdc.ir.primitives import ActionKind, fragment_p
 
 
 @dataclass(frozen=True)
@@ -61,7 +45,7 @@ def memory_profile(program: Program) -> tuple[MeshMemory, ...]:
     for eqn, release in zip(jaxpr.eqns, release_plan(jaxpr)):
         if eqn.primitive is fragment_p:
             mesh = eqn.params["mesh"]
-            forward_mb = eqn.params["microbatch"] if eqn.params["kind"] == "F" else None
+            forward_mb = eqn.params["microbatch"] if eqn.params["kind"] is ActionKind.F else None
             for v in vars_of(eqn.outvars):
                 origin[v] = forward_mb
                 live[v] = (mesh, nbytes(v.aval), forward_mb)

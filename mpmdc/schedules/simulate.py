@@ -10,142 +10,20 @@ mesh is free and the actions it depends on have finished:
 A schedule that lists an action twice, misses one, puts one on the wrong mesh, or
 orders a mesh's actions so that no mesh can go on (a deadlock, or an action before
 one it depends on) is a :class:`~mpmdc.errors.ScheduleError` naming the actions.
-Otherwise the result is a :class:`Timeline`: start and end of every action per mesh,
-the makespan and the bubble fraction, printable as ASCII, as a Chrome/Perfetto trace
-or as a PNG.
+Otherwise the result is a :class:`~mpmdc.schedules.timeline.Timeline`: start and end
+of every action per mesh.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from mpmdc.errors import ScheduleError
-from mpmdc.schedules import Action, Layout
+from mpmdc.ir.primitives import ActionKind
+from mpmdc.schedules.actions import Action, Layout
+from mpmdc.schedules.timeline import Slot, Timeline
 
-UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One piece of work on the timeline of its mesh: a schedule action, or (in a
-    measured run) a fragment outside the microbatch loop or a transfer, with ``name``."""
-
-    action: Action | None
-    start: float
-    end: float
-    name: str = ""
-
-    @property
-    def label(self) -> str:
-        """What the slot shows: its action (``0F3``), else its name."""
-        return self.name if self.action is None else str(self.action)
-
-    @property
-    def kind(self) -> str:
-        """The action kind (F, B, I, W), or ``other``."""
-        return self.action.kind if self.action is not None else "other"
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Per-mesh slots of a simulated (or measured) run."""
-
-    meshes: tuple[tuple[Slot, ...], ...]
-
-    @property
-    def makespan(self) -> float:
-        """Time from the first start to the last end."""
-        return max((s.end for slots in self.meshes for s in slots), default=0.0)
-
-    @property
-    def bubble_time(self) -> float:
-        """Idle time per mesh up to the makespan, averaged over the meshes."""
-        busy = sum(s.end - s.start for slots in self.meshes for s in slots)
-        return self.makespan - busy / len(self.meshes) if self.meshes else 0.0
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of all meshes' time up to the makespan."""
-        return self.bubble_time / self.makespan if self.makespan else 0.0
-
-    def ascii(self, width_per_unit: int | None = None, max_columns: int = 240) -> str:
-        """One row per mesh; each action a box starting with its label, idle time ``.``.
-
-        The shortest slot gets ``width_per_unit`` columns (default: the longest label
-        plus one) unless the rows would exceed ``max_columns``.
-        """
-        slots = [s for row in self.meshes for s in row]
-        if not slots:
-            return ""
-        width = width_per_unit or max(len(s.label) for s in slots) + 1
-        unit = min((s.end - s.start for s in slots if s.end > s.start), default=1.0)
-        unit = max(unit, self.makespan * width / max_columns)
-        columns = round(self.makespan / unit * width)
-        rows = []
-        for mesh, row in enumerate(self.meshes):
-            line = ["."] * columns
-            for slot in row:
-                a, b = round(slot.start / unit * width), round(slot.end / unit * width)
-                box = (slot.label + " " * (b - a))[: b - a - 1] + "|" if b > a else ""
-                line[a:b] = box
-            rows.append(f"mesh{mesh} |{''.join(line)}")
-        return "\n".join(rows)
-
-    def chrome_trace(self, time_unit_us: float = 1000.0) -> str:
-        """The timeline as Chrome/Perfetto trace JSON (one track per mesh)."""
-        events = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": mesh, "args": {"name": f"mesh{mesh}"}}
-            for mesh in range(len(self.meshes))
-        ]
-        for mesh, row in enumerate(self.meshes):
-            for slot in row:
-                args = {"fragment": slot.name} if slot.name else {}
-                if slot.action is not None:
-                    args.update(stage=slot.action.stage, microbatch=slot.action.microbatch)
-                events.append(
-                    {
-                        "name": slot.label,
-                        "cat": slot.kind,
-                        "ph": "X",
-                        "pid": 0,
-                        "tid": mesh,
-                        "ts": slot.start * time_unit_us,
-                        "dur": (slot.end - slot.start) * time_unit_us,
-                        "args": args,
-                    }
-                )
-        return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)
-
-    def save_png(self, path, title: str = "") -> None:
-        """Draw the timeline with matplotlib (one bar row per mesh, coloured by kind)."""
-        try:
-            import matplotlib
-        except ImportError:
-            raise ScheduleError(
-                "drawing a timeline needs matplotlib; install it with pip install 'mpmdc[plot]'."
-            ) from None
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green", "other": "tab:gray"}
-        fig, ax = plt.subplots(figsize=(max(6.0, self.makespan / 3), 0.6 * len(self.meshes) + 1))
-        for mesh, row in enumerate(self.meshes):
-            for slot in row:
-                ax.broken_barh(
-                    [(slot.start, slot.end - slot.start)], (mesh - 0.4, 0.8),
-                    facecolors=colours[slot.kind], edgecolor="black", linewidth=0.5,
-                )
-                ax.text((slot.start + slot.end) / 2, mesh, slot.label, ha="center", va="center", fontsize=7)
-        ax.set_yticks(range(len(self.meshes)), [f"mesh{m}" for m in range(len(self.meshes))])
-        ax.invert_yaxis()
-        ax.set_xlabel("time")
-        ax.set_title(title or f"bubble fraction {self.bubble_fraction:.3f}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+UNIT_COSTS = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
 
 
 Costs = Mapping[str, float] | Callable[[Action], float]
@@ -177,13 +55,13 @@ def cost_of(costs: Costs | None, action: Action) -> float:
 
 def _dependencies(action: Action, layout: Layout, split: set) -> list[Action]:
     s, b = action.stage, action.microbatch
-    if action.kind == "F":
-        return [Action(s - 1, "F", b)] if s > 0 else []
-    if action.kind == "W":
-        return [Action(s, "I", b)]
-    deps = [Action(s, "F", b)]
+    if action.kind is ActionKind.F:
+        return [Action(s - 1, ActionKind.F, b)] if s > 0 else []
+    if action.kind is ActionKind.W:
+        return [Action(s, ActionKind.I, b)]
+    deps = [Action(s, ActionKind.F, b)]
     if s + 1 < layout.num_stages:
-        deps.append(Action(s + 1, "I" if (s + 1, b) in split else "B", b))
+        deps.append(Action(s + 1, ActionKind.I if (s + 1, b) in split else ActionKind.B, b))
     return deps
 
 
@@ -205,14 +83,14 @@ def _check_coverage(per_mesh, layout: Layout) -> set:
                     f"{layout.stage_to_mesh[a.stage]}."
                 )
             seen[a] = mesh
-    split = {(a.stage, a.microbatch) for a in seen if a.kind in "IW"}
+    split = {(a.stage, a.microbatch) for a in seen if a.kind in (ActionKind.I, ActionKind.W)}
     for s in range(layout.num_stages):
         for b in range(layout.microbatches):
-            needed = ["F", "I", "W"] if (s, b) in split else ["F", "B"]
+            needed = [ActionKind.F, ActionKind.I, ActionKind.W] if (s, b) in split else [ActionKind.F, ActionKind.B]
             for kind in needed:
                 if Action(s, kind, b) not in seen:
                     raise ScheduleError(f"the schedule never runs {Action(s, kind, b)}.")
-            if (s, b) in split and Action(s, "B", b) in seen:
+            if (s, b) in split and Action(s, ActionKind.B, b) in seen:
                 raise ScheduleError(f"stage {s} microbatch {b} has both B and I/W; list one or the other.")
     return split
 

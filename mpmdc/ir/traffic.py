@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpmdc.ir import Program, nbytes
-from mpmdc.primitives import transfer_p
+from mpmdc.ir.program import Program, nbytes
+from mpmdc.ir.primitives import transfer_p
 
 CATEGORIES = ("activations/cotangents", "parameters/optimizer state", "other")
 _CATEGORY_OF = {

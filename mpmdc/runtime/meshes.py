@@ -75,11 +75,6 @@ def _device_groups(devices: list, n: int, size: int) -> list[list]:
     return groups[:n] if len(groups) >= n else chunks
 
 
-def device_platform(device) -> str:
-    """The platform a device belongs to (``cpu``, ``gpu``, ``tpu``...)."""
-    return device.platform
-
-
 def check_meshes(meshes) -> tuple[Mesh, ...]:
     """Validate a user's meshes: a non-empty sequence of disjoint, same-platform ``Mesh``es."""
     if isinstance(meshes, Mesh):
@@ -105,7 +100,7 @@ def check_meshes(meshes) -> tuple[Mesh, ...]:
                     f"meshes must be disjoint."
                 )
             owner[d] = i
-            platforms.setdefault(device_platform(d), i)
+            platforms.setdefault(d.platform, i)
     if len(platforms) > 1:
         found = ", ".join(f"{p} (meshes[{i}])" for p, i in platforms.items())
         raise MeshError(f"meshes mix platforms: {found}; all meshes must be on one platform.")

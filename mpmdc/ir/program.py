@@ -13,7 +13,7 @@ import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -22,7 +22,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import StageError
-from mpmdc.schedules import Schedule
+from mpmdc.ir.primitives import ActionKind, fragment_p
+
+if TYPE_CHECKING:  # only a type here; schedules are a layer above the IR
+    from mpmdc.schedules import Schedule
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,9 @@ class Placement:
     microbatch: int | None = None
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> ActionKind:
         """The schedule action kind: ``F`` for forward work, ``B`` for backward."""
-        return "F" if self.transpose % 2 == 0 else "B"
+        return ActionKind.F if self.transpose % 2 == 0 else ActionKind.B
 
     @property
     def label(self) -> str:
@@ -340,8 +343,6 @@ def format_program(program: Program) -> str:
 def format_modules(program: Program) -> str:
     """The StableHLO modules of a lowered program, each under a header naming the
     fragment it was lowered from, its mesh, and the fragments sharing it."""
-    from mpmdc.primitives import fragment_p
-
     fragments = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
     sharing: dict = {}
     for eqn in fragments:
@@ -363,34 +364,3 @@ def find_eqns(eqns, predicate):
             yield eqn
         for sub in jcore.jaxprs_in_params(eqn.params):
             yield from find_eqns(sub.eqns, predicate)
-
-
-def fragment_summary(program: Program) -> list[str]:
-    """One line per fragment of a split program: mesh, equations, inputs/outputs, transfers.
-
-    A value received counts once per fragment reading it; one sent counts once per
-    transfer carrying it away.
-    """
-    from mpmdc.primitives import fragment_p, transfer_p
-
-    jaxpr = program.jaxpr.jaxpr
-    arrives = {v for eqn in jaxpr.eqns if eqn.primitive is transfer_p for v in eqn.outvars}
-    readers: dict = {}
-    for eqn in jaxpr.eqns:
-        for a in vars_of(eqn.invars):
-            readers.setdefault(a, []).append(eqn)
-    lines = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is not fragment_p:
-            continue
-        body = eqn.params["jaxpr"].jaxpr
-        incoming = sum(1 for a in vars_of(eqn.invars) if a in arrives)
-        outgoing = sum(
-            1 for v in eqn.outvars for r in readers.get(v, ()) if r.primitive is transfer_p
-        )
-        lines.append(
-            f"{eqn.params['name']:<10} mesh{eqn.params['mesh']}  {len(body.eqns):3d} eqns  "
-            f"{len(eqn.invars):2d} in / {len(eqn.outvars):2d} out  "
-            f"values by transfer: {incoming} received, {outgoing} sent"
-        )
-    return lines

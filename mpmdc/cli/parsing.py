@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mpmdc.api import Lowered, compile
 from mpmdc.errors import UsageError
-from mpmdc.meshes import make_meshes
+from mpmdc.runtime.meshes import make_meshes
 
 DTYPES = {
     "bool": "bool",
@@ -124,6 +124,7 @@ class DumpOptions(BaseModel):
     transfers: bool = False
     args: tuple[ArgType, ...] | None = None
     meshes: MeshesSpec | None = None
+    passes: str | None = None
 
     @field_validator("target")
     @classmethod

@@ -10,7 +10,8 @@ batch while ``mpmdc.compile`` traces: an identity whose index ``partition`` foll
 through the data flow, so each microbatch's work becomes its own fragments.
 
 ``fragment`` and ``transfer`` only appear after the ``split`` pass: a fragment is a
-sub-jaxpr that runs on one mesh, a transfer moves values between two meshes. Each
+sub-jaxpr that runs on one mesh, a transfer moves values between two meshes. A
+fragment's ``kind`` is the :class:`ActionKind` of the work in it. Each
 has an abstract eval, a DCE rule and a typecheck rule next to it, so JAX's own
 ``check_jaxpr``, ``dce_jaxpr`` and ``eval_jaxpr`` work on MPMD programs (with the
 meshes ignored, which makes ``eval_jaxpr`` a handy reference).
@@ -18,6 +19,7 @@ meshes ignored, which makes ``eval_jaxpr`` a handy reference).
 
 from __future__ import annotations
 
+import enum
 import operator
 
 import jax
@@ -191,6 +193,17 @@ pe.dce_rules[microbatch_p] = _elementwise_dce()
 
 
 # ------------------------------------------------------------------ fragment
+
+
+class ActionKind(enum.StrEnum):
+    """What a fragment's work is, as schedules name it: forward, whole backward, or a
+    backward split into its input-gradient and weight-gradient halves."""
+
+    F = "F"  # forward
+    B = "B"  # backward: input and weight gradients together
+    I = "I"  # noqa: E741 -- backward, input gradients only (what the previous stage waits for)
+    W = "W"  # backward, weight gradients only (free to run later)
+
 
 fragment_p = jcore.Primitive("fragment")
 fragment_p.multiple_results = True

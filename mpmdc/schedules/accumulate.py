@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from mpmdc import schedules
+from mpmdc.schedules import library
 from mpmdc.errors import AccumulateError
-from mpmdc.primitives import mark_microbatch
-from mpmdc.pytrees import broadcast_prefix, skeleton
+from mpmdc.ir.primitives import mark_microbatch
+from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 
 REDUCTIONS = ("sum", "mean", "concat", "max")
 
@@ -32,7 +32,7 @@ REDUCTIONS = ("sum", "mean", "concat", "max")
 class Loop:
     """What an unrolled ``accumulate`` call leaves for the ``schedule`` pass."""
 
-    schedule: schedules.Schedule
+    schedule: library.Schedule
     microbatches: int
 
 
@@ -168,7 +168,7 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise AccumulateError(f"microbatches must be a positive int, got {microbatches!r}.")
-    schedule = schedules.get(schedule)
+    schedule = library.get(schedule)
     leaves, tree = _batch_leaves(xs, microbatches)
     loops = _unrolling.get()
 

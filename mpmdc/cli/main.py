@@ -16,13 +16,14 @@ import jax
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed, schedules
-from mpmdc.launch import launch
-from mpmdc.demo import run as run_demo
-from mpmdc.dump import dump_files, render_stages, stage_header, write_dump_dir
+from mpmdc.cli.launch import launch
+from mpmdc.cli.demo import run as run_demo
+from mpmdc.cli.dump import dump_files, render_stages, stage_header, write_dump_dir
 from mpmdc.errors import InternalError, MpmdcError, ScheduleError, TargetError, UsageError
-from mpmdc.schedules import Layout
-from mpmdc.simulate import UNIT_COSTS, bubble_formula, simulate
-from mpmdc.targets import DumpOptions, find_target, load_module, lowered_from_target
+from mpmdc.passes import PASSES
+from mpmdc.pipeline import DEFAULT_PIPELINE
+from mpmdc.schedules import UNIT_COSTS, Layout, bubble_formula, simulate
+from mpmdc.cli.parsing import DumpOptions, find_target, load_module, lowered_from_target
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -86,6 +87,7 @@ examples:
   mpmdc dump tests/programs/mlp4_grad.py:lowered --stage stablehlo --platform tpu
   mpmdc dump tests/programs/mlp4_grad.py:lowered --dump-dir /tmp/mlp4 --platform cpu --platform cuda
   mpmdc dump model.py:loss --args "f32[8,16], f32[16,4]" --meshes "4x(data=2)"
+  mpmdc dump tests/programs/mlp4_grad.py:lowered --passes "inline,partition,dce,split,lower{backend=tpu}" --stage all
 
 --dump-dir writes NN.<stage>.txt for every stage and <fragment>.<platform>.mlir
 for every fragment and --platform (default: the program's backend), all at once:
@@ -94,6 +96,15 @@ nothing but an earlier dump.
 
 exit status: 0 success, 1 compile or user-code failure, 2 usage mistake.
 """
+
+
+def _passes_table() -> str:
+    """The registered passes with their options and summaries, for ``dump --help``."""
+    lines = ["", "passes (--passes, in this order by default: " + ",".join(DEFAULT_PIPELINE) + "):"]
+    for p in PASSES.values():
+        options = "{" + ",".join(f"{o}=..." for o in p.option_names()) + "}" if p.option_names() else ""
+        lines.append(f"  {p.name + options:<26} {p.summary}")
+    return "\n".join(lines) + "\n"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,6 +150,7 @@ def _dump(args) -> int:
         transfers=args.transfers,
         args=args.args,
         meshes=args.meshes,
+        passes=args.passes,
     )
     _start_jax(options.meshes.devices_needed if options.meshes else 0)
     module = _user_code(lambda: load_module(options.file), options)
@@ -149,6 +161,8 @@ def _dump(args) -> int:
             )
     target = find_target(module, options.file, options.target_name)
     lowered = _user_code(lambda: lowered_from_target(target, options), options)
+    if options.passes is not None:
+        lowered = lowered.rerun(options.passes)
 
     if options.list_stages:
         print("\n".join(lowered.stages))
@@ -272,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dump",
         help="print or save the IR after any pass, and the StableHLO per fragment",
         description=_DUMP_DESCRIPTION,
-        epilog=_DUMP_EPILOG,
+        epilog=_DUMP_EPILOG + _passes_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     dump.add_argument("target", metavar="FILE.py:TARGET", help="the program to dump")
@@ -307,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--meshes",
         metavar="MESHES",
         help='meshes for a plain-function TARGET, e.g. "4x(data=2)" or "2x(data=2,model=2)"',
+    )
+    dump.add_argument(
+        "--passes",
+        metavar="PIPELINE",
+        help="run these passes on the traced program instead, with options by name, e.g. "
+        '"inline,partition,dce,split,lower{backend=tpu}" (the passes are listed below)',
     )
     dump.set_defaults(handler=_dump)
 

@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpmdc.accumulate import accumulate
+from mpmdc.schedules.accumulate import accumulate
 from mpmdc.api import compile
 from mpmdc.distributed import fetch
-from mpmdc.ir import fragment_summary
-from mpmdc.meshes import make_meshes
-from mpmdc.primitives import stage
+from mpmdc.ir.primitives import fragment_p
+from mpmdc.runtime.meshes import make_meshes
+from mpmdc.ir.primitives import stage
 
 
 def mlp_loss(params, x, y):
@@ -86,7 +86,7 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
         print_fn(f"layer {i} updated: w{list(w.shape)} on {where(w)}, b{list(b.shape)} on {where(b)}")
     print_fn(f"max |mpmdc - jax.jit| = {max(diffs):.3g}")
     program = executable.program
-    print_fn(f"{sum(1 for _ in fragment_summary(program))} fragment calls, {executable.num_executables} distinct executables")
+    print_fn(f"{sum(eqn.primitive is fragment_p for eqn in program.jaxpr.jaxpr.eqns)} fragment calls, {executable.num_executables} distinct executables")
     for line in lowered.transfer_report().as_text().splitlines():
         print_fn(line)
     print_fn("peak live activations per mesh (microbatches, buffers, bytes):")

@@ -4,15 +4,15 @@ Each fragment's module, as the ``lower`` pass produced it (static shardings,
 donation and all), is compiled ahead of time for its mesh, so every call is a plain
 executable call and what runs is exactly the StableHLO that ``lower`` shows.
 Fragments with the same body, mesh, shardings and donation share one executable.
-Transfers are ``device_put`` onto the destination mesh (:mod:`mpmdc.transfers`).
+Transfers are ``device_put`` onto the destination mesh (:mod:`mpmdc.runtime.transfers`).
 JAX's asynchronous dispatch lets meshes overlap; each intermediate value is dropped
 right after its last use.
 
 With several processes (``jax.distributed``) every process holds the whole program
 but compiles and runs only the fragments of meshes with devices here, and the
 transfers it takes part in; transfers between processes are issued by all
-processes in program order (:mod:`mpmdc.transfers` says why). Before its first call
-the processes check they hold the same program (:mod:`mpmdc.peers`), and each call
+processes in program order (:mod:`mpmdc.runtime.transfers` says why). Before its first call
+the processes check they hold the same program (:mod:`mpmdc.runtime.peers`), and each call
 waits for this process's own work under the fault timeout.
 """
 
@@ -35,16 +35,15 @@ from tqdm.auto import tqdm
 from mpmdc import backends, distributed
 from mpmdc._jax_compat import direct_call
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
-from mpmdc.ir import Program, fragment_key, is_var
-from mpmdc.memory import MeshMemory, memory_profile, release_plan
-from mpmdc.passes.schedule import action_of
-from mpmdc.peers import Progress, program_entries
-from mpmdc.primitives import fragment_p
-from mpmdc.pytrees import first_difference, skeleton
-from mpmdc.schedules import Action
-from mpmdc.sharding import named
-from mpmdc.simulate import Slot, Timeline
-from mpmdc.transfers import MeshTransfer, is_here, placeholder, processes_of
+from mpmdc.ir.program import Program, fragment_key, is_var
+from mpmdc.ir.graph import release_plan
+from mpmdc.runtime.memory import MeshMemory, memory_profile
+from mpmdc.runtime.peers import Progress, program_entries
+from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.pytrees import first_difference, skeleton
+from mpmdc.ir.sharding import named
+from mpmdc.schedules import Action, Slot, Timeline, action_of
+from mpmdc.runtime.transfers import MeshTransfer, is_here, placeholder, processes_of
 
 PROGRESS_MIN_FRAGMENTS = 8  # fewer distinct fragments compile too fast to need a bar
 
@@ -301,7 +300,7 @@ class Executable:
 
         Among several processes the loop also keeps track of the results in flight, so
         that the call ends only when this process's work is done, or fails within the
-        fault timeout (:class:`~mpmdc.peers.Progress`).
+        fault timeout (:class:`~mpmdc.runtime.peers.Progress`).
         """
         env = self._start(leaves)
         read = env.__getitem__
@@ -353,7 +352,7 @@ class Executable:
     def run_timed(self, *args, **kwargs):
         """Run once, one thread per mesh, and measure when each fragment and transfer ran.
 
-        Returns ``(outputs, timeline)``: a :class:`~mpmdc.simulate.Timeline` in
+        Returns ``(outputs, timeline)``: a :class:`~mpmdc.schedules.simulate.Timeline` in
         milliseconds from the start of the step, with a slot per fragment (its schedule
         action where it has one) and per transfer (on the receiving mesh). Each mesh
         waits for its work to finish before timing the next piece, so this run is a

@@ -1,9 +1,7 @@
 """Pipeline schedules: which fragment each mesh runs next, as per-mesh action lists.
 
-An action is ``<stage><kind><microbatch>``: ``0F3`` is stage 0's forward of
-microbatch 3; ``B`` is a whole backward, or ``I`` (input gradient) and ``W`` (weight
-gradient) where a schedule splits it. A schedule turns (stages, microbatches,
-stage-to-mesh map) into one action list per mesh. Built in, also by name:
+A schedule turns a :class:`~mpmdc.schedules.actions.Layout` (stages, microbatches,
+stage-to-mesh map) into one list of :class:`~mpmdc.schedules.actions.Action` per mesh. Built in, also by name:
 
 - ``GPipe()`` ("gpipe"): every forward, then every backward.
 - ``OneFOneB()`` ("1f1b"): a warm-up of forwards, then one forward and one backward
@@ -14,83 +12,23 @@ stage-to-mesh map) into one action list per mesh. Built in, also by name:
   gradients wait to fill the bubbles 1F1B leaves, with 1F1B's memory limit.
 - ``ActionLists([...])``: a user's own lists, e.g. ``["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]``.
 
-Every schedule is checked against the data dependencies by :mod:`mpmdc.simulate`
+Every schedule is checked against the data dependencies by :mod:`mpmdc.schedules.simulate`
 before it runs.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import ClassVar
 
 from mpmdc.errors import ScheduleError
-
-KINDS = ("F", "B", "I", "W")
-_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One fragment call: ``stage``'s ``kind`` (F, B, I or W) on ``microbatch``."""
-
-    stage: int
-    kind: str
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """``Action`` from its text form, e.g. ``"2B5"``."""
-        match = _ACTION.match(text.strip())
-        if not match:
-            raise ScheduleError(
-                f"{text!r} is not an action; write <stage><F|B|I|W><microbatch>, e.g. 0F1 or 3B0."
-            )
-        return cls(int(match[1]), match[2], int(match[3]))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The shape of a pipeline: stages, microbatches and the mesh of each stage."""
-
-    num_stages: int
-    microbatches: int
-    stage_to_mesh: tuple[int, ...]
-
-    @classmethod
-    def make(cls, num_stages: int, microbatches: int, stage_to_mesh=None, num_meshes=None) -> Layout:
-        """Stage ``s`` on mesh ``s mod num_meshes`` unless ``stage_to_mesh`` says otherwise."""
-        if num_stages < 1 or microbatches < 1:
-            raise ScheduleError(
-                f"a schedule needs at least one stage and one microbatch, got {num_stages} "
-                f"stage(s) and {microbatches} microbatch(es)."
-            )
-        if stage_to_mesh is None:
-            stage_to_mesh = tuple(s % (num_meshes or num_stages) for s in range(num_stages))
-        if len(stage_to_mesh) != num_stages:
-            raise ScheduleError(
-                f"stage_to_mesh has {len(stage_to_mesh)} entries for {num_stages} stages."
-            )
-        return cls(num_stages, microbatches, tuple(stage_to_mesh))
-
-    @property
-    def num_meshes(self) -> int:
-        """Meshes the stages use (mesh indices are 0..num_meshes-1)."""
-        return max(self.stage_to_mesh) + 1
-
-    def stages_of(self, mesh: int) -> list[int]:
-        """The stages mesh ``mesh`` runs, in order."""
-        return [s for s, m in enumerate(self.stage_to_mesh) if m == mesh]
+from mpmdc.ir.primitives import ActionKind
+from mpmdc.schedules.actions import Action, Layout
 
 
 class Schedule:
     """Base class: a rule that gives each mesh its list of actions."""
 
     name: ClassVar[str] = ""
-    split_backward: ClassVar[bool] = False
 
     def actions(self, layout: Layout) -> tuple[tuple[Action, ...], ...]:
         """One tuple of actions per mesh, in the order that mesh runs them."""
@@ -120,8 +58,8 @@ class GPipe(Schedule):
         out = []
         for mesh in range(layout.num_meshes):
             stages = layout.stages_of(mesh)
-            forwards = [Action(s, "F", b) for s in stages for b in range(layout.microbatches)]
-            backwards = [Action(s, "B", b) for s in reversed(stages) for b in range(layout.microbatches)]
+            forwards = [Action(s, ActionKind.F, b) for s in stages for b in range(layout.microbatches)]
+            backwards = [Action(s, ActionKind.B, b) for s in reversed(stages) for b in range(layout.microbatches)]
             out.append(tuple(forwards + backwards))
         return tuple(out)
 
@@ -146,8 +84,8 @@ class OneFOneB(Schedule):
         for mesh in range(layout.num_meshes):
             (s,) = layout.stages_of(mesh)
             m = layout.microbatches
-            forwards = [Action(s, "F", b) for b in range(m)]
-            backwards = [Action(s, "B", b) for b in range(m)]
+            forwards = [Action(s, ActionKind.F, b) for b in range(m)]
+            backwards = [Action(s, ActionKind.B, b) for b in range(m)]
             out.append(_one_f_one_b(forwards, backwards, layout.num_stages - 1 - s))
         return tuple(out)
 
@@ -183,8 +121,8 @@ class Interleaved1F1B(Schedule):
 
         out = []
         for r in range(p):
-            forwards = [Action(chunk(k) * p + r, "F", microbatch(k)) for k in range(total)]
-            backwards = [Action((v - 1 - chunk(k)) * p + r, "B", microbatch(k)) for k in range(total)]
+            forwards = [Action(chunk(k) * p + r, ActionKind.F, microbatch(k)) for k in range(total)]
+            backwards = [Action((v - 1 - chunk(k)) * p + r, ActionKind.B, microbatch(k)) for k in range(total)]
             out.append(_one_f_one_b(forwards, backwards, (p - r - 1) * 2 + (v - 1) * p))
         return tuple(out)
 
@@ -199,21 +137,20 @@ class ZeroBubbleH1(Schedule):
     """
 
     name = "zb-h1"
-    split_backward = True
 
     def actions(self, layout):
         _one_stage_per_mesh(self, layout)
         p, m = layout.num_stages, layout.microbatches
         out = [()] * layout.num_meshes
         for s in range(p):
-            forwards = [Action(s, "F", b) for b in range(m)]
-            inputs = [Action(s, "I", b) for b in range(m)]
+            forwards = [Action(s, ActionKind.F, b) for b in range(m)]
+            inputs = [Action(s, ActionKind.I, b) for b in range(m)]
             order = []
             for action in _one_f_one_b(forwards, inputs, p - 1 - s):
                 order.append(action)
-                if action.kind == "I" and action.microbatch >= s:
-                    order.append(Action(s, "W", action.microbatch - s))
-            order += [Action(s, "W", b) for b in range(max(0, m - s), m)]
+                if action.kind is ActionKind.I and action.microbatch >= s:
+                    order.append(Action(s, ActionKind.W, action.microbatch - s))
+            order += [Action(s, ActionKind.W, b) for b in range(max(0, m - s), m)]
             out[layout.stage_to_mesh[s]] = tuple(order)
         return tuple(out)
 
@@ -232,7 +169,6 @@ class ActionLists(Schedule):
                 tuple(a if isinstance(a, Action) else Action.parse(a) for a in mesh_actions)
             )
         self.lists = tuple(lists)
-        self.split_backward = any(a.kind in "IW" for actions in lists for a in actions)
 
     def actions(self, layout):
         if len(self.lists) != layout.num_meshes:

@@ -9,7 +9,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mpmdc.errors import SpecError
 
 
-def _axes(entry) -> tuple[str, ...]:
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` names (``None``, a name, or a tuple)."""
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -22,7 +23,7 @@ def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:
     if len(spec) > len(shape):
         return f"{spec} has {len(spec)} entries but the value has only {len(shape)} dimensions"
     for dim, entry in enumerate(spec):
-        axes = _axes(entry)
+        axes = axes_of(entry)
         missing = [a for a in axes if a not in mesh.shape]
         if missing:
             return (
@@ -51,7 +52,7 @@ def fit_spec(spec: PartitionSpec | None, mesh: Mesh, shape) -> PartitionSpec:
         return PartitionSpec()
     entries = []
     for dim, entry in enumerate(spec):
-        axes = _axes(entry)
+        axes = axes_of(entry)
         ok = all(a in mesh.shape for a in axes) and shape[dim] % math.prod(
             mesh.shape[a] for a in axes
         ) == 0

@@ -22,7 +22,7 @@ import numpy as np
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed
 from mpmdc.errors import MpmdRuntimeError
-from mpmdc.ir import Program
+from mpmdc.ir.program import Program
 
 _POLL_PEERS_EVERY = 0.25  # seconds between looks at the key-value store while waiting
 

@@ -1,0 +1,15 @@
+"""The IR: a JAX jaxpr at every step, with mpmdc's primitives and the side data they carry.
+
+- ``primitives``: the ``stage`` and ``microbatch`` markers, ``fragment`` and ``transfer``
+  (each with its abstract eval, DCE and typecheck rules), and :class:`ActionKind`;
+- ``program``: :class:`Program` (a closed jaxpr plus meshes, specs and paths), placements
+  carried on equations, helpers that build jaxprs, fragment identity and the printer;
+- ``graph``: producers, readers and last uses of a program's values;
+- ``pytrees``: prefix broadcasting and the first difference between two pytrees;
+- ``sharding``: PartitionSpec checks and the mesh axes a spec entry names;
+- ``spec_rules``: batch sharding carried through equations, a rule registry keyed by
+  primitive;
+- ``traffic``: what a split program moves between meshes.
+
+Layer 1: imports only :mod:`mpmdc.errors` and :mod:`mpmdc._jax_compat` from mpmdc.
+"""

@@ -1,0 +1,50 @@
+"""The data flow of a list of equations: who defines each variable, who reads it, and
+when it is read for the last time.
+
+Every pass that walks a program's data flow (placing equations, cutting fragments,
+ordering them, planning when to free buffers) starts from these maps, so they are
+built here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from mpmdc.ir.program import is_var, vars_of
+
+
+class DefUse(NamedTuple):
+    """``producer[v]``: index of the equation defining ``v`` (program inputs and
+    constants have none); ``readers[v]``: indices of the equations reading ``v``,
+    ascending, each once."""
+
+    producer: dict
+    readers: dict
+
+
+def def_use(eqns: Sequence) -> DefUse:
+    """Producer and readers of every variable of ``eqns``."""
+    producer: dict = {}
+    readers: dict = {}
+    for i, eqn in enumerate(eqns):
+        for a in vars_of(eqn.invars):
+            seen = readers.setdefault(a, [])
+            if not seen or seen[-1] != i:
+                seen.append(i)
+        producer.update((v, i) for v in eqn.outvars if is_var(v))
+    return DefUse(producer, readers)
+
+
+def release_plan(jaxpr) -> list[list]:
+    """Per top-level equation, the variables to drop once it has run (their last read).
+
+    Program outputs are never dropped; neither is a value nobody reads (it was never
+    stored past its producer's results).
+    """
+    last_use = {v: seen[-1] for v, seen in def_use(jaxpr.eqns).readers.items()}
+    for v in vars_of(jaxpr.outvars):
+        last_use.pop(v, None)
+    releases = [[] for _ in jaxpr.eqns]
+    for v, i in last_use.items():
+        releases[i].append(v)
+    return releases

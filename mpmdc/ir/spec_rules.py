@@ -1,0 +1,210 @@
+"""A ``PartitionSpec`` for every intermediate value, carried forward from the inputs' specs.
+
+``split`` gives each value crossing a fragment boundary a static spec. A value a
+batch-sharded input flows into (an activation, its cotangent) should stay sharded on
+its batch dimension, or every device of the mesh would compute the whole batch. This
+module follows each sharded dimension through the equations:
+
+* a dimension an equation keeps (elementwise ops, markers, slices, concatenation,
+  ``dot_general`` batch and free dimensions, broadcasts, transposes, squeezes, the
+  leading dimension of a reshape, the batch dimensions of a gather) keeps its axis;
+* a dimension an equation reduces or contracts loses it (XLA inserts the sum);
+* a ``shard_map``'s outputs have its ``out_specs``; calls (``pjit``, ``custom_jvp``,
+  ``custom_vjp``) are followed into their bodies; anything else gives an output the
+  spec of an operand of the same shape, if any.
+
+Any spec is correct (XLA moves data to match it); a poor one only costs speed. ``split``
+then drops axes a value's mesh lacks or its size does not divide (``fit_spec``).
+
+The rules live in :data:`spec_rules`, keyed by primitive as JAX keys its own rules. A
+rule takes the equation and one spec per operand (a tuple with one entry per dimension:
+``None`` or mesh axis name(s)) and returns one spec per result. A user's own primitive
+gets a rule with :func:`register_spec_rule`; without one it falls back to "a result
+takes the spec of a sharded operand of its shape".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
+from jax.sharding import PartitionSpec
+
+from mpmdc import _jax_compat as compat
+from mpmdc.ir.calls import CALL_BODIES, call_body
+from mpmdc.ir.program import is_var
+from mpmdc.ir.sharding import axes_of
+
+Spec = tuple  # one entry per dimension: None or mesh axis name(s)
+SpecRule = Callable[[jcore.JaxprEqn, list], list]
+
+spec_rules: dict[jcore.Primitive, SpecRule] = {}
+
+# Primitives whose results can be sharded when no operand is (they state their specs).
+_SPEC_SOURCES = frozenset({compat.shard_map_p})
+
+
+def register_spec_rule(primitive: jcore.Primitive, rule: SpecRule) -> None:
+    """Use ``rule(eqn, operand_specs) -> result_specs`` for equations of ``primitive``."""
+    spec_rules[primitive] = rule
+
+
+def _padded(spec: PartitionSpec | None, ndim: int) -> Spec:
+    entries = tuple(spec) if spec is not None else ()
+    return entries[:ndim] + (None,) * (ndim - len(entries))
+
+
+def _shape(v) -> tuple:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _replicated(v) -> Spec:
+    return (None,) * len(_shape(v))
+
+
+def _is_sharded(spec: Spec) -> bool:
+    return any(e is not None for e in spec)
+
+
+def _without_repeats(spec: Spec) -> Spec:
+    """A mesh axis may shard one dimension only; later uses are dropped."""
+    used, out = set(), []
+    for entry in spec:
+        if entry is not None and used & set(axes_of(entry)):
+            entry = None
+        used |= set(axes_of(entry))
+        out.append(entry)
+    return tuple(out)
+
+
+# ------------------------------------------------------------------- the rules
+
+
+def _same_shape(eqn, specs) -> list[Spec]:
+    """Each result: the spec of the first sharded operand shaped like it (the fallback)."""
+    out = []
+    for v in eqn.outvars:
+        candidates = [s for a, s in zip(eqn.invars, specs) if _shape(a) == _shape(v)]
+        out.append(next((s for s in candidates if _is_sharded(s)), _replicated(v)))
+    return out
+
+
+def _first_operand(eqn, specs) -> list[Spec]:
+    """Slicing, padding, concatenating: every dimension keeps the first operand's axis."""
+    return [specs[0]]
+
+
+def _dot_general(eqn, specs) -> list[Spec]:
+    lhs, rhs = specs
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    batch = [lhs[i] if lhs[i] is not None else rhs[j] for i, j in zip(lb, rb)]
+    lhs_free = [lhs[i] for i in range(len(lhs)) if i not in lc and i not in lb]
+    rhs_free = [rhs[i] for i in range(len(rhs)) if i not in rc and i not in rb]
+    return [(*batch, *lhs_free, *rhs_free)]
+
+
+def _reduction(eqn, specs) -> list[Spec]:
+    return [tuple(e for d, e in enumerate(specs[0]) if d not in eqn.params["axes"])]
+
+
+def _broadcast_in_dim(eqn, specs) -> list[Spec]:
+    out = [None] * len(_shape(eqn.outvars[0]))
+    for i, d in enumerate(eqn.params["broadcast_dimensions"]):
+        if _shape(eqn.invars[0])[i] == _shape(eqn.outvars[0])[d]:
+            out[d] = specs[0][i]
+    return [tuple(out)]
+
+
+def _transpose(eqn, specs) -> list[Spec]:
+    return [tuple(specs[0][d] for d in eqn.params["permutation"])]
+
+
+def _squeeze(eqn, specs) -> list[Spec]:
+    return [tuple(e for d, e in enumerate(specs[0]) if d not in eqn.params["dimensions"])]
+
+
+def _reshape(eqn, specs) -> list[Spec]:
+    """Keeps the leading dimension's axis where the leading dimension is kept, merged
+    with the ones after it, or split with its outer part leading."""
+    spec, old, new = specs[0], _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    out = [None] * len(new)
+    if spec and new and spec[0] is not None:
+        merged = new[0] in {math.prod(old[:k]) for k in range(1, len(old) + 1)}
+        split = old[0] in {math.prod(new[:k]) for k in range(1, len(new) + 1)}
+        if merged or split:
+            out[0] = spec[0]
+    return [tuple(out)]
+
+
+def _gather(eqn, specs) -> list[Spec]:
+    """Output dimensions that are not slice dimensions follow the index batch dimensions."""
+    operand, indices = specs[0], specs[1]
+    dnums = eqn.params["dimension_numbers"]
+    out_ndim = len(_shape(eqn.outvars[0]))
+    index_batch = [d for d in range(len(indices)) if d != len(indices) - 1]
+    out = [None] * out_ndim
+    batch_dims = [d for d in range(out_ndim) if d not in dnums.offset_dims]
+    for d, k in zip(batch_dims, index_batch):
+        out[d] = indices[k]
+    offset_operand = [d for d in range(len(operand)) if d not in dnums.collapsed_slice_dims
+                      and d not in dnums.operand_batching_dims]
+    for d, k in zip(dnums.offset_dims, offset_operand):
+        out[d] = operand[k]
+    return [tuple(out)]
+
+
+def _shard_map(eqn, specs) -> list[Spec]:
+    return [_padded(s, len(_shape(v))) for s, v in zip(eqn.params["out_specs"], eqn.outvars)]
+
+
+def _call(eqn, specs) -> list[Spec]:
+    """Follow the values into the body and out again."""
+    body, _ = call_body(eqn)
+    found = _propagate(body, specs)
+    return [_spec_of(found, v) for v in body.outvars]
+
+
+for _p in (jprims.reduce_sum_p, jprims.reduce_max_p, jprims.reduce_min_p, jprims.reduce_prod_p,
+           jprims.reduce_and_p, jprims.reduce_or_p, jprims.argmax_p, jprims.argmin_p):
+    register_spec_rule(_p, _reduction)
+for _p in (jprims.slice_p, jprims.dynamic_slice_p, jprims.concatenate_p, jprims.pad_p,
+           jprims.dynamic_update_slice_p):
+    register_spec_rule(_p, _first_operand)
+for _p in CALL_BODIES:
+    register_spec_rule(_p, _call)
+register_spec_rule(jprims.dot_general_p, _dot_general)
+register_spec_rule(jprims.broadcast_in_dim_p, _broadcast_in_dim)
+register_spec_rule(jprims.transpose_p, _transpose)
+register_spec_rule(jprims.squeeze_p, _squeeze)
+register_spec_rule(jprims.reshape_p, _reshape)
+register_spec_rule(jprims.gather_p, _gather)
+register_spec_rule(compat.shard_map_p, _shard_map)
+
+
+# ----------------------------------------------------------------- propagation
+
+
+def _spec_of(found: dict, v) -> Spec:
+    return found.get(v, _replicated(v)) if is_var(v) else _replicated(v)
+
+
+def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
+    found = dict(zip(jaxpr.invars, in_specs))
+    for eqn in jaxpr.eqns:
+        specs = [_spec_of(found, a) for a in eqn.invars]
+        if not any(map(_is_sharded, specs)) and eqn.primitive not in _SPEC_SOURCES:
+            continue
+        rule = spec_rules.get(eqn.primitive, _same_shape)
+        for v, spec in zip(eqn.outvars, rule(eqn, specs)):
+            if _is_sharded(spec):
+                found[v] = _without_repeats(spec)
+    return found
+
+
+def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
+    """``{variable: PartitionSpec}`` for the sharded top-level values of ``jaxpr`` (inputs
+    included), given one spec (or ``None``) per input; values left out are replicated."""
+    padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
+    return {v: PartitionSpec(*spec) for v, spec in _propagate(jaxpr, padded).items()}

@@ -1,0 +1,16 @@
+"""Running a lowered program: meshes, executables, transfers, memory, peers.
+
+- ``meshes``: :func:`mpmdc.make_meshes` and the checks on user-given meshes;
+- ``executable``: :class:`Executable`, one compiled executable per distinct fragment
+  and mesh, called in program order (one process or many);
+- ``transfers``: how a value moves between two meshes (in one process or across);
+- ``memory``: the bytes each mesh holds along a step, from the release plan;
+- ``peers``: what processes agree on before they run, and the progress of a call.
+
+Layer 5: imports :mod:`mpmdc.passes`, :mod:`mpmdc.backends`, :mod:`mpmdc.distributed`'s
+peers (the same layer) and below; never :mod:`mpmdc.api` or :mod:`mpmdc.cli`.
+"""
+
+from mpmdc.runtime.executable import Executable
+
+__all__ = ["Executable"]

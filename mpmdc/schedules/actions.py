@@ -1,0 +1,84 @@
+"""Schedule actions and pipeline layouts: the vocabulary schedules are written in.
+
+An action is ``<stage><kind><microbatch>``: ``0F3`` is stage 0's forward of
+microbatch 3; ``B`` is a whole backward, or ``I`` (input gradient) and ``W`` (weight
+gradient) where a schedule splits it (:class:`~mpmdc.ir.primitives.ActionKind`). A
+:class:`Layout` is the shape of a pipeline a schedule orders: stages, microbatches and
+the mesh of each stage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mpmdc.errors import ScheduleError
+from mpmdc.ir.primitives import ActionKind, fragment_p
+
+_ACTION = re.compile(rf"^(\d+)([{''.join(ActionKind)}])(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One fragment call: ``stage``'s ``kind`` (F, B, I or W) on ``microbatch``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", ActionKind(self.kind))  # "F" works as well as ActionKind.F
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``Action`` from its text form, e.g. ``"2B5"``."""
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise ScheduleError(
+                f"{text!r} is not an action; write <stage><F|B|I|W><microbatch>, e.g. 0F1 or 3B0."
+            )
+        return cls(int(match[1]), ActionKind(match[2]), int(match[3]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of a pipeline: stages, microbatches and the mesh of each stage."""
+
+    num_stages: int
+    microbatches: int
+    stage_to_mesh: tuple[int, ...]
+
+    @classmethod
+    def make(cls, num_stages: int, microbatches: int, stage_to_mesh=None, num_meshes=None) -> Layout:
+        """Stage ``s`` on mesh ``s mod num_meshes`` unless ``stage_to_mesh`` says otherwise."""
+        if num_stages < 1 or microbatches < 1:
+            raise ScheduleError(
+                f"a schedule needs at least one stage and one microbatch, got {num_stages} "
+                f"stage(s) and {microbatches} microbatch(es)."
+            )
+        if stage_to_mesh is None:
+            stage_to_mesh = tuple(s % (num_meshes or num_stages) for s in range(num_stages))
+        if len(stage_to_mesh) != num_stages:
+            raise ScheduleError(
+                f"stage_to_mesh has {len(stage_to_mesh)} entries for {num_stages} stages."
+            )
+        return cls(num_stages, microbatches, tuple(stage_to_mesh))
+
+    @property
+    def num_meshes(self) -> int:
+        """Meshes the stages use (mesh indices are 0..num_meshes-1)."""
+        return max(self.stage_to_mesh) + 1
+
+    def stages_of(self, mesh: int) -> list[int]:
+        """The stages mesh ``mesh`` runs, in order."""
+        return [s for s, m in enumerate(self.stage_to_mesh) if m == mesh]
+
+
+def action_of(eqn) -> Action | None:
+    """The schedule action a fragment equation carries out (``None`` outside the loop)."""
+    if eqn.primitive is not fragment_p or eqn.params["microbatch"] is None:
+        return None
+    return Action(eqn.params["stage"], eqn.params["kind"], eqn.params["microbatch"])
