@@ -37,10 +37,6 @@ class TypeCheckError(MpmdcError):
     """The ``vma-typecheck`` pass found an ill-typed program."""
 
 
-class SplitError(MpmdcError):
-    """The program cannot be cut into an acyclic graph of fragments."""
-
-
 class BackendError(MpmdcError):
     """An unknown backend or platform was requested."""
 

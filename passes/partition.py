@@ -386,39 +386,34 @@ def _infer_microbatches(eqns, producer, users, cheap):
     return microbatch
 
 
-@register("partition", "place every equation on a stage and mesh")
-def partition(program: Program) -> Program:
-    """Place every equation; clone cheap ones per user; choose input and output meshes."""
-    # Dead work must not decide where anything lives (an input read only by it would
-    # otherwise live with it).
-    program = dce(program)
-    jaxpr = program.jaxpr.jaxpr
-    eqns = jaxpr.eqns
-    producer, users = def_use(eqns)
-    cheap, cheap_vars, from_literals = set(), set(), set()
+def _cheap_equations(eqns) -> set[int]:
+    """Indices of the equations cheap enough to clone next to each user (``_is_cheap``)."""
+    cheap, from_literals = set(), set()
     for i, eqn in enumerate(eqns):
         if _is_cheap(eqn, from_literals):
             cheap.add(i)
-            cheap_vars.update(eqn.outvars)
             if all(a in from_literals for a in vars_of(eqn.invars)):
                 from_literals.update(eqn.outvars)
+    return cheap
+
+
+def _place(program, eqns, producer, users, cheap) -> dict[int, Placement]:
+    """Rules 1-5: a placement for every equation that is not cheap."""
     for eqn in eqns:
         if is_marker(eqn):
-            program.mesh_of_stage(eqn.params["stage"], eqn)
-
+            program.mesh_of_stage(eqn.params["stage"], eqn)  # a stage without a mesh fails here
     transpose = _transpose_counts(eqns, producer, users)
     candidates = _shard_map_stages(program, eqns)
     seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
     microbatch = _infer_microbatches(eqns, producer, users, cheap)
     stage = _Placer(program, eqns, producer, users, cheap, transpose, microbatch, seeds).run()
     _pin_shard_maps(stage, candidates, eqns, producer, users)
-    placement = {
-        i: Placement(stage[i], transpose[i], microbatch[i])
-        for i in range(len(eqns))
-        if i not in cheap
-    }
+    return {i: Placement(stage[i], transpose[i], microbatch[i]) for i in range(len(eqns)) if i not in cheap}
 
-    default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
+
+def _output_placements(outvars, eqns, producer, cheap, placement, default) -> list[Placement]:
+    """Each output's placement: an output made by a cheap equation (a cast of a small
+    gradient) stays with what it is made from."""
 
     def sources(v):
         """The placed equations a value comes from, looking through cheap ones."""
@@ -429,21 +424,20 @@ def partition(program: Program) -> Program:
             return [placement[j]]
         return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
 
-    # An output made by a cheap equation (a cast of a small gradient) stays with what it
-    # is made from.
-    out_placement = [
-        max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default
-        for v in jaxpr.outvars
-    ]
+    return [max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default for v in outvars]
 
-    # Cheap equations: one clone per placement among their (transitive) users.
+
+def _with_clones(eqns, outvars, producer, cheap, placement, out_placement):
+    """Rule 6: ``(equations, outputs)`` with every equation placed and each cheap one
+    cloned once per placement among its (transitive) users."""
+    cheap_vars = {v for i in cheap for v in eqns[i].outvars}
     needed: dict[int, set[Placement]] = {i: set() for i in cheap}
     for i, eqn in enumerate(eqns):
         if i in placement:
             for a in vars_of(eqn.invars):
                 if a in cheap_vars:
                     needed[producer[a]].add(placement[i])
-    for v, p in zip(jaxpr.outvars, out_placement):
+    for v, p in zip(outvars, out_placement):
         if is_var(v) and v in cheap_vars:
             needed[producer[v]].add(p)
     for i in sorted(cheap, reverse=True):
@@ -461,13 +455,14 @@ def partition(program: Program) -> Program:
         else:
             p = placement[i]
             new_eqns.append(placed(rematerialized(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))), False), p))
-    outvars = [
-        substituted([v], clone_env.get(p, {}))[0] for v, p in zip(jaxpr.outvars, out_placement)
-    ]
+    new_outvars = [substituted([v], clone_env.get(p, {}))[0] for v, p in zip(outvars, out_placement)]
+    return new_eqns, new_outvars
 
-    def mesh_of(p: Placement) -> int:
-        return program.mesh_of_stage(p.stage)
 
+def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], list[int]]:
+    """Each input lives on the mesh of its earliest user, each output where it is made
+    (an input returned as is stays where it is), unless ``out_shardings`` says."""
+    jaxpr = program.jaxpr.jaxpr
     input_users: dict = {}
     for eqn in new_eqns:
         for a in vars_of(eqn.invars):
@@ -477,21 +472,32 @@ def partition(program: Program) -> Program:
         if is_var(v) and v in in_index and v not in input_users:
             input_users[v] = [p]
     in_meshes = [
-        mesh_of(min(input_users.get(v, [default]), key=Placement.order_key)) for v in jaxpr.invars
+        program.mesh_of_stage(min(input_users.get(v, [default]), key=Placement.order_key).stage)
+        for v in jaxpr.invars
     ]
     out_meshes = [
-        in_meshes[in_index[v]] if is_var(v) and v in in_index else mesh_of(p)
+        in_meshes[in_index[v]] if is_var(v) and v in in_index else program.mesh_of_stage(p.stage)
         for v, p in zip(jaxpr.outvars, out_placement)
     ]
     if program.wanted_out_meshes is not None:  # the caller's out_shardings win
         out_meshes = [m if w is None else w for m, w in zip(out_meshes, program.wanted_out_meshes)]
+    return in_meshes, out_meshes
 
-    closed = program.jaxpr
-    new = make_closed_jaxpr(
-        jaxpr.constvars, closed.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
-    )
-    return program.replace(
-        jaxpr=new,
-        in_meshes=tuple(in_meshes),
-        out_meshes=tuple(out_meshes),
-    )
+
+@register("partition", "place every equation on a stage and mesh")
+def partition(program: Program) -> Program:
+    """Place every equation; clone cheap ones per user; choose input and output meshes."""
+    # Dead work must not decide where anything lives (an input read only by it would
+    # otherwise live with it).
+    program = dce(program)
+    jaxpr = program.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    producer, users = def_use(eqns)
+    cheap = _cheap_equations(eqns)
+    placement = _place(program, eqns, producer, users, cheap)
+    default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
+    out_placement = _output_placements(jaxpr.outvars, eqns, producer, cheap, placement, default)
+    new_eqns, outvars = _with_clones(eqns, jaxpr.outvars, producer, cheap, placement, out_placement)
+    in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
+    closed = make_closed_jaxpr(jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info)
+    return program.replace(jaxpr=closed, in_meshes=tuple(in_meshes), out_meshes=tuple(out_meshes))

@@ -109,34 +109,33 @@ def _what_values_carry(jaxpr, env):
     return carries
 
 
-@register("split", "cut the placed program into fragments and transfers")
-def split(program: Program) -> Program:
-    """Turn a placed program into ``fragment`` and ``transfer`` equations."""
-    closed = program.jaxpr
-    jaxpr = closed.jaxpr
+def _without_markers(jaxpr, placements):
+    """``(equations, their placements, renaming)``: the markers dropped (they are
+    identities), their outputs renamed to their inputs."""
     env = {}
-    eqns, placements = [], []
-    for eqn, placement in zip(jaxpr.eqns, program.placements):
+    eqns, kept = [], []
+    for eqn, placement in zip(jaxpr.eqns, placements):
         if is_marker(eqn) or is_microbatch_marker(eqn):
             env.update(zip(eqn.outvars, substituted(eqn.invars, env)))
         else:
             # Fragment bodies carry no placements: JAX would lower them as attributes.
             eqns.append(placed(eqn, None).replace(invars=substituted(eqn.invars, env)))
-            placements.append(placement)
-    outvars = substituted(jaxpr.outvars, env)
-    carries = _what_values_carry(jaxpr, env)
+            kept.append(placement)
+    return eqns, kept, env
 
+
+def _ordered_parts(eqns, placements):
+    """``(part of each equation, parts in a topological order, equation indices per part)``."""
     part_of, graph = _parts(eqns, placements)
     members: dict = {}
     for i, part in enumerate(part_of):
         members.setdefault(part, []).append(i)
     order = list(nx.lexicographical_topological_sort(graph, key=lambda p: members[p][0]))
-    counts: dict[Placement, int] = {}
-    for part in order:
-        counts[part[0]] = counts.get(part[0], 0) + 1
+    return part_of, order, members
 
-    const_values = dict(zip(jaxpr.constvars, closed.consts))
-    in_index = {v: k for k, v in enumerate(jaxpr.invars)}
+
+def _crossing_values(eqns, part_of, order, members, outvars) -> set:
+    """The values a part defines and something outside it reads: the fragments' results."""
     used_outside: set = set(v for v in outvars if is_var(v))
     defined_in = {}
     for part in order:
@@ -146,26 +145,54 @@ def split(program: Program) -> Program:
         for a in vars_of(eqn.invars):
             if a in defined_in and defined_in[a] != part_of[i]:
                 used_outside.add(a)
+    return used_outside
 
-    location = {v: program.in_meshes[k] for v, k in in_index.items()}
-    spec_of = {v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)}
-    # Program outputs have the caller's out_specs (replicated where none was given);
-    # other values crossing fragments keep the batch sharding their inputs had.
-    out_spec_of = {(v, m): spec for v, m, spec in zip(outvars, program.out_meshes, program.out_specs) if is_var(v)}
-    propagated = propagate_specs(jaxpr, program.in_specs)
-    copies: dict = {}
-    top_eqns = []
 
-    def bring(values, mesh):
+def _fragment_names(order) -> list[str]:
+    """Each part's fragment name: its placement's label, numbered where a placement has
+    several parts (``s1_fwd_0``, ``s1_fwd_1``)."""
+    counts: dict[Placement, int] = {}
+    for part in order:
+        counts[part[0]] = counts.get(part[0], 0) + 1
+    seen: dict[Placement, int] = {}
+    names = []
+    for part in order:
+        name = part[0].label
+        if counts[part[0]] > 1:
+            name += f"_{seen.get(part[0], 0)}"
+        seen[part[0]] = seen.get(part[0], 0) + 1
+        names.append(name)
+    return names
+
+
+class _Emitter:
+    """Builds the split program's top-level equations, remembering where each value
+    lives and its spec there, so a value moves to a mesh by one transfer at most."""
+
+    def __init__(self, program: Program, const_values: dict, carries, outvars):
+        jaxpr = program.jaxpr.jaxpr
+        self.program, self.const_values, self.carries = program, const_values, carries
+        self.location = {v: program.in_meshes[k] for k, v in enumerate(jaxpr.invars)}
+        self.spec_of = {v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)}
+        # Program outputs have the caller's out_specs (replicated where none was given);
+        # other values crossing fragments keep the batch sharding their inputs had.
+        self.out_spec_of = {
+            (v, m): spec for v, m, spec in zip(outvars, program.out_meshes, program.out_specs) if is_var(v)
+        }
+        self.propagated = propagate_specs(jaxpr, program.in_specs)
+        self.copies: dict = {}
+        self.eqns: list = []
+
+    def bring(self, values, mesh: int) -> list:
         """``values`` as variables living on ``mesh``, adding transfers as needed."""
         by_src: dict[int, list] = {}
         for v in values:
-            if is_var(v) and v not in const_values and location[v] != mesh and (v, mesh) not in copies:
-                by_src.setdefault(location[v], []).append(v)
+            if is_var(v) and v not in self.const_values and self.location[v] != mesh and (v, mesh) not in self.copies:
+                by_src.setdefault(self.location[v], []).append(v)
         for src, vs in sorted(by_src.items()):
-            src_specs = tuple(spec_of[v] for v in vs)
+            src_specs = tuple(self.spec_of[v] for v in vs)
             dst_specs = tuple(
-                fit_spec(spec, program.meshes[mesh], v.aval.shape) for v, spec in zip(vs, src_specs)
+                fit_spec(spec, self.program.meshes[mesh], v.aval.shape) for v, spec in zip(vs, src_specs)
             )
             outs = [fresh_like(v) for v in vs]
             params = dict(
@@ -173,30 +200,24 @@ def split(program: Program) -> Program:
                 dst=mesh,
                 src_specs=src_specs,
                 dst_specs=dst_specs,
-                carries=tuple(carries(v) for v in vs),
+                carries=tuple(self.carries(v) for v in vs),
             )
-            top_eqns.append(jcore.new_jaxpr_eqn(vs, outs, transfer_p, params, jcore.no_effects))
+            self.eqns.append(jcore.new_jaxpr_eqn(vs, outs, transfer_p, params, jcore.no_effects))
             for v, out, spec in zip(vs, outs, dst_specs):
-                copies[(v, mesh)] = out
-                location[out] = mesh
-                spec_of[out] = spec
-        return [copies.get((v, mesh), v) for v in values]
+                self.copies[(v, mesh)] = out
+                self.location[out] = mesh
+                self.spec_of[out] = spec
+        return [self.copies.get((v, mesh), v) for v in values]
 
-    seen: dict[Placement, int] = {}
-    for part in order:
-        placement = part[0]
-        mesh = program.mesh_of_stage(placement.stage)
-        name = placement.label
-        if counts[placement] > 1:
-            name += f"_{seen.get(placement, 0)}"
-        seen[placement] = seen.get(placement, 0) + 1
-        body = [eqns[i] for i in members[part]]
+    def fragment(self, placement: Placement, name: str, body: list, used_outside: set) -> None:
+        """One fragment running ``body`` on its placement's mesh, its operands brought there."""
+        mesh = self.program.mesh_of_stage(placement.stage)
         defined = {v for e in body for v in e.outvars if is_var(v)}
         outputs = [v for e in body for v in e.outvars if v in defined and v in used_outside]
-        inputs, inner = sub_jaxpr(body, outputs, const_values, name)
-        operands = bring(inputs, mesh)
+        inputs, inner = sub_jaxpr(body, outputs, self.const_values, name)
+        operands = self.bring(inputs, mesh)
         out_specs = tuple(
-            fit_spec(out_spec_of.get((v, mesh), propagated.get(v)), program.meshes[mesh], v.aval.shape)
+            fit_spec(self.out_spec_of.get((v, mesh), self.propagated.get(v)), self.program.meshes[mesh], v.aval.shape)
             for v in outputs
         )
         params = dict(
@@ -207,18 +228,34 @@ def split(program: Program) -> Program:
             transpose=placement.transpose,
             microbatch=placement.microbatch,
             kind=placement.kind,
-            in_specs=tuple(spec_of[v] for v in operands),
+            in_specs=tuple(self.spec_of[v] for v in operands),
             out_specs=out_specs,
             donate_argnums=(),  # decided by `lower`, once the order of calls is final
         )
-        top_eqns.append(jcore.new_jaxpr_eqn(operands, outputs, fragment_p, params, inner.effects))
-        location.update((v, mesh) for v in outputs)
-        spec_of.update(zip(outputs, out_specs))
+        self.eqns.append(jcore.new_jaxpr_eqn(operands, outputs, fragment_p, params, inner.effects))
+        self.location.update((v, mesh) for v in outputs)
+        self.spec_of.update(zip(outputs, out_specs))
 
-    final = []
-    for v, mesh in zip(outvars, program.out_meshes):
-        final.append(bring([v], mesh)[0] if is_var(v) and v not in const_values else v)
-    new = make_closed_jaxpr(
-        jaxpr.constvars, closed.consts, jaxpr.invars, final, top_eqns, jaxpr.debug_info
-    )
+    def outputs(self, outvars) -> list:
+        """The program's outputs, each brought to the mesh it is returned on."""
+        return [
+            self.bring([v], mesh)[0] if is_var(v) and v not in self.const_values else v
+            for v, mesh in zip(outvars, self.program.out_meshes)
+        ]
+
+
+@register("split", "cut the placed program into fragments and transfers")
+def split(program: Program) -> Program:
+    """Turn a placed program into ``fragment`` and ``transfer`` equations."""
+    closed = program.jaxpr
+    jaxpr = closed.jaxpr
+    eqns, placements, env = _without_markers(jaxpr, program.placements)
+    outvars = substituted(jaxpr.outvars, env)
+    part_of, order, members = _ordered_parts(eqns, placements)
+    used_outside = _crossing_values(eqns, part_of, order, members, outvars)
+    emitter = _Emitter(program, dict(zip(jaxpr.constvars, closed.consts)), _what_values_carry(jaxpr, env), outvars)
+    for part, name in zip(order, _fragment_names(order)):
+        emitter.fragment(part[0], name, [eqns[i] for i in members[part]], used_outside)
+    final = emitter.outputs(outvars)
+    new = make_closed_jaxpr(jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info)
     return program.replace(jaxpr=new, is_split=True)

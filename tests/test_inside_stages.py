@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from helpers import assert_same_as_jit, clipped_tanh, mesh_index
 from jax.sharding import PartitionSpec as P
 
@@ -78,3 +79,17 @@ def test_shard_map_psum_inside_stage(meshes2):
     assert "all_reduce" in modules["s1_fwd"]
     assert "all_reduce" not in modules["s0_fwd"]
     assert 'sdy.mesh @mesh = <["data"=2]>' in modules["s1_fwd"]
+
+
+def test_a_shard_map_runs_on_the_mesh_it_was_built_for(meshes2):
+    x = jnp.ones((4, 8))
+
+    def shard_map_on_mesh0(x):
+        x = mpmdc.stage(x, 1)
+        return jax.shard_map(lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data"))(x)
+
+    compiled = mpmdc.compile(shard_map_on_mesh0, meshes2)
+    program = compiled.lower(x).program("after-partition")
+    (placement,) = [p for e, p in zip(program.jaxpr.eqns, program.placements) if e.primitive.name == "shard_map"]
+    assert placement.stage == 0
+    np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(x) * 2)

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpmdc.schedules.accumulate import accumulate
 from mpmdc.api import compile
 from mpmdc.distributed import fetch
-from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.primitives import fragment_p, stage
 from mpmdc.runtime.meshes import make_meshes
-from mpmdc.ir.primitives import stage
+from mpmdc.schedules import bubble_formula
+from mpmdc.schedules.accumulate import accumulate
+
+MICROBATCHES = 8
 
 
 def mlp_loss(params, x, y):
@@ -35,7 +37,7 @@ def init_params(key, widths):
     ]
 
 
-def train_step(params, x, y, schedule="1f1b", microbatches=8):
+def train_step(params, x, y, schedule="1f1b", microbatches=MICROBATCHES):
     """Mean loss and gradient over microbatches (``mpmdc.accumulate``), then SGD."""
     loss, grads = accumulate(
         lambda mb: jax.value_and_grad(mlp_loss)(params, *mb),
@@ -78,7 +80,7 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
         return max(diffs)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     print_fn(
-        f"mpmdc demo: one SGD step of a 4-stage MLP, 8 microbatches under {schedule}, "
+        f"mpmdc demo: one SGD step of a 4-stage MLP, {MICROBATCHES} microbatches under {schedule}, "
         f"on {len(meshes)} meshes x {meshes[0].size} {meshes[0].devices.flat[0].platform.upper()} devices{processes}"
     )
     print_fn(f"loss = {float(got[0]):.6f}  (on {where(loss)})")
@@ -92,9 +94,17 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
     print_fn("peak live activations per mesh (microbatches, buffers, bytes):")
     for i, m in enumerate(executable.memory):
         print_fn(f"  mesh{i}: {m.peak_microbatches}, {m.peak_activation_buffers}, {m.peak_activation_bytes}")
-    print_fn(f"measured timeline (ms), bubble fraction {timeline.bubble_fraction:.2f}:")
+    print_fn(f"measured timeline, bubble fraction {timeline.bubble_fraction:.2f}:")
     for line in timeline.ascii(max_columns=100).splitlines():
         print_fn("  " + line)
+    print_fn(f"  one column = {timeline.column_time(max_columns=100):.3g} ms; . idle; a box is one call:")
+    print_fn("  <stage><F|B><microbatch> in the loop, s<k>_... work outside it, t... a transfer")
+    formula = bubble_formula(schedule, len(meshes), MICROBATCHES) if schedule in ("gpipe", "1f1b") else None
+    if formula is not None:
+        print_fn(
+            f"  the textbook {schedule} bubble is {formula:.2f}: it assumes equal stages and free transfers;\n"
+            f"  here each call is tiny, so dispatch, transfers and the work outside the loop weigh in"
+        )
     if trace:
         with open(trace, "w") as f:
             f.write(timeline.chrome_trace())

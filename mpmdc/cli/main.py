@@ -28,13 +28,6 @@ from mpmdc.cli.parsing import DumpOptions, find_target, load_module, lowered_fro
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _MAIN_EPILOG = """\
-commands:
-  demo    run a pipelined 4-stage MLP training step on 4 meshes of 2 CPU devices
-  dump    print or save the IR of a program after any pass, and its StableHLO
-  schedule  simulate a pipeline schedule: timeline, makespan, bubble fraction
-  backends  list the registered backends
-  launch  run a command as N local processes of one multi-process program
-
 examples:
   mpmdc demo
   mpmdc launch -n 4 -- mpmdc demo
@@ -268,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_MAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     demo = sub.add_parser(
         "demo",
         help="run a pipelined 4-stage MLP training step on 4 meshes of 2 virtual CPU devices",
@@ -395,7 +388,14 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         command = f"mpmdc {args.command}"
-        return args.handler(args)
+        status = args.handler(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # The reader left (`mpmdc demo | head -3`): what it wanted has been written.
+        # Point stdout at nothing so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except UsageError as err:
         command = getattr(err, "command", command)
         print(f"{command}: error: {err} (see `{command} --help`)", file=sys.stderr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpmdc.errors import PassError
 from mpmdc.ir.program import Program, nbytes
 from mpmdc.ir.primitives import transfer_p
 
@@ -78,7 +79,7 @@ class TransferReport:
 def transfer_report(program: Program) -> TransferReport:
     """The traffic of a split (or scheduled) program; see the module docstring."""
     if not program.is_split:
-        raise ValueError("transfer_report needs a split program (after `split`)")
+        raise PassError("transfer_report needs a split program; run `split` before it.")
     jaxpr = program.jaxpr.jaxpr
     links: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for eqn in jaxpr.eqns:

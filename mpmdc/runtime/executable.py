@@ -149,6 +149,36 @@ def _finished(results, effectful: bool):
     return results
 
 
+class _Slots:
+    """Where the call loop keeps each value: every value (constant, literal, input,
+    result) gets a slot of one list, so the loop reads and writes by index."""
+
+    def __init__(self):
+        self.index: dict = {}
+        self.initial: list = []  # the list's starting contents: constants and literals
+
+    def __call__(self, atom, value=None) -> int:
+        """The slot of ``atom`` (a new one for each literal), holding ``value`` at first."""
+        key = atom if is_var(atom) or isinstance(atom, jcore.DropVar) else object()
+        if key not in self.index:
+            self.index[key] = len(self.initial)
+            self.initial.append(atom.val if key is not atom else value)
+        return self.index[key]
+
+
+def _compile_here(program: Program, backend, here: list[bool]) -> tuple[dict, dict]:
+    """``(fragment key per equation index, executable per key)`` for the fragments of
+    meshes here: every module ``lower`` produced, compiled once, in parallel (XLA
+    releases the GIL while it compiles). Nothing is lowered here, so what runs is what
+    ``lower`` shows."""
+    keys = {
+        i: fragment_key(eqn)
+        for i, eqn in enumerate(program.jaxpr.jaxpr.eqns)
+        if eqn.primitive is fragment_p and here[eqn.params["mesh"]]
+    }
+    return keys, compile_all(backend, {k: program.lowerings[k] for k in keys.values()})
+
+
 class Executable:
     """A compiled MPMD program: call it like the function it was lowered from."""
 
@@ -156,19 +186,49 @@ class Executable:
     _timed_runs = 0  # multi-process ``run_timed`` calls, numbering their barriers
 
     def __init__(self, program: Program, signature: Signature):
-        self.program = program
-        self.signature = signature
-        jaxpr = program.jaxpr.jaxpr
-        meshes = program.meshes
-        backend = backends.get(program.backend)
-        backend.check_can_run(meshes)
-        self.multiprocess = distributed.is_multiprocess()
-        here = [is_here(m) for m in meshes]
-        self._in_shardings = [
-            named(meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
-        ]
         if program.lowerings is None:
             raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
+        self.program = program
+        self.signature = signature
+        backend = backends.get(program.backend)
+        backend.check_can_run(program.meshes)
+        self.multiprocess = distributed.is_multiprocess()
+        here = [is_here(m) for m in program.meshes]
+        self._in_shardings = [named(program.meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)]
+        keys, self._executables = _compile_here(program, backend, here)
+        slots = _Slots()
+        for v, c in zip(program.jaxpr.jaxpr.constvars, program.jaxpr.consts):
+            slots(v, c)
+        # Arguments for meshes elsewhere are not read (their processes place them).
+        self._inputs = [
+            (slots(v), sharding)
+            for v, sharding, m in zip(program.jaxpr.jaxpr.invars, self._in_shardings, program.in_meshes)
+            if here[m]
+        ]
+        self._input_here = [here[m] for m in program.in_meshes]
+        self._steps = self._plan_steps(slots, backend, here, keys)
+        # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
+        # An empty release list is None, so the loop skips it with one test.
+        self._plan = [(st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self._steps]
+        self._out_shardings, self._outputs = [], []
+        for v, m, spec in zip(program.jaxpr.jaxpr.outvars, program.out_meshes, program.out_specs):
+            sharding = named(program.meshes[m], spec)
+            self._out_shardings.append(sharding)
+            # An output living elsewhere is a global array with no shard here.
+            self._outputs.append((slots(v), sharding) if here[m] else (None, placeholder(v.aval, sharding)))
+        self._initial = slots.initial
+        if self.multiprocess:
+            Executable._built_multiprocess += 1
+            distributed.check_agreement(
+                f"program-{Executable._built_multiprocess}",
+                program_entries(program, signature.in_types),
+                "the program they compiled",
+            )
+
+    def _plan_steps(self, slots: _Slots, backend, here: list[bool], keys: dict) -> list[_Step]:
+        """One step per top-level equation this process takes part in, in program order."""
+        jaxpr = self.program.jaxpr.jaxpr
+        meshes = self.program.meshes
         releases = release_plan(jaxpr)
         donated_at = {
             v: i
@@ -177,40 +237,8 @@ class Executable:
             for k, v in enumerate(eqn.invars)
             if k in eqn.params["donate_argnums"]
         }
-
-        # Compile every module `lower` produced for meshes here once, in parallel (XLA
-        # releases the GIL while it compiles); nothing is lowered here, so what runs is
-        # what `lower` shows.
-        keys = {
-            i: fragment_key(eqn)
-            for i, eqn in enumerate(jaxpr.eqns)
-            if eqn.primitive is fragment_p and here[eqn.params["mesh"]]
-        }
-        executables = compile_all(backend, {k: program.lowerings[k] for k in keys.values()})
-        direct_calls = {k: direct_call(e) for k, e in executables.items()}
-
-        # The environment is a list: every value (constant, literal, input, result) has a
-        # slot, so the call loop reads and writes by index.
-        slots: dict = {}
-        self._initial: list = []
-
-        def slot_of(atom, value=None):
-            key = atom if is_var(atom) or isinstance(atom, jcore.DropVar) else object()
-            if key not in slots:
-                slots[key] = len(self._initial)
-                self._initial.append(atom.val if key is not atom else value)
-            return slots[key]
-
-        for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
-            slot_of(v, c)
-        # Arguments for meshes elsewhere are not read (their processes place them).
-        self._inputs = [
-            (slot_of(v), sharding)
-            for v, sharding, m in zip(jaxpr.invars, self._in_shardings, program.in_meshes)
-            if here[m]
-        ]
-        self._input_here = [here[m] for m in program.in_meshes]
-        self._steps = []
+        direct_calls = {k: direct_call(e) for k, e in self._executables.items()}
+        steps = []
         for i, eqn in enumerate(jaxpr.eqns):
             senders: tuple[int, ...] = ()
             if eqn.primitive is fragment_p:
@@ -234,12 +262,12 @@ class Executable:
                     continue
                 if call.receives and not call.sends:
                     senders = tuple(sorted(set(processes_of(meshes[src]))))
-            self._steps.append(
+            steps.append(
                 _Step(
                     call,
-                    [slot_of(a) for a in eqn.invars],
-                    [slot_of(v) for v in eqn.outvars],
-                    [slots[v] for v in releases[i] if v in slots],
+                    [slots(a) for a in eqn.invars],
+                    [slots(v) for v in eqn.outvars],
+                    [slots.index[v] for v in releases[i] if v in slots.index],
                     mesh,
                     name,
                     action_of(eqn),
@@ -247,24 +275,7 @@ class Executable:
                     senders,
                 )
             )
-        # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
-        # An empty release list is None, so the loop skips it with one test.
-        self._plan = [(st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self._steps]
-        self._executables = executables
-        self._out_shardings = []
-        self._outputs = []
-        for v, m, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs):
-            sharding = named(meshes[m], spec)
-            self._out_shardings.append(sharding)
-            # An output living elsewhere is a global array with no shard here.
-            self._outputs.append((slot_of(v), sharding) if here[m] else (None, placeholder(v.aval, sharding)))
-        if self.multiprocess:
-            Executable._built_multiprocess += 1
-            distributed.check_agreement(
-                f"program-{Executable._built_multiprocess}",
-                program_entries(program, signature.in_types),
-                "the program they compiled",
-            )
+        return steps
 
     @property
     def memory(self) -> tuple[MeshMemory, ...]:

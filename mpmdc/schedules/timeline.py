@@ -62,12 +62,9 @@ class Timeline:
         The shortest slot gets ``width_per_unit`` columns (default: the longest label
         plus one) unless the rows would exceed ``max_columns``.
         """
-        slots = [s for row in self.meshes for s in row]
-        if not slots:
+        if not any(self.meshes):
             return ""
-        width = width_per_unit or max(len(s.label) for s in slots) + 1
-        unit = min((s.end - s.start for s in slots if s.end > s.start), default=1.0)
-        unit = max(unit, self.makespan * width / max_columns)
+        unit, width = self._grid(width_per_unit, max_columns)
         columns = round(self.makespan / unit * width)
         rows = []
         for mesh, row in enumerate(self.meshes):
@@ -78,6 +75,18 @@ class Timeline:
                 line[a:b] = box
             rows.append(f"mesh{mesh} |{''.join(line)}")
         return "\n".join(rows)
+
+    def column_time(self, width_per_unit: int | None = None, max_columns: int = 240) -> float:
+        """The time one column of :meth:`ascii` (same arguments) stands for."""
+        unit, width = self._grid(width_per_unit, max_columns)
+        return unit / width
+
+    def _grid(self, width_per_unit, max_columns) -> tuple[float, int]:
+        """``(time unit, columns per unit)`` of the ASCII drawing."""
+        slots = [s for row in self.meshes for s in row]
+        width = width_per_unit or max((len(s.label) for s in slots), default=0) + 1
+        unit = min((s.end - s.start for s in slots if s.end > s.start), default=1.0)
+        return max(unit, self.makespan * width / max_columns), width
 
     def chrome_trace(self, time_unit_us: float = 1000.0) -> str:
         """The timeline as Chrome/Perfetto trace JSON (one track per mesh)."""
