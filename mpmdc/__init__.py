@@ -7,14 +7,22 @@ transfers that run with the same numbers as ``jax.jit``.
 
 import os as _os
 
-from mpmdc import _jax_compat, backends, distributed, errors, lowering, passes, schedules
-from mpmdc.schedules.accumulate import accumulate
+from mpmdc import (
+    _jax_compat,
+    backends,
+    distributed,
+    errors,
+    lowering,
+    passes,
+    schedules,
+)
 from mpmdc.api import Compiled, Lowered, compile
 from mpmdc.distributed import fetch
 from mpmdc.errors import MpmdcError
-from mpmdc.runtime.meshes import make_meshes
 from mpmdc.ir.primitives import stage
 from mpmdc.runtime.executable import Executable
+from mpmdc.runtime.meshes import make_meshes
+from mpmdc.schedules.accumulate import accumulate
 
 # An equation's source line should be the user's call of mpmdc.stage or
 # mpmdc.accumulate, not the line inside mpmdc that binds the primitive.

@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mpmdc import backends
-from mpmdc.schedules.accumulate import unrolled
 from mpmdc.errors import (
     AccumulateError,
     ArgumentError,
@@ -27,12 +26,13 @@ from mpmdc.errors import (
     StageError,
 )
 from mpmdc.ir.program import Program
-from mpmdc.runtime.meshes import check_meshes
-from mpmdc.pipeline import resolve, run_pipeline
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
-from mpmdc.runtime.executable import Executable, Signature, leaf_type
 from mpmdc.ir.sharding import spec_problem
 from mpmdc.ir.traffic import TransferReport, transfer_report
+from mpmdc.pipeline import resolve, run_pipeline
+from mpmdc.runtime.executable import Executable, Signature, leaf_type
+from mpmdc.runtime.meshes import check_meshes
+from mpmdc.schedules.accumulate import unrolled
 
 
 def _is_spec_leaf(x) -> bool:

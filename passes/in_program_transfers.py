@@ -16,6 +16,10 @@ from __future__ import annotations
 import itertools
 
 from jax.extend import core as jcore
+
+from mpmdc.ir.graph import def_use
+from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.program import Program, fresh_like, is_var, make_closed_jaxpr
 from mpmdc.lowering.send_recv import (
     FIRST_CHANNEL_ID,
     peer_transfer_effect,
@@ -24,10 +28,6 @@ from mpmdc.lowering.send_recv import (
 )
 from mpmdc.passes.base import register
 from mpmdc.passes.dce import dce
-
-from mpmdc.ir.graph import def_use
-from mpmdc.ir.program import Program, fresh_like, is_var, make_closed_jaxpr
-from mpmdc.ir.primitives import fragment_p, transfer_p
 
 
 def _with_peer_transfers(eqn, recvs, sends, forwards, renames):

@@ -14,6 +14,7 @@ from jax.extend import core as jcore
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
 from mpmdc.ir.calls import REMAT_CALLS, call_body
+from mpmdc.ir.primitives import is_marker
 from mpmdc.ir.program import (
     Program,
     copy_eqn,
@@ -24,8 +25,8 @@ from mpmdc.ir.program import (
     rematerialized,
     substituted,
 )
-from mpmdc.ir.primitives import is_marker
 from mpmdc.passes.base import register
+
 
 def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
     return next(find_eqns(jaxpr.eqns, is_marker), None) is not None

@@ -18,16 +18,14 @@ were lowered for (the stage called ``stablehlo`` prints them), and the
 
 from __future__ import annotations
 
-
+from mpmdc import backends
+from mpmdc.errors import PassError
+from mpmdc.ir.graph import release_plan
+from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
 from mpmdc.lowering import lower_fragment
 from mpmdc.passes.base import register
 from mpmdc.passes.in_program_transfers import in_program_transfers
-
-from mpmdc import backends
-from mpmdc.errors import PassError
-from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
-from mpmdc.ir.graph import release_plan
-from mpmdc.ir.primitives import fragment_p
 
 
 @register("lower", "emit StableHLO per fragment for the backend's platform")

@@ -52,11 +52,14 @@ import math
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
-from mpmdc.passes.base import register
-from mpmdc.passes.dce import dce
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.graph import def_use
+from mpmdc.ir.primitives import (
+    is_marker,
+    is_microbatch_marker,
+    is_transposed_marker,
+)
 from mpmdc.ir.program import (
     Placement,
     Program,
@@ -71,12 +74,8 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.ir.primitives import (
-    is_marker,
-    is_microbatch_marker,
-    is_transposed_marker,
-)
-
+from mpmdc.passes.base import register
+from mpmdc.passes.dce import dce
 
 # A value of at most this many elements costs less to move than anything expanding it.
 _SMALL = 64

@@ -31,9 +31,9 @@ import math
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import register
 
 from mpmdc.ir.graph import def_use
+from mpmdc.ir.primitives import ActionKind, fragment_p, transfer_p
 from mpmdc.ir.program import (
     Program,
     fresh_like,
@@ -42,7 +42,7 @@ from mpmdc.ir.program import (
     sub_jaxpr,
     vars_of,
 )
-from mpmdc.ir.primitives import ActionKind, fragment_p, transfer_p
+from mpmdc.passes.base import register
 from mpmdc.schedules import Action, Layout, action_of, simulate
 
 

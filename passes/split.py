@@ -27,9 +27,9 @@ from __future__ import annotations
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import register
 
 from mpmdc.ir.graph import def_use
+from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
 from mpmdc.ir.program import (
     Placement,
     Program,
@@ -41,9 +41,9 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
 from mpmdc.ir.sharding import fit_spec
 from mpmdc.ir.spec_rules import propagate_specs
+from mpmdc.passes.base import register
 
 
 def _parts(eqns, placements):

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
-from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
-from mpmdc.ir.program import Program, find_eqns, is_var
 from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.program import Program, find_eqns, is_var
 from mpmdc.ir.sharding import check_spec
+from mpmdc.passes.base import register
 
 
 def _check_specs(program: Program) -> None:

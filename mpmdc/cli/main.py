@@ -16,14 +16,20 @@ import jax
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed, schedules
-from mpmdc.cli.launch import launch
 from mpmdc.cli.demo import run as run_demo
 from mpmdc.cli.dump import dump_files, render_stages, stage_header, write_dump_dir
-from mpmdc.errors import InternalError, MpmdcError, ScheduleError, TargetError, UsageError
+from mpmdc.cli.launch import launch
+from mpmdc.cli.parsing import DumpOptions, find_target, load_module, lowered_from_target
+from mpmdc.errors import (
+    InternalError,
+    MpmdcError,
+    ScheduleError,
+    TargetError,
+    UsageError,
+)
 from mpmdc.passes import PASSES
 from mpmdc.pipeline import DEFAULT_PIPELINE
 from mpmdc.schedules import UNIT_COSTS, Layout, bubble_formula, simulate
-from mpmdc.cli.parsing import DumpOptions, find_target, load_module, lowered_from_target
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpmdc.schedules.accumulate import accumulate
 from mpmdc.ir.primitives import stage
+from mpmdc.schedules.accumulate import accumulate
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Pytree helpers JAX 0.10 does not make public: prefix broadcasting, and saying where
-two structures differ in a line rather than printing both."""
+"""Pytree helpers: prefix broadcasting with a one-line message on a mismatch (saying
+where the two structures differ rather than printing both), and placeholders."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ import jax
 import numpy as np
 
 
-class _Repeated:
-    """One prefix leaf standing for ``count`` leaves of the full tree (an opaque pytree leaf)."""
-
-    def __init__(self, value, count):
-        self.value, self.count = value, count
-
-
 def broadcast_prefix(prefix, tree, is_leaf) -> list:
     """One value of ``prefix`` per leaf of ``tree``, where ``prefix`` is a pytree prefix of it.
 
@@ -23,22 +16,17 @@ def broadcast_prefix(prefix, tree, is_leaf) -> list:
     ``ValueError`` saying where the two differ.
     """
     try:
-        per_subtree = jax.tree_util.tree_map(
-            lambda value, sub: _Repeated(value, len(jax.tree_util.tree_leaves(sub))),
-            prefix,
-            tree,
-            is_leaf=is_leaf,
-        )
+        full = jax.tree.broadcast(prefix, tree, is_leaf=is_leaf)
     except ValueError:
-        # JAX's own message is about `tree_map` arguments the caller never wrote, and
-        # prints both whole structures.
+        # JAX's own message is about `broadcast_prefix` arguments the caller never wrote,
+        # and prints both whole structures.
         found = first_difference(prefix, tree, is_prefix_leaf=is_leaf)
         if found is None:
             raise
         detail = f" ({found.entries})" if found.entries else ""
         raise ValueError(f"at {found.where} it has {found.want} where the tree has {found.got}{detail}") from None
-    groups = jax.tree_util.tree_leaves(per_subtree, is_leaf=lambda x: isinstance(x, _Repeated))
-    return [g.value for g in groups for _ in range(g.count)]
+    # Read the values at ``tree``'s leaves: a value may itself be a pytree (None is one).
+    return jax.tree.structure(tree).flatten_up_to(full)
 
 
 class _Slot:

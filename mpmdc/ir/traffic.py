@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpmdc.errors import PassError
-from mpmdc.ir.program import Program, nbytes
 from mpmdc.ir.primitives import transfer_p
+from mpmdc.ir.program import Program, nbytes
 
 CATEGORIES = ("activations/cotangents", "parameters/optimizer state", "other")
 _CATEGORY_OF = {

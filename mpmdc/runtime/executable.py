@@ -35,15 +35,15 @@ from tqdm.auto import tqdm
 from mpmdc import backends, distributed
 from mpmdc._jax_compat import direct_call
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
-from mpmdc.ir.program import Program, fragment_key, is_var
 from mpmdc.ir.graph import release_plan
-from mpmdc.runtime.memory import MeshMemory, memory_profile
-from mpmdc.runtime.peers import Progress, program_entries
 from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.program import Program, fragment_key, is_var
 from mpmdc.ir.pytrees import first_difference, skeleton
 from mpmdc.ir.sharding import named
-from mpmdc.schedules import Action, Slot, Timeline, action_of
+from mpmdc.runtime.memory import MeshMemory, memory_profile
+from mpmdc.runtime.peers import Progress, program_entries
 from mpmdc.runtime.transfers import MeshTransfer, is_here, placeholder, processes_of
+from mpmdc.schedules import Action, Slot, Timeline, action_of
 
 PROGRESS_MIN_FRAGMENTS = 8  # fewer distinct fragments compile too fast to need a bar
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpmdc.ir.graph import release_plan
-from mpmdc.ir.program import Program, is_var, nbytes, vars_of
 from mpmdc.ir.primitives import ActionKind, fragment_p
+from mpmdc.ir.program import Program, is_var, nbytes, vars_of
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 
 import jax
 import numpy as np

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpmdc.errors import MeshError
 
+
 def processes_of(mesh: Mesh) -> tuple[int, ...]:
     """The process of each of ``mesh``'s devices, in the mesh's device order."""
     return tuple(d.process_index for d in mesh.devices.flat)

@@ -21,7 +21,12 @@ from mpmdc.schedules.library import (
     ZeroBubbleH1,
     get,
 )
-from mpmdc.schedules.simulate import UNIT_COSTS, bubble_formula, measured_costs, simulate
+from mpmdc.schedules.simulate import (
+    UNIT_COSTS,
+    bubble_formula,
+    measured_costs,
+    simulate,
+)
 from mpmdc.schedules.timeline import Slot, Timeline
 
 __all__ = [

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from mpmdc.schedules import library
 from mpmdc.errors import AccumulateError
 from mpmdc.ir.primitives import mark_microbatch
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
+from mpmdc.schedules import library
 
 REDUCTIONS = ("sum", "mean", "concat", "max")
 
