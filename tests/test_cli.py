@@ -215,3 +215,31 @@ def test_output_is_identical_across_processes_and_hash_seeds():
     assert not re.search(r" at 0x[0-9a-f]+", first)  # no object addresses
     assert str(ROOT) not in first and ".py:" not in first  # no source locations
     assert "stablehlo.dot_general" in first and "transfer[" in first
+
+
+def test_help_lists_each_command_once(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("demo", "dump", "schedule", "backends", "launch"):
+        assert len(re.findall(rf"^\s+{command}\s", out, re.M)) == 1, out
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    # `mpmdc schedule ... | head -1`: the pipe is closed before mpmdc writes.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpmdc", "schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err
+
+
+def test_dump_with_passes_and_options(capsys, mlp2):
+    status, out, err = run(capsys, "dump", "tests/programs/mlp2_grad.py:lowered", "--list-stages",
+                           "--passes", "inline,partition,dce,split,lower{backend=tpu}")
+    assert status == 0, err
+    assert out.split() == ["input", "after-inline", "after-partition", "after-dce", "after-split", "stablehlo"]
+    assert_usage_error(capsys, "dump", "tests/programs/mlp2_grad.py:lowered", "--passes", "lower{x=1}",
+                       says="pass `lower` has no option x")

@@ -1,6 +1,9 @@
 """The pass runner: stage names, verification after every pass, internal errors that name
 the pass and the program it got."""
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -8,8 +11,11 @@ import pytest
 import mpmdc
 from mpmdc import cli, errors
 from mpmdc.ir.program import placed
-from mpmdc.passes.base import FunctionPass
-from mpmdc.pipeline import DEFAULT_PIPELINE, run_pipeline
+from mpmdc.passes import PASSES, FunctionPass
+from mpmdc.pipeline import DEFAULT_PIPELINE, resolve, run_pipeline
+
+
+X = jnp.ones((4, 8))
 
 
 def two_stage(x):
@@ -75,3 +81,34 @@ def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
     assert status == 1
     assert out.startswith("// ----- after-partition\nmeshes:") and "[s1_fwd @mesh1]" in out
     assert err.count("\n") == 1 and "InternalError: internal error in pass `crashing`" in err
+
+
+def test_the_registry_holds_one_pass_per_file():
+    folder = Path(mpmdc.passes.__file__).parent
+    files = {p.stem for p in folder.glob("*.py")} - {"__init__", "base"}
+    assert set(PASSES) == {f.replace("_", "-") for f in files}
+    for name, p in PASSES.items():
+        assert p.body.__module__ == f"mpmdc.passes.{name.replace('-', '_')}", name
+        assert p.summary and "\n" not in p.summary, name
+
+
+def test_pass_options_are_set_by_name(meshes2):
+    (lower,) = resolve("lower{backend=tpu}")
+    assert lower.options == (("backend", "tpu"),) and str(lower) == "lower{backend=tpu}"
+    assert [p.name for p in resolve(" inline, partition ,dce")] == ["inline", "partition", "dce"]
+    lowered = mpmdc.compile(two_stage, meshes2, passes="inline,partition,dce,split,lower{backend=tpu}").lower(X)
+    assert lowered.stages == ("input", "after-inline", "after-partition", "after-dce", "after-split", "stablehlo")
+    assert lowered.program("stablehlo").backend == "tpu"
+    assert lowered.stablehlo("tpu") == dict(lowered.program("stablehlo").modules)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("lower{platform=tpu}", "pass `lower` has no option platform; its options: backend"),
+    ("lower{backend}", "needs a value: backend=VALUE"),
+    ("lower{backend=tpu", "unbalanced braces"),
+    ("Lower", "is not a pass"),
+    ("dce{x=1}", "pass `dce` has no option x; its options: none"),
+])
+def test_a_wrong_pass_text_names_what_is_wrong(text, says):
+    with pytest.raises(errors.PassError, match=re.escape(says)):
+        resolve(text)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mpmdc.api import Lowered, compile
-from mpmdc.errors import UsageError
+from mpmdc.errors import PassError, UsageError
+from mpmdc.pipeline import resolve
 from mpmdc.runtime.meshes import make_meshes
 
 DTYPES = {
@@ -137,6 +138,16 @@ class DumpOptions(BaseModel):
     @classmethod
     def _parse_args(cls, value):
         return parse_args(value) if isinstance(value, str) else value
+
+    @field_validator("passes")
+    @classmethod
+    def _known_passes(cls, value):
+        if value is not None:
+            try:
+                resolve(value)
+            except PassError as err:
+                raise ValueError(str(err)) from None
+        return value
 
     @field_validator("meshes", mode="before")
     @classmethod
