@@ -1,9 +1,13 @@
-"""StableHLO emission for fragments, importable as ``mpmdc.lowering``."""
+"""StableHLO emission for fragments, importable as ``mpmdc.lowering``.
 
-from mpmdc.lowering.stablehlo import (
-    fragment_function,
-    fragment_jit,
-    lower_fragment,
-)
+- ``stablehlo``: a fragment's body through JAX's own ``jax.jit(...).trace().lower()``
+  with its mesh shardings, for any backend's platform (the only place mpmdc lowers);
+- ``send_recv``: the ``send``/``recv`` primitives of in-program transfers and their
+  per-platform lowering rules.
 
-__all__ = ["fragment_function", "fragment_jit", "lower_fragment"]
+Layer 3: imports :mod:`mpmdc.ir` and below.
+"""
+
+from mpmdc.lowering.stablehlo import lower_fragment
+
+__all__ = ["lower_fragment"]

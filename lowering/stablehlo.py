@@ -39,7 +39,7 @@ def _raising_checks(body):
     return run
 
 
-def fragment_function(eqn):
+def _fragment_function(eqn):
     """A Python callable running fragment ``eqn``'s body, named after the fragment."""
     body = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
     if any(find_eqns(eqn.params["jaxpr"].jaxpr.eqns, lambda e: e.primitive.name == "check")):
@@ -52,7 +52,7 @@ def fragment_function(eqn):
     return run
 
 
-def fragment_jit(eqn, program: Program):
+def _fragment_jit(eqn, program: Program):
     """``(jitted function, argument types)`` for fragment ``eqn`` on its mesh.
 
     The argument types keep their weak type: results computed from a weakly typed value
@@ -64,7 +64,7 @@ def fragment_jit(eqn, program: Program):
         for v, spec in zip(eqn.invars, eqn.params["in_specs"])
     ]
     jitted = jax.jit(
-        fragment_function(eqn),
+        _fragment_function(eqn),
         out_shardings=[named(mesh, spec) for spec in eqn.params["out_specs"]],
         donate_argnums=eqn.params["donate_argnums"],
     )
@@ -73,5 +73,5 @@ def fragment_jit(eqn, program: Program):
 
 def lower_fragment(program: Program, eqn, backend):
     """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``)."""
-    jitted, args = fragment_jit(eqn, program)
+    jitted, args = _fragment_jit(eqn, program)
     return backend.lower_fragment(jitted.trace(*args))

@@ -10,6 +10,7 @@ one unit of work on one mesh). A marker inside a loop, conditional or
 from __future__ import annotations
 
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
@@ -41,7 +42,7 @@ def _marker_inside(eqn, marker) -> PlacementError:
         f"inside `{name}` (at {compat.source_line(eqn)}); a stage marker must be outside "
         f"loops, conditionals and shard_map bodies."
     )
-    if name in ("scan", "while"):
+    if eqn.primitive in (jprims.scan_p, jprims.while_p):
         message += (
             " A loop over layers cannot be pipelined as one loop: write a Python loop over "
             "the stages, each marking its stage and running a `scan` over that stage's own "

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
 from jax.sharding import Mesh
 
 from mpmdc import _jax_compat as compat
@@ -82,7 +83,7 @@ _SMALL = 64
 # Equations that only change a value's shape or type: a clone next to each user costs
 # nothing, and moving their small operand beats moving their (maybe large) result.
 _EXPANDING = frozenset(
-    {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"}
+    {jprims.broadcast_in_dim_p, jprims.convert_element_type_p, jprims.reshape_p, jprims.squeeze_p}
 )
 
 
@@ -96,7 +97,7 @@ def _is_cheap(eqn, from_literals) -> bool:
     operands = vars_of(eqn.invars)
     if all(a in from_literals for a in operands):
         return True
-    return eqn.primitive.name in _EXPANDING and all(
+    return eqn.primitive in _EXPANDING and all(
         a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands
     )
 
