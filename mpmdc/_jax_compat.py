@@ -5,6 +5,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 """
 
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
@@ -46,6 +47,23 @@ def exclude_from_source_lines(path: str) -> None:
 def source_line(eqn) -> str:
     """Return ``file:line (function)`` of the user code that created ``eqn``."""
     return _source_info_util.summarize(eqn.source_info)
+
+
+def drop_failed_effect_tokens() -> None:
+    """Forget the effect tokens of computations that failed.
+
+    JAX keeps each device's last effect token (and each ordered effect's) until the next
+    effectful computation replaces it, and waits for all of them at exit. A fragment that
+    failed (a callback raised) leaves a token holding that error; once mpmdc has raised
+    it, the token would raise it again at exit as "Exception ignored in atexit callback".
+    """
+    tokens = _dispatch.runtime_tokens
+    for table in (tokens.output_runtime_tokens, tokens.current_tokens):
+        for key, token in list(table.items()):
+            try:
+                token.block_until_ready()
+            except Exception:
+                del table[key]
 
 
 def backends_are_initialized() -> bool:

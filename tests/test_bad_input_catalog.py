@@ -6,6 +6,7 @@ error class and the exact message, rendered from the errors raised here (so it c
 drift from the code; ``pytest --update-golden`` rewrites it).
 """
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,8 @@ def world(meshes2, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def in_program_backend(monkeypatch):
+    # JAX logs a failing callback's traceback; the mistake's error is what the catalog shows.
+    monkeypatch.setattr(logging.getLogger("jax._src.debugging"), "disabled", True)
     # The built-in backends only, whatever other tests registered: the catalog shows the list.
     builtin = ("cpu", "cuda", "rocm", "tpu")
     monkeypatch.setattr(backends, "_registry", {k: v for k, v in backends._registry.items() if k in builtin})

@@ -6,6 +6,9 @@ Two ways to fail: a ``jax.debug.callback`` that raises, and a ``checkify.check``
 
 import gc
 import logging
+import os
+import subprocess
+import sys
 import re
 
 import jax
@@ -99,3 +102,31 @@ def test_a_checkified_function_returns_its_error_as_jax_jit_does(meshes2):
     assert "activation above 100" in error.get()
     np.testing.assert_allclose(np.asarray(total), np.asarray(want_total), rtol=1e-6)
     assert mpmdc.compile(checked, meshes2)(*args())[0].get() is None
+
+
+FAILS_THEN_EXITS = """
+import jax, jax.numpy as jnp, logging, mpmdc
+logging.getLogger("jax._src.debugging").disabled = True
+def reject(v):
+    if (v < 0).any():
+        raise ValueError("negative")
+def step(x):
+    h = mpmdc.stage(jnp.tanh(x), 1)
+    jax.debug.callback(reject, h)
+    return h.sum()
+compiled = mpmdc.compile(step, mpmdc.make_meshes(2, {"data": 2}))
+try:
+    compiled(-jnp.ones(4))
+except mpmdc.errors.MpmdRuntimeError:
+    print("caught")
+"""
+
+
+def test_a_caught_fragment_failure_is_not_raised_again_at_exit():
+    # JAX kept the failed fragment's effect token (on meshes of 2 devices) and waited on
+    # it at exit, printing the error a second time as "Exception ignored in atexit
+    # callback" (found in session 9).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
+    done = subprocess.run([sys.executable, "-c", FAILS_THEN_EXITS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "caught", done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -32,8 +32,8 @@ import numpy as np
 from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
+from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed
-from mpmdc._jax_compat import direct_call
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
@@ -237,7 +237,7 @@ class Executable:
             for k, v in enumerate(eqn.invars)
             if k in eqn.params["donate_argnums"]
         }
-        direct_calls = {k: direct_call(e) for k, e in self._executables.items()}
+        direct_calls = {k: compat.direct_call(e) for k, e in self._executables.items()}
         steps = []
         for i, eqn in enumerate(jaxpr.eqns):
             senders: tuple[int, ...] = ()
@@ -414,6 +414,7 @@ def _fault(step: _Step, err: Exception, among_processes: bool = False) -> MpmdRu
         then = "The other processes are told; this run cannot go on."
     error = MpmdRuntimeError(f"{where} failed while running: {summary}. {then}")
     error.__cause__ = err
+    compat.drop_failed_effect_tokens()
     return error
 
 
