@@ -414,7 +414,10 @@ def _fault(step: _Step, err: Exception, among_processes: bool = False) -> MpmdRu
         then = "The other processes are told; this run cannot go on."
     error = MpmdRuntimeError(f"{where} failed while running: {summary}. {then}")
     error.__cause__ = err
-    compat.drop_failed_effect_tokens()
+    if not among_processes:
+        # Waiting on the tokens is safe in one process; with several, a computation may
+        # still wait on a peer that died, and this run ends anyway.
+        compat.drop_failed_effect_tokens()
     return error
 
 
