@@ -3,35 +3,123 @@
 The programs live in ``tests/programs/`` (each defines ``lowered()``; the same
 files work with ``mpmdc dump``). A program may set ``GOLDEN_PLATFORMS`` to emit
 for more backends than the four built-in ones.
+
+``golden/<program>/`` holds ``<stage>.txt`` for every stage and each distinct module
+once (``module_files``): ``<fragment>.mlir`` where every platform emits the same text,
+else ``<fragment>.<platform>.mlir`` for every platform. The file names thus record
+which fragments are identical across platforms, and a platform that starts to differ
+changes them, which the golden check reports.
 """
 
+import functools
 from pathlib import Path
 
 import pytest
 
-from golden import check_golden
+from golden import GOLDEN_ROOT, check_golden
 from mpmdc.cli.parsing import load_module
 
 PROGRAM_DIR = Path(__file__).resolve().parent / "programs"
 PROGRAMS = sorted(p.stem for p in PROGRAM_DIR.glob("*.py") if not p.name.startswith("_"))
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+# Golden folders that belong to other tests, not to a program here.
+NOT_PROGRAMS = {"error_catalog"}  # tests/test_bad_input_catalog.py
+
+
+@functools.cache
+def render(program: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """``(stages, modules)`` of ``program``: ``{"<stage>.txt": text}`` and
+    ``{fragment: {platform: StableHLO text}}`` for every platform it renders.
+
+    Cached: several tests read the same program, and lowering is the slow part."""
+    module = load_module(PROGRAM_DIR / f"{program}.py")
+    lowered = module.lowered()
+    stages = {f"{stage}.txt": lowered.as_text(stage) for stage in lowered.stages}
+    modules: dict[str, dict[str, str]] = {}
+    for platform in getattr(module, "GOLDEN_PLATFORMS", PLATFORMS):
+        for fragment, text in lowered.stablehlo(platform).items():
+            modules.setdefault(fragment, {})[platform] = text
+    return stages, modules
 
 
 def rendered_files(program: str) -> dict[str, str]:
-    """``{golden file name: text}`` for ``program``: stages and per-platform modules."""
-    module = load_module(PROGRAM_DIR / f"{program}.py")
-    lowered = module.lowered()
-    files = {f"{stage}.txt": lowered.as_text(stage) for stage in lowered.stages}
-    for platform in getattr(module, "GOLDEN_PLATFORMS", PLATFORMS):
-        for fragment, text in lowered.stablehlo(platform).items():
-            files[f"{fragment}.{platform}.mlir"] = text
+    """``{file name: text}`` for ``program``: every stage and every platform's module,
+    without deduplication (``test_determinism`` hashes each of them)."""
+    stages, modules = render(program)
+    return stages | {
+        f"{fragment}.{platform}.mlir": text
+        for fragment, by_platform in modules.items()
+        for platform, text in by_platform.items()
+    }
+
+
+def module_files(fragment: str, by_platform: dict[str, str]) -> dict[str, str]:
+    """Golden files for one fragment's modules, ``by_platform`` holding every platform
+    the program renders: ``{"<fragment>.mlir": text}`` when they all emit the same
+    text, else ``{"<fragment>.<platform>.mlir": text}`` for every platform.
+
+    When they differ, every platform keeps its own file (not only the odd ones), so
+    each file is exactly what that platform emits."""
+    texts = set(by_platform.values())
+    if len(texts) == 1:
+        return {f"{fragment}.mlir": texts.pop()}
+    return {f"{fragment}.{platform}.mlir": text for platform, text in by_platform.items()}
+
+
+def golden_files(program: str) -> dict[str, str]:
+    """``{golden file name: text}`` for ``program``: its stages and its distinct modules."""
+    stages, modules = render(program)
+    files = dict(stages)
+    for fragment, by_platform in modules.items():
+        files |= module_files(fragment, by_platform)
     return files
 
 
-def test_there_are_enough_programs():
-    assert len(PROGRAMS) >= 8, PROGRAMS
+def test_every_program_has_a_golden_folder_and_every_folder_a_program():
+    """No program goes unchecked for want of a golden folder, and no folder outlives its program."""
+    folders = {p.name for p in GOLDEN_ROOT.iterdir() if p.is_dir()} - NOT_PROGRAMS
+    assert not set(PROGRAMS) - folders, (
+        f"programs without golden/<program>/: {sorted(set(PROGRAMS) - folders)}; "
+        "run `pytest --update-golden tests/test_golden.py` to create them"
+    )
+    assert not folders - set(PROGRAMS), (
+        f"golden folders without a program in tests/programs/: {sorted(folders - set(PROGRAMS))}; delete them"
+    )
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_golden(program, update_golden):
-    check_golden(program, rendered_files(program), update_golden)
+    """``golden/<program>/`` holds exactly the program's stages and distinct modules."""
+    check_golden(program, golden_files(program), update_golden)
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_fragments_stored_once_are_identical_on_every_platform(program):
+    """The golden folder stores a fragment once exactly when every platform emits the
+    same module for it. ``test_golden`` fails on the same change (as missing and stale
+    files); this names the fragment and which platforms emit which module."""
+    folder = GOLDEN_ROOT / program
+    held = {p.name.removesuffix(".mlir") for p in folder.glob("*.mlir")}
+    problems = []
+    for fragment, by_platform in sorted(render(program)[1].items()):
+        groups: dict[str, list[str]] = {}
+        for platform, text in by_platform.items():
+            groups.setdefault(text, []).append(platform)
+        stored_once = fragment in held
+        per_platform = {f"{fragment}.{platform}" for platform in by_platform} <= held
+        if stored_once and len(groups) > 1:
+            stored = (folder / f"{fragment}.mlir").read_text()
+            emitted = " | ".join(
+                ", ".join(platforms) + (" (as stored)" if text == stored else " (different)")
+                for text, platforms in groups.items()
+            )
+            problems.append(
+                f"{fragment} is stored once as golden/{program}/{fragment}.mlir, "
+                f"but the platforms now emit {len(groups)} different modules: {emitted}"
+            )
+        elif per_platform and len(groups) == 1:
+            problems.append(
+                f"{fragment} is stored per platform in golden/{program}/, "
+                f"but {', '.join(by_platform)} now all emit the same module"
+            )
+    assert not problems, "\n".join(problems)

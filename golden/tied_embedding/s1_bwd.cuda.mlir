@@ -1,9 +1,0 @@
-module @jit_s1_bwd attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32} {
-  sdy.mesh @mesh = <["data"=2]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}]}}
-  func.func public @main(%arg0: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg2: tensor<8x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<8x16xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
-    %0 = stablehlo.multiply %arg0, %arg1 : tensor<8x16xf32>
-    %1 = stablehlo.multiply %0, %arg2 : tensor<8x16xf32>
-    %2 = stablehlo.add %0, %1 : tensor<8x16xf32>
-    return %2 : tensor<8x16xf32>
-  }
-}
