@@ -1,4 +1,6 @@
-"""Compiler behaviour: caching, deterministic dumps, partition rules, passes called directly."""
+"""Compiler behaviour end to end: caching, deterministic dumps, donation, input shardings,
+the demo, markers under jit/grad/vmap. Each pass's own rules are tested on small programs
+in ``tests/test_pass_<name>.py``."""
 
 import re
 
@@ -6,13 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_as_jit, mesh_index
-from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 
 import mpmdc
 from mpmdc import backends
-from mpmdc.ir.program import Placement
-from mpmdc.ir.primitives import fragment_p, transfer_p
 
 
 def mlp_loss(ws, x):
@@ -57,89 +55,6 @@ def test_as_text_is_identical_across_compilations(meshes4):
         assert a.as_text(stage) == b.as_text(stage)
         assert "0x" not in a.as_text(stage)
     assert a.stablehlo(platform="tpu") == b.stablehlo(platform="tpu")
-
-
-def test_split_program_holds_only_fragments_and_transfers(meshes4):
-    lowered = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)
-    program = lowered.program("after-split")
-    prims = {e.primitive for e in program.jaxpr.jaxpr.eqns}
-    assert prims == {fragment_p, transfer_p}
-    # the MPMD program is still a jaxpr JAX can check and evaluate
-    jax.extend.core.check_jaxpr(program.jaxpr.jaxpr)
-    flat = jax.tree_util.tree_leaves((WS, X))
-    got = jax.extend.core.jaxpr_as_fun(program.jaxpr)(*flat)
-    want = jax.tree_util.tree_leaves(jax.value_and_grad(mlp_loss)(WS, X))
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=2e-5)
-
-
-def placed(fn, meshes, *args, **kwargs):
-    """The program after inline and partition, run by calling the passes directly."""
-    program = mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
-    return partition(inline(program))
-
-
-def test_cheap_constants_are_cloned_not_transferred(meshes2):
-    def fn(x):
-        c = jax.lax.broadcasted_iota(jnp.float32, (4, 8), 1) * 2.0  # from nothing: cheap
-        a = mpmdc.stage(x, 0) * c
-        b = mpmdc.stage(a, 1) + c
-        return b
-
-    program = vma_typecheck(split(dce(placed(fn, meshes2, X))))
-    iotas = [
-        e.params["name"]
-        for e in program.jaxpr.jaxpr.eqns
-        if e.primitive is fragment_p
-        for inner in e.params["jaxpr"].jaxpr.eqns
-        if inner.primitive.name == "iota"
-    ]
-    assert sorted(iotas) == ["s0_fwd", "s1_fwd"]
-    transfers = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is transfer_p]
-    assert len(transfers) == 1 and len(transfers[0].invars) == 1
-
-
-def test_gradients_from_several_meshes_sum_where_the_parameter_lives(meshes4):
-    def fn(w, x):
-        a = jnp.tanh(mpmdc.stage(x, 0) @ w)
-        b = jnp.tanh(mpmdc.stage(a, 1) @ w)  # w is used by stages 0, 1 and 2
-        c = jnp.tanh(mpmdc.stage(b, 2) @ w)
-        return jnp.sum(c)
-
-    w = jnp.eye(8) * 0.3
-    _, grad = assert_same_as_jit(jax.value_and_grad(fn), meshes4, w, X)
-    assert mesh_index(grad, meshes4) == 0
-    program = placed(jax.value_and_grad(fn), meshes4, w, X)
-    assert program.in_meshes[0] == 0
-    add_any = [p for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements) if e.primitive.name == "add_any"]
-    assert add_any[-1].stage == 0
-    # Each other stage's contribution crosses once (summed on its way to stage 0), and
-    # the weight once to each other stage: no more bytes than summing at stage 0.
-    split = mpmdc.compile(jax.value_and_grad(fn), meshes4).lower(w, X).program("after-split")
-    moved = [v.aval.shape for e in split.jaxpr.jaxpr.eqns if e.primitive is transfer_p for v in e.invars]
-    assert sorted(moved).count(w.shape) == 4
-
-
-def test_reentering_a_stage_splits_its_work_into_acyclic_fragments(meshes2):
-    def fn(x):
-        a = jnp.sin(mpmdc.stage(x, 0))
-        b = jnp.cos(mpmdc.stage(a, 1))
-        return jnp.tanh(mpmdc.stage(b, 0)) + a
-
-    out = assert_same_as_jit(fn, meshes2, X)
-    program = mpmdc.compile(fn, meshes2).lower(X).program("after-split")
-    names = [e.params["name"] for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
-    assert names == ["s0_fwd_0", "s1_fwd", "s0_fwd_1"]
-    assert mesh_index(out, meshes2) == 0
-
-
-def test_backward_runs_on_the_forward_stage_mesh(meshes4):
-    program = placed(jax.grad(mlp_loss), meshes4, WS, X)
-    for eqn, p in zip(program.jaxpr.jaxpr.eqns, program.placements):
-        if eqn.primitive.name == "stage":
-            assert p == Placement(eqn.params["stage"], max(p.transpose, eqn.params["transpose"]))
-    labels = {p.label for p in program.placements}
-    assert {"s0_fwd", "s3_fwd", "s2_bwd", "s0_bwd"} <= labels
 
 
 def test_donated_inputs_are_consumed(meshes2):

@@ -1,0 +1,122 @@
+"""The ``lower`` pass (``mpmdc.passes.lower``) on small hand-written programs.
+
+What it promises: it needs a split program; each fragment's ``donate_argnums`` names
+the donated program inputs it reads last; fragments with the same body, mesh, specs and
+donation (every microbatch's fragment of a stage) share one module, named after the
+first of them, so there is one module per distinct fragment and one kept
+``jax.stages.Lowered`` for each; for a backend with in-program transfers the
+fragment-to-fragment transfers are lowered to ``stablehlo.send``/``stablehlo.recv``
+with matching channel ids.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mpmdc
+from mpmdc import backends
+from mpmdc.errors import PassError
+from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.passes import inline, lower, partition, schedule, split
+
+X = jnp.arange(64.0).reshape(8, 8) / 64
+W = jnp.eye(8) * 0.5
+
+
+def mlp_loss(ws, xb):
+    for i, w in enumerate(ws):
+        xb = jnp.tanh(mpmdc.stage(xb, i) @ w)
+    return jnp.sum(xb**2)
+
+
+def input_program(fn, meshes, *args, **kwargs):
+    return mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
+
+
+def scheduled(fn, meshes, *args, **kwargs):
+    return schedule(split(partition(inline(input_program(fn, meshes, *args, **kwargs)))))
+
+
+def fragments(program):
+    return [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
+
+
+def test_one_module_per_distinct_fragment(meshes2):
+    def step(ws, x):
+        return mpmdc.accumulate(lambda xb: jax.grad(mlp_loss)(ws, xb), x, microbatches=4)
+
+    program = scheduled(step, meshes2, [W, W], X)
+    assert len(fragments(program)) == 14  # 2 before the loop, 3 per microbatch
+    out = lower(program)
+    assert out.backend == "cpu"
+    assert [name for name, _ in out.modules] == ["s0_fwd", "s1_fwd", "s0_fwd_mb0", "s1_fwd_mb0", "s0_bwd_mb0"]
+    assert len(out.lowerings) == 5
+    for name, text in out.modules:
+        assert text.startswith(f"module @jit_{name} ")
+    # Each module says which fragments share it.
+    assert "// ----- fragment s0_bwd_mb0 @mesh0 (cpu), also s0_bwd_mb1, s0_bwd_mb2, s0_bwd_mb3\n" in out.as_text()
+    assert "// ----- fragment s1_fwd @mesh1 (cpu)\n" in out.as_text()
+
+
+def test_lower_needs_a_split_program(meshes2):
+    placed = partition(inline(input_program(mlp_loss, meshes2, [W, W], X)))
+    with pytest.raises(PassError, match="the `lower` pass needs a split program; run `split` before it"):
+        lower(placed)
+
+
+def test_a_donated_input_is_donated_by_its_last_reader_only(meshes2):
+    def loss(w, x):
+        a = jnp.tanh(mpmdc.stage(x, 0) @ w)
+        return jnp.sum(jnp.sin(mpmdc.stage(a, 1)) ** 2)
+
+    def sgd(w, x):  # w is read by stage 0's forward and by its backward (the update)
+        return w - 0.1 * jax.grad(loss)(w, x)
+
+    program = scheduled(sgd, meshes2, W, X, donate_argnums=0)
+    assert program.donated == (True, False)
+    w = program.jaxpr.jaxpr.invars[0]
+    readers = [f.params["name"] for f in fragments(program) if w in f.invars]
+    assert readers == ["s0_fwd", "s0_bwd"]
+    out = lower(program)
+    donated = {f.params["name"]: f.params["donate_argnums"] for f in fragments(out)}
+    s0_bwd = fragments(out)[-1]
+    assert donated == {"s0_fwd": (), "s1_fwd": (), "s0_bwd": (s0_bwd.invars.index(w),)}
+    # The module of s0_bwd aliases that argument to a result; no other module donates.
+    modules = dict(out.modules)
+    assert "tf.aliasing_output" in modules["s0_bwd"]
+    assert not any("tf.aliasing_output" in modules[name] for name in ("s0_fwd", "s1_fwd"))
+
+
+@pytest.fixture
+def in_program_backend(monkeypatch):
+    """A CUDA backend moving values by send/recv, registered for this test only."""
+    monkeypatch.setattr(backends, "_registry", dict(backends._registry))
+    return backends.register(backends.Backend("test-pass-lower-p2p", "cuda", transfers="in-program")).name
+
+
+def channel_ops(text):
+    """``(op, channel, src mesh, dst mesh)`` of every send and recv in a module's text."""
+    found = re.findall(
+        r'"stablehlo\.(send|recv)".*?handle = (\d+),.*?mpmdc\.dst_mesh = "(\d+)", mpmdc\.src_mesh = "(\d+)"', text
+    )
+    return [(op, int(channel), int(src), int(dst)) for op, channel, dst, src in found]
+
+
+def test_an_in_program_backend_lowers_transfers_to_send_and_recv_with_matching_channels(meshes2, in_program_backend):
+    program = scheduled(jax.grad(mlp_loss), meshes2, [W, W], X)
+    assert [e.primitive.name for e in program.jaxpr.jaxpr.eqns] == ["fragment", "transfer", "fragment", "transfer", "fragment"]
+    out = lower(program, backend=in_program_backend)
+    assert out.backend == in_program_backend
+    assert not [e for e in out.jaxpr.jaxpr.eqns if e.primitive is transfer_p]
+    ops = {name: channel_ops(text) for name, text in out.modules}
+    assert ops == {
+        "s0_fwd": [("send", 2, 0, 1)],  # the activation
+        "s1_fwd": [("recv", 2, 0, 1), ("send", 3, 1, 0)],  # ... and the cotangent back
+        "s0_bwd": [("recv", 3, 1, 0)],
+    }
+    # With the default backend the same program keeps its transfers and has no send/recv.
+    plain = lower(program)
+    assert [e.primitive.name for e in plain.jaxpr.jaxpr.eqns].count("transfer") == 2
+    assert not any(channel_ops(text) for _, text in plain.modules)

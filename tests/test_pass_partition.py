@@ -1,0 +1,165 @@
+"""The ``partition`` pass (``mpmdc.passes.partition``) on small hand-written programs.
+
+What it promises: every equation gets a placement (stage, transpose count, microbatch);
+markers seed the stages and the work after a marker follows it; what no marker places
+runs in the first stage; cheap equations (constants, broadcasts of small values) are
+cloned into each stage using them instead of being moved; a backward equation runs on
+its forward stage's mesh; gradient contributions are summed where the parameter lives;
+inside an ``accumulate`` loop each equation gets its microbatch; inputs live with their
+earliest user and outputs where they are made.
+"""
+
+import jax
+import jax.numpy as jnp
+from helpers import assert_same_as_jit, mesh_index
+
+import mpmdc
+from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.program import Placement
+from mpmdc.passes import dce, inline, partition, split, vma_typecheck
+
+
+def mlp_loss(ws, x):
+    for i, w in enumerate(ws):
+        x = jnp.tanh(mpmdc.stage(x, i) @ w)
+    return jnp.sum(x**2)
+
+
+WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
+X = jnp.arange(32.0).reshape(4, 8) / 32
+W = jnp.eye(8) * 0.5
+
+
+def placed(fn, meshes, *args, **kwargs):
+    """The program after inline and partition, run by calling the passes directly."""
+    program = mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
+    return partition(inline(program))
+
+
+def labelled(program):
+    """``(primitive, placement label)`` per top-level equation, in order."""
+    return [(e.primitive.name, p.label) for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements)]
+
+
+def test_markers_seed_stages_and_every_equation_is_placed(meshes2):
+    def fn(w, x):
+        a = jnp.sin(mpmdc.stage(x, 0))
+        b = jnp.tanh(mpmdc.stage(a, 1) @ w)
+        return jnp.sum(b), a
+
+    program = placed(fn, meshes2, W, X)
+    assert labelled(program) == [
+        ("stage", "s0_fwd"),
+        ("sin", "s0_fwd"),
+        ("stage", "s1_fwd"),
+        ("dot_general", "s1_fwd"),
+        ("tanh", "s1_fwd"),
+        ("reduce_sum", "s1_fwd"),
+    ]
+    # w lives with its only user (stage 1), x with stage 0; each output where it is made.
+    assert program.in_meshes == (1, 0)
+    assert program.out_meshes == (1, 0)
+
+    # Without markers everything runs in the first stage.
+    plain = placed(lambda x: jnp.sin(x) * 2, meshes2, X)
+    assert labelled(plain) == [("sin", "s0_fwd"), ("mul", "s0_fwd")]
+    assert plain.in_meshes == plain.out_meshes == (0,)
+
+
+def test_a_broadcast_of_a_constant_used_on_two_meshes_is_cloned(meshes2):
+    def fn(x):
+        c = jnp.full((4, 8), 2.0)  # broadcast_in_dim of a literal: cheap
+        a = mpmdc.stage(x, 0) * c
+        return mpmdc.stage(a, 1) + c
+
+    program = placed(fn, meshes2, X)
+    assert labelled(program) == [
+        ("broadcast_in_dim", "s0_fwd"),  # one clone per stage using it...
+        ("broadcast_in_dim", "s1_fwd"),
+        ("stage", "s0_fwd"),
+        ("convert_element_type", "s0_fwd"),
+        ("mul", "s0_fwd"),
+        ("stage", "s1_fwd"),
+        ("convert_element_type", "s1_fwd"),
+        ("add", "s1_fwd"),
+    ]
+    eqns = program.jaxpr.jaxpr.eqns
+    clone0, clone1 = eqns[0].outvars[0], eqns[1].outvars[0]
+    assert clone0 is not clone1  # ...each with its own result, read only in its stage
+    assert eqns[3].invars == [clone0] and eqns[6].invars == [clone1]
+
+
+def test_cheap_constants_are_cloned_not_transferred(meshes2):
+    def fn(x):
+        c = jax.lax.broadcasted_iota(jnp.float32, (4, 8), 1) * 2.0  # from nothing: cheap
+        a = mpmdc.stage(x, 0) * c
+        b = mpmdc.stage(a, 1) + c
+        return b
+
+    program = vma_typecheck(split(dce(placed(fn, meshes2, X))))
+    iotas = [
+        e.params["name"]
+        for e in program.jaxpr.jaxpr.eqns
+        if e.primitive is fragment_p
+        for inner in e.params["jaxpr"].jaxpr.eqns
+        if inner.primitive.name == "iota"
+    ]
+    assert sorted(iotas) == ["s0_fwd", "s1_fwd"]
+    transfers = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is transfer_p]
+    assert len(transfers) == 1 and len(transfers[0].invars) == 1
+
+
+def test_gradients_from_several_meshes_sum_where_the_parameter_lives(meshes4):
+    def fn(w, x):
+        a = jnp.tanh(mpmdc.stage(x, 0) @ w)
+        b = jnp.tanh(mpmdc.stage(a, 1) @ w)  # w is used by stages 0, 1 and 2
+        c = jnp.tanh(mpmdc.stage(b, 2) @ w)
+        return jnp.sum(c)
+
+    w = jnp.eye(8) * 0.3
+    _, grad = assert_same_as_jit(jax.value_and_grad(fn), meshes4, w, X)
+    assert mesh_index(grad, meshes4) == 0
+    program = placed(jax.value_and_grad(fn), meshes4, w, X)
+    assert program.in_meshes[0] == 0
+    add_any = [p for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements) if e.primitive.name == "add_any"]
+    assert add_any[-1].stage == 0
+    # Each other stage's contribution crosses once (summed on its way to stage 0), and
+    # the weight once to each other stage: no more bytes than summing at stage 0.
+    split = mpmdc.compile(jax.value_and_grad(fn), meshes4).lower(w, X).program("after-split")
+    moved = [v.aval.shape for e in split.jaxpr.jaxpr.eqns if e.primitive is transfer_p for v in e.invars]
+    assert sorted(moved).count(w.shape) == 4
+
+
+def test_backward_runs_on_the_forward_stage_mesh(meshes4):
+    program = placed(jax.grad(mlp_loss), meshes4, WS, X)
+    for eqn, p in zip(program.jaxpr.jaxpr.eqns, program.placements):
+        if eqn.primitive.name == "stage":
+            assert p == Placement(eqn.params["stage"], max(p.transpose, eqn.params["transpose"]))
+    labels = {p.label for p in program.placements}
+    assert {"s0_fwd", "s3_fwd", "s2_bwd", "s0_bwd"} <= labels
+
+
+def test_work_inside_an_accumulate_loop_gets_its_microbatch(meshes2):
+    def fn(w, x):
+        return mpmdc.accumulate(lambda xb: jnp.sum(jnp.sin(mpmdc.stage(xb, 0) @ w)), x, microbatches=2)
+
+    per_microbatch = [
+        ("microbatch", "s0_fwd_mb{i}"),
+        ("stage", "s0_fwd_mb{i}"),
+        ("dot_general", "s0_fwd_mb{i}"),
+        ("sin", "s0_fwd_mb{i}"),
+        ("reduce_sum", "s0_fwd_mb{i}"),
+    ]
+    want = []
+    for i in range(2):
+        want.append(("slice", "s0_fwd"))  # slicing the batch stays before the loop
+        want += [(prim, label.format(i=i)) for prim, label in per_microbatch]
+    want += [
+        ("broadcast_in_dim", "s0_fwd"),  # the running sum's zeros, before the loop
+        ("reshape", "s0_fwd"),
+        ("microbatch", "s0_fwd"),
+        ("add", "s0_fwd_mb0"),  # the running sum moves from one microbatch to the next
+        ("add", "s0_fwd_mb1"),
+        ("microbatch", "s0_fwd"),  # the loop's result
+    ]
+    assert labelled(placed(fn, meshes2, W, X)) == want
