@@ -41,6 +41,7 @@ ENV_PROCESS_ID = "MPMDC_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "MPMDC_DEVICES_PER_PROCESS"
 ENV_TRANSFER_ADDRESS = "MPMDC_TRANSFER_ADDRESS"
 ENV_FAULT_TIMEOUT = "MPMDC_FAULT_TIMEOUT"
+ENV_FAILURE_DIR = "MPMDC_FAILURE_DIR"  # where a process's announced failure is also written
 
 DEFAULT_FAULT_TIMEOUT = 60.0
 _PREFIX = "mpmdc/"
@@ -243,6 +244,12 @@ def announce_failure(message: str) -> None:
         _client().key_value_set(f"{_PREFIX}failed/{jax.process_index()}", message)
     except Exception:  # the store itself may be gone: the peers then time out instead
         pass
+    folder = os.environ.get(ENV_FAILURE_DIR)
+    if folder:  # for `mpmdc launch`, which blames the process that failed first, not the first to exit
+        path = os.path.join(folder, str(jax.process_index()))
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{time.time()!r}\n{message}")
+        os.replace(path + ".tmp", path)
 
 
 def peer_failures() -> dict[int, str]:

@@ -12,10 +12,12 @@ saw, then are stopped; the launcher says which process failed first and how.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -115,6 +117,8 @@ def launch(
         base[distributed.ENV_DEVICES_PER_PROCESS] = str(devices_per_process)
     if fault_timeout is not None:
         base[distributed.ENV_FAULT_TIMEOUT] = str(fault_timeout)
+    failure_dir = tempfile.mkdtemp(prefix="mpmdc-launch-")
+    base[distributed.ENV_FAILURE_DIR] = failure_dir
     lock = threading.Lock()
     processes: list[_Process] = []
     try:
@@ -133,7 +137,7 @@ def launch(
             reader = threading.Thread(target=_stream, args=(i, popen.stdout, out, lock), daemon=True)
             reader.start()
             processes.append(_Process(i, popen, reader))
-        return _supervise(processes, timeout, grace, err)
+        return _supervise(processes, timeout, grace, err, failure_dir)
     except KeyboardInterrupt:
         _stop(processes)
         print("mpmdc launch: interrupted; stopped every process", file=err)
@@ -141,18 +145,44 @@ def launch(
     finally:
         for p in processes:
             p.reader.join(timeout=2)
+        shutil.rmtree(failure_dir, ignore_errors=True)
 
 
-def _supervise(processes: list[_Process], timeout: float | None, grace: float, err) -> int:
+def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process], failure_dir: str):
+    """``(process, what happened)`` of the failure to blame.
+
+    ``first_exit`` is the first process seen exiting with an error (when, and which).
+    Killed by a signal, it could not say why and is the one to blame. Otherwise the
+    earliest error a process announced may be older than that exit: a process raising
+    tells its peers at once, and they can exit before it does.
+    """
+    seen, process = first_exit
+    if process.popen.returncode < 0:
+        return process, f"it {_how(process.popen.returncode)}"
+    events = [(seen, process.index, "")]
+    for name in os.listdir(failure_dir):
+        if name.isdigit():
+            with open(os.path.join(failure_dir, name)) as f:
+                when, _, message = f.read().partition("\n")
+            events.append((float(when), int(name), message))
+    _, index, message = min(events)
+    process = processes[index]
+    status = process.popen.returncode
+    ending = "" if status is None else f"it {_how(status)}"
+    return process, "; ".join(part for part in (message.rstrip("."), ending) if part)
+
+
+def _supervise(processes: list[_Process], timeout: float | None, grace: float, err, failure_dir: str) -> int:
     start = time.monotonic()
     first: _Process | None = None
+    first_seen = 0.0  # wall-clock time, as processes write in their announcements
     stop_at = None
     while True:
         running = [p for p in processes if p.popen.poll() is None]
         if first is None:
             failed = [p for p in processes if p.popen.returncode not in (None, 0)]
             if failed:
-                first = failed[0]
+                first, first_seen = failed[0], time.time()
                 stop_at = time.monotonic() + grace
         if not running:
             break
@@ -163,18 +193,21 @@ def _supervise(processes: list[_Process], timeout: float | None, grace: float, e
             print(f"mpmdc launch: timed out after {timeout:g} s; stopped process(es) {ids}", file=err)
             return EXIT_TIMEOUT
         if stop_at is not None and now > stop_at:
+            culprit, what = _first_failure(processes, (first_seen, first), failure_dir)
             _stop(processes)
             ids = ", ".join(str(p.index) for p in running)
             print(
-                f"mpmdc launch: process {first.index} failed first: it {_how(first.popen.returncode)}; "
+                f"mpmdc launch: process {culprit.index} failed first: {what}; "
                 f"stopped process(es) {ids} {grace:g} s later",
                 file=err,
             )
             return first.popen.returncode if first.popen.returncode > 0 else 1
         time.sleep(0.05)
     if first is not None:
-        others = [p.index for p in processes if p is not first and p.popen.returncode != 0]
+        culprit, what = _first_failure(processes, (first_seen, first), failure_dir)
+        others = [p.index for p in processes if p is not culprit and p.popen.returncode != 0]
         also = f"; process(es) {', '.join(map(str, others))} failed too" if others else ""
-        print(f"mpmdc launch: process {first.index} failed first: it {_how(first.popen.returncode)}{also}", file=err)
-        return first.popen.returncode if first.popen.returncode > 0 else 1
+        print(f"mpmdc launch: process {culprit.index} failed first: {what}{also}", file=err)
+        status = culprit.popen.returncode
+        return status if status and status > 0 else 1
     return 0
