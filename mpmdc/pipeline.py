@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 from typing import Callable, Iterable, Protocol
 
+from mpmdc._text import split_top_level
 from mpmdc.errors import InternalError, MpmdcError, PassError
 from mpmdc.ir.program import Program
 from mpmdc.passes import pass_from_text
@@ -52,17 +53,11 @@ def resolve(passes: Iterable[str | Pass] | str | None) -> list[Pass]:
 
 def _split_pipeline_text(text: str) -> list[str]:
     """``"a,b{x=1,y=2},c"`` as ``["a", "b{x=1,y=2}", "c"]`` (commas inside braces stay)."""
-    items, depth, current = [], 0, ""
-    for ch in text:
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += ch
-    if depth != 0:
-        raise PassError(f"unbalanced braces in the pass list {text!r}.")
-    return [item for item in (*items, current) if item.strip()]
+    try:
+        items = split_top_level(text, "{}")
+    except ValueError:
+        raise PassError(f"unbalanced braces in the pass list {text!r}.") from None
+    return [item for item in items if item.strip()]
 
 
 def run_pipeline(

@@ -1,4 +1,5 @@
-"""Shared test helpers: reference comparison against ``jax.jit`` and mesh lookups."""
+"""Shared test helpers: reference comparison against ``jax.jit``, mesh lookups, and the
+small model and input programs the per-pass tests start from."""
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +64,15 @@ def _clipped_bwd(y, g):
 
 
 clipped_tanh.defvjp(_clipped_fwd, _clipped_bwd)
+
+
+def mlp_loss(ws, x):
+    """A tanh MLP with one pipeline stage per layer (``ws[i]`` runs in stage ``i``)."""
+    for i, w in enumerate(ws):
+        x = jnp.tanh(mpmdc.stage(x, i) @ w)
+    return jnp.sum(x**2)
+
+
+def input_program(fn, meshes, *args, **compile_kwargs):
+    """``fn``'s program before any pass (the ``input`` stage), to call passes on directly."""
+    return mpmdc.compile(fn, meshes, passes=[], **compile_kwargs).lower(*args).program("input")

@@ -8,16 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mlp_loss
 
 import mpmdc
 from mpmdc import backends
-
-
-def mlp_loss(ws, x):
-    for i, w in enumerate(ws):
-        x = jnp.tanh(mpmdc.stage(x, i) @ w)
-    return jnp.sum(x**2)
-
 
 WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
 X = jnp.arange(32.0).reshape(4, 8) / 32

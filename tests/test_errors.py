@@ -21,8 +21,9 @@ SOURCES = [
 PYTHON_PROTOCOL = {"NotImplementedError", "StopIteration", "KeyboardInterrupt", "SystemExit"}
 # Raised to be caught one frame up and turned into an MpmdcError there: pydantic
 # validators must raise ValueError (the CLI turns it into a UsageError), and prefix
-# broadcasting's ValueError becomes the SpecError or AccumulateError of its caller.
-CAUGHT_BY_CALLER = {("parsing.py", "ValueError"), ("pytrees.py", "ValueError")}
+# broadcasting's ValueError becomes the SpecError or AccumulateError of its caller, and
+# an unbalanced bracket in option text the PassError or UsageError of its caller.
+CAUGHT_BY_CALLER = {("parsing.py", "ValueError"), ("pytrees.py", "ValueError"), ("_text.py", "ValueError")}
 
 
 def raised_names(path: pathlib.Path) -> list[tuple[int, str]]:

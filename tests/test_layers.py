@@ -17,6 +17,7 @@ ROOT = pathlib.Path(mpmdc.__file__).resolve().parent
 LAYERS = [
     ("mpmdc.errors", 0),
     ("mpmdc._jax_compat", 0),
+    ("mpmdc._text", 0),
     ("mpmdc.ir", 1),
     ("mpmdc.schedules", 2),
     ("mpmdc.lowering", 3),

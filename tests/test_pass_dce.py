@@ -12,6 +12,7 @@ is dead and must disappear.
 
 import jax
 import jax.numpy as jnp
+from helpers import input_program
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
@@ -20,10 +21,6 @@ from mpmdc.passes import dce, inline, partition, split
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 Y = jnp.ones((4, 8))
-
-
-def traced(fn, meshes, *args):
-    return mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
 
 
 def prims(program):
@@ -52,7 +49,7 @@ def test_an_unused_equation_is_removed_and_inputs_and_outputs_are_kept(meshes2):
         jnp.cos(y)  # nobody reads it
         return jnp.sin(x) * 2
 
-    program = traced(fn, meshes2, X, Y)
+    program = input_program(fn, meshes2, X, Y)
     assert prims(program) == ["cos", "sin", "mul"]
     out = dce(program)
     assert prims(out) == ["sin", "mul"]
@@ -68,7 +65,7 @@ def two_values_into_stage_1(x):
 
 
 def test_a_marker_keeps_only_the_values_still_used_and_placements_survive(meshes2):
-    placed = partition(inline(traced(two_values_into_stage_1, meshes2, X)))
+    placed = partition(inline(input_program(two_values_into_stage_1, meshes2, X)))
     out = dce(keeping_outputs(placed, [0]))  # c * 3 and tanh(a) are dead now
     labels = [(e.primitive.name, p.label) for e, p in zip(out.jaxpr.jaxpr.eqns, out.placements)]
     assert labels == [
@@ -85,7 +82,7 @@ def test_a_marker_keeps_only_the_values_still_used_and_placements_survive(meshes
 def split_two_values_into_stage_1(meshes):
     """s0_fwd makes sin(a), cos(a) and tanh(a); one transfer carries the first two to
     mesh1, where s1_fwd returns ``b * 2`` and ``c * 3``."""
-    program = split(partition(inline(traced(two_values_into_stage_1, meshes, X))))
+    program = split(partition(inline(input_program(two_values_into_stage_1, meshes, X))))
     assert prims(program) == ["fragment", "transfer", "fragment"]
     return program
 
@@ -123,7 +120,7 @@ def test_a_fragment_with_an_effect_stays_when_nothing_reads_it(meshes2):
         jax.debug.callback(lambda v: None, a)
         return mpmdc.stage(a, 1) * 2
 
-    program = split(partition(inline(traced(fn, meshes2, X))))
+    program = split(partition(inline(input_program(fn, meshes2, X))))
     assert prims(program) == ["fragment", "transfer", "fragment"]
     out = dce(keeping_outputs(program, []))  # no output at all
     (s0,) = out.jaxpr.jaxpr.eqns

@@ -11,6 +11,7 @@ a second mesh, or a value that is a program output, keeps its ``transfer``.
 
 import jax
 import jax.numpy as jnp
+from helpers import input_program
 from jax.sharding import NamedSharding
 
 import mpmdc
@@ -22,7 +23,7 @@ W = jnp.eye(8) * 0.5
 
 
 def split_program(fn, meshes, *args, **kwargs):
-    program = mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
+    program = input_program(fn, meshes, *args, **kwargs)
     return split(partition(inline(program)))
 
 

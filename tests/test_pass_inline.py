@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import input_program
 from jax.extend import core as jcore
 
 import mpmdc
@@ -24,11 +25,6 @@ from mpmdc.passes import inline
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 W = jnp.eye(8) * 0.5
-
-
-def traced(fn, meshes, *args):
-    """The program at the ``input`` stage (no pass has run)."""
-    return mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
 
 
 def prims(program):
@@ -56,7 +52,7 @@ def two_stages_through_a_jitted_helper(w, x):
 
 
 def test_a_jitted_call_holding_a_marker_is_flattened(meshes2):
-    program = traced(two_stages_through_a_jitted_helper, meshes2, W, X)
+    program = input_program(two_stages_through_a_jitted_helper, meshes2, W, X)
     assert prims(program) == ["stage", "sin", "jit", "jit", "add", "reduce_sum"]
     assert markers(program) == [(0, 0)]  # stage 1's marker is hidden in the helper
 
@@ -70,12 +66,12 @@ def test_a_jitted_call_holding_a_marker_is_flattened(meshes2):
 
 
 def test_a_call_without_markers_stays_whole(meshes2):
-    out = inline(traced(two_stages_through_a_jitted_helper, meshes2, W, X))
+    out = inline(input_program(two_stages_through_a_jitted_helper, meshes2, W, X))
     (call,) = [e for e in out.jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
     assert call.params["name"] == "cos"
     assert [e.primitive.name for e in call.params["jaxpr"].jaxpr.eqns] == ["cos"]
     # A program without any marker comes out with the same equations.
-    plain = traced(lambda x: jax.jit(jnp.sin)(x) * 2, meshes2, X)
+    plain = input_program(lambda x: jax.jit(jnp.sin)(x) * 2, meshes2, X)
     assert prims(inline(plain)) == prims(plain) == ["jit", "mul"]
 
 
@@ -105,7 +101,7 @@ def marker_in_cond(x):
     ],
 )
 def test_a_marker_inside_a_loop_or_cond_names_its_line(meshes2, fn, where, advice):
-    program = traced(fn, meshes2, X)
+    program = input_program(fn, meshes2, X)
     with pytest.raises(PlacementError) as info:
         inline(program)
     message = str(info.value)
@@ -125,7 +121,7 @@ def stage1_checkpointed(w, x):
 
 
 def test_checkpoint_bodies_are_marked_rematerialized(meshes2):
-    program = traced(jax.grad(stage1_checkpointed), meshes2, W, X)
+    program = input_program(jax.grad(stage1_checkpointed), meshes2, W, X)
     # Under grad the checkpoint is one remat2 call holding the recomputation and the backward.
     assert prims(program) == ["stage", "dot_general", "sin", "stage", "tanh", "reduce_sum", "broadcast_in_dim", "remat2"]
 
@@ -144,7 +140,7 @@ def test_checkpoint_bodies_are_marked_rematerialized(meshes2):
 
 
 def test_a_recomputed_marker_reads_the_value_that_entered_the_stage(meshes2):
-    out = inline(traced(jax.grad(stage1_checkpointed), meshes2, W, X))
+    out = inline(input_program(jax.grad(stage1_checkpointed), meshes2, W, X))
     eqns = out.jaxpr.jaxpr.eqns
     assert markers(out) == [(0, 0), (1, 0), (1, 1)]
     (entering,) = [e for e in eqns if e.primitive.name == "stage" and e.params == {"stage": 1, "transpose": 0}]

@@ -14,6 +14,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import input_program, mlp_loss
 
 import mpmdc
 from mpmdc import backends
@@ -23,16 +24,6 @@ from mpmdc.passes import inline, lower, partition, schedule, split
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
-
-
-def mlp_loss(ws, xb):
-    for i, w in enumerate(ws):
-        xb = jnp.tanh(mpmdc.stage(xb, i) @ w)
-    return jnp.sum(xb**2)
-
-
-def input_program(fn, meshes, *args, **kwargs):
-    return mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
 
 
 def scheduled(fn, meshes, *args, **kwargs):

@@ -11,19 +11,12 @@ earliest user and outputs where they are made.
 
 import jax
 import jax.numpy as jnp
-from helpers import assert_same_as_jit, mesh_index
+from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
 from mpmdc.ir.program import Placement
 from mpmdc.passes import dce, inline, partition, split, vma_typecheck
-
-
-def mlp_loss(ws, x):
-    for i, w in enumerate(ws):
-        x = jnp.tanh(mpmdc.stage(x, i) @ w)
-    return jnp.sum(x**2)
-
 
 WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
 X = jnp.arange(32.0).reshape(4, 8) / 32
@@ -32,7 +25,7 @@ W = jnp.eye(8) * 0.5
 
 def placed(fn, meshes, *args, **kwargs):
     """The program after inline and partition, run by calling the passes directly."""
-    program = mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
+    program = input_program(fn, meshes, *args, **kwargs)
     return partition(inline(program))
 
 

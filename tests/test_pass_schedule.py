@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mlp_loss
 from jax.extend import core as jcore
 
 import mpmdc
@@ -27,12 +28,6 @@ from mpmdc.schedules import ActionLists, action_of
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
-
-
-def mlp_loss(ws, xb):
-    for i, w in enumerate(ws):
-        xb = jnp.tanh(mpmdc.stage(xb, i) @ w)
-    return jnp.sum(xb**2)
 
 
 def grad_step(schedule_name):

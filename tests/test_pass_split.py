@@ -12,7 +12,7 @@ has its axes.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import assert_same_as_jit, mesh_index
+from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -21,25 +21,14 @@ import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
 from mpmdc.passes import inline, partition, split
 
-
-def mlp_loss(ws, x):
-    for i, w in enumerate(ws):
-        x = jnp.tanh(mpmdc.stage(x, i) @ w)
-    return jnp.sum(x**2)
-
-
 WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
 X = jnp.arange(32.0).reshape(4, 8) / 32
 W = jnp.eye(8) * 0.5
 
 
-def traced(fn, meshes, *args, **kwargs):
-    return mpmdc.compile(fn, meshes, passes=[], **kwargs).lower(*args).program("input")
-
-
 def split_of(fn, meshes, *args, **kwargs):
     """``(input program, split program)``, the passes called directly."""
-    program = traced(fn, meshes, *args, **kwargs)
+    program = input_program(fn, meshes, *args, **kwargs)
     return program, split(partition(inline(program)))
 
 

@@ -4,7 +4,6 @@ the pass and the program it got."""
 import re
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import pytest
 

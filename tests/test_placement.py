@@ -7,7 +7,6 @@ Each case is an Optax optimizer on a residual model whose blocks end in a bias (
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from helpers import assert_same_array, mesh_index

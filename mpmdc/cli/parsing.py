@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from mpmdc._text import split_top_level
 from mpmdc.api import Lowered, compile
 from mpmdc.errors import PassError, UsageError
 from mpmdc.pipeline import resolve
@@ -75,15 +76,7 @@ class MeshesSpec(BaseModel):
 
 def parse_args(text: str) -> tuple[ArgType, ...]:
     """``"f32[8,16], i32[]"`` as argument types (a bad entry is a ``ValueError``)."""
-    entries, depth, current = [], 0, ""
-    for ch in text:
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            entries.append(current)
-            current = ""
-        else:
-            current += ch
-    entries.append(current)
+    entries = split_top_level(text, "[]")
     out = []
     for entry in (e.strip() for e in entries):
         match = _ARG.match(entry)

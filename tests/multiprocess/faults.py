@@ -24,7 +24,6 @@ mpmdc.distributed.initialize()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 MODE = sys.argv[1]
 HERE = jax.process_index()

@@ -22,7 +22,6 @@ import mpmdc
 mpmdc.distributed.initialize()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpmdc.cli.demo import init_params  # noqa: E402
