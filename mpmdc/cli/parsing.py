@@ -76,7 +76,10 @@ class MeshesSpec(BaseModel):
 
 def parse_args(text: str) -> tuple[ArgType, ...]:
     """``"f32[8,16], i32[]"`` as argument types (a bad entry is a ``ValueError``)."""
-    entries = split_top_level(text, "[]")
+    try:
+        entries = split_top_level(text, "[]")
+    except ValueError:  # an unclosed bracket: the whole text is the entry that is no type
+        entries = [text]
     out = []
     for entry in (e.strip() for e in entries):
         match = _ARG.match(entry)
