@@ -8,7 +8,6 @@ not retrace.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -144,7 +143,7 @@ def _through_passes(program: Program, passes, signature, started: float) -> Lowe
         seconds[name], last = now - last, now
         dumps.append((name, p))
 
-    run_pipeline(program, passes, record, verify=os.environ.get("MPMDC_VERIFY") == "1")
+    run_pipeline(program, passes, record)
     return Lowered(dumps, signature, seconds)
 
 

@@ -6,7 +6,10 @@ the ``lower`` pass's result is called ``stablehlo``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import gc
+import os
 from typing import Callable, Iterable, Protocol
 
 from mpmdc._text import split_top_level
@@ -60,20 +63,41 @@ def _split_pipeline_text(text: str) -> list[str]:
     return [item for item in items if item.strip()]
 
 
+_VERIFYING = contextvars.ContextVar("mpmdc_verifying", default=False)
+
+
+def verification_requested() -> bool:
+    """Whether the pipeline verifies every pass's output: with ``MPMDC_VERIFY=1`` (the
+    test suite sets it) or inside :func:`verifying` (``mpmdc dump`` is)."""
+    return _VERIFYING.get() or os.environ.get("MPMDC_VERIFY") == "1"
+
+
+@contextlib.contextmanager
+def verifying():
+    """Verify every pass's output of the pipelines run inside this block."""
+    token = _VERIFYING.set(True)
+    try:
+        yield
+    finally:
+        _VERIFYING.reset(token)
+
+
 def run_pipeline(
     program: Program,
     passes: Iterable[Pass],
     callback: Callable[[str, Program], None] | None = None,
     *,
-    verify: bool = False,
+    verify: bool | None = None,
 ) -> Program:
     """Apply ``passes`` in order, calling ``callback(stage_name, program)`` after each.
 
-    With ``verify`` every pass's output is also checked by :func:`verify_program`
-    (the test suite turns this on with ``MPMDC_VERIFY=1``). A pass that raises
+    With ``verify`` (default: :func:`verification_requested`) every pass's output is
+    also checked by :func:`verify_program`, JAX's ``check_jaxpr`` included. A pass that raises
     something other than an ``MpmdcError``, or whose output fails verification, is
     an ``InternalError`` naming the pass and the stage of the program it got.
     """
+    if verify is None:
+        verify = verification_requested()
     if callback is not None:
         callback("input", program)
     # Passes allocate millions of small objects and free them by reference counting;

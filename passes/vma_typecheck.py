@@ -12,8 +12,9 @@
 * Between ``partition`` and ``split``, every equation has a placement.
 
 The first, the placements and the locations are invariants every pass keeps
-(:func:`verify`, which the pipeline can run after every pass); the specs and
-``shard_map`` meshes are the user's choices.
+(:func:`verify`, which the pipeline runs after every pass when asked to verify); the
+specs, ``shard_map`` meshes and effects are the user's choices, checked by the pass,
+which leaves the costly ``check_jaxpr`` to verification.
 """
 
 from __future__ import annotations
@@ -102,14 +103,21 @@ def verify(program: Program) -> Program:
     """Check what every pass must keep true, whatever the user wrote; raise
     ``TypeCheckError`` if a pass broke it.
 
-    The program is well typed (JAX's ``check_jaxpr``), every equation of a placed
-    program has a placement, and after ``split`` every value is read where it lives.
-    The pipeline runs this after every pass when asked to verify (``MPMDC_VERIFY=1``).
+    The program is well typed (JAX's ``check_jaxpr``, over every nested body: the
+    costly part) and :func:`_check_structure` holds. The pipeline runs this after every
+    pass when asked to verify (``MPMDC_VERIFY=1``, ``mpmdc dump``).
     """
     try:
         jcore.check_jaxpr(program.jaxpr.jaxpr)
     except jcore.JaxprTypeError as err:
         raise TypeCheckError(f"the program is ill-typed: {err}") from None
+    _check_structure(program)
+    return program
+
+
+def _check_structure(program: Program) -> None:
+    """Every equation of a placed program has a placement, and after ``split`` every
+    value is read where it lives (one walk over the top-level equations)."""
     placements = program.placements
     if placements is not None:
         for eqn, p in zip(program.jaxpr.jaxpr.eqns, placements):
@@ -120,7 +128,6 @@ def verify(program: Program) -> Program:
                 )
     elif program.is_split:
         _check_locations(program)
-    return program
 
 
 def _check_fit_mesh(eqns, program: Program, mesh_index: int, where: str) -> None:
@@ -147,11 +154,16 @@ def _check_user_choices(program: Program) -> None:
             _check_fit_mesh(body, program, eqn.params["mesh"], f"fragment {eqn.params['name']}")
 
 
-@register("vma-typecheck", "check types, meshes, shardings and manual axes")
+@register("vma-typecheck", "check meshes, shardings, manual axes (and types, when verifying)")
 def vma_typecheck(program: Program) -> Program:
-    """Check ``program``: :func:`verify`, then the user's specs, ``shard_map`` meshes and
-    ordered effects. Returns it unchanged or raises ``TypeCheckError``."""
-    verify(program)
+    """Check ``program``: the user's specs, ``shard_map`` meshes and ordered effects, and
+    its placements or locations. Returns it unchanged or raises ``TypeCheckError``.
+
+    JAX's ``check_jaxpr`` of the whole program is left to verification (:func:`verify`,
+    which the pipeline runs after every pass when asked): JAX checked the user's
+    program as it traced it, and only a bug in a pass could make it ill-typed.
+    """
+    _check_structure(program)
     if program.in_meshes is not None:
         _check_user_choices(program)
     return program

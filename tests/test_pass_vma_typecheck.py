@@ -6,6 +6,8 @@ mesh holding the value and splits only dimensions they divide, a ``SpecError``; 
 ``shard_map`` runs on the mesh it was built for, a ``TypeCheckError``); and so are the
 invariants of every pass (``TypeCheckError``): between ``partition`` and ``split`` every
 equation has a placement, after ``split`` every value is read on the mesh where it lives.
+JAX's ``check_jaxpr`` is left to verification (``verify``), which the pipeline runs
+after every pass when asked.
 
 The broken programs here are made by hand from good ones: a spec replaced, a placement
 moved or dropped, a transfer cut out.
@@ -14,20 +16,22 @@ moved or dropped, a transfer cut out.
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import input_program
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc import _jax_compat as compat
 from mpmdc.errors import SpecError, TypeCheckError
 from mpmdc.ir.primitives import transfer_p
 from mpmdc.ir.program import Placement, make_closed_jaxpr, placed
 from mpmdc.passes import inline, partition, split, vma_typecheck
+from mpmdc.passes.vma_typecheck import verify
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 
 
 def placed_program(fn, meshes, *args):
-    program = mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
-    return partition(inline(program))
+    return partition(inline(input_program(fn, meshes, *args)))
 
 
 def with_eqns(program, eqns):
@@ -111,3 +115,16 @@ def test_after_split_a_value_read_off_its_mesh_is_a_type_error(meshes2):
     direct = s1.replace(invars=list(transfer.invars))
     with pytest.raises(TypeCheckError, match=r"fragment s1_fwd on mesh1 reads a value living on mesh0 \(float32\[4,8\]\); a transfer is missing"):
         vma_typecheck(with_eqns(program, [s0, direct]))
+
+
+def test_types_are_left_to_verification(meshes2):
+    # JAX type-checked the user's program while tracing it; only a pass could break
+    # that, so the pass skips the costly check_jaxpr and verification runs it.
+    program = placed_program(two_stages, meshes2, X)
+    eqns = list(program.jaxpr.jaxpr.eqns)
+    i = next(k for k, e in enumerate(eqns) if e.primitive.name == "sin")
+    eqns[i] = eqns[i].replace(outvars=[compat.Var(jax.core.ShapedArray((2,), jnp.float32))])
+    broken = with_eqns(program, eqns)
+    assert vma_typecheck(broken) is broken
+    with pytest.raises(TypeCheckError, match="ill-typed"):
+        verify(broken)

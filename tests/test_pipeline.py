@@ -11,8 +11,13 @@ import mpmdc
 from mpmdc import cli, errors
 from mpmdc.ir.program import placed
 from mpmdc.passes import PASSES, FunctionPass
-from mpmdc.pipeline import DEFAULT_PIPELINE, resolve, run_pipeline
-
+from mpmdc.pipeline import (
+    DEFAULT_PIPELINE,
+    resolve,
+    run_pipeline,
+    verification_requested,
+    verifying,
+)
 
 X = jnp.ones((4, 8))
 
@@ -58,6 +63,36 @@ def test_verification_failure_names_the_pass_whose_output_failed(meshes2):
     with pytest.raises(errors.InternalError, match=r"`forgets-placements`, run on the program 'input': its output fails verification: TypeCheckError: `sin` at .*has no placement"):
         run_pipeline(program, [FORGETS_PLACEMENTS], verify=True)
     run_pipeline(program, [FORGETS_PLACEMENTS], verify=False)  # unverified, nothing notices
+
+
+def test_verification_runs_when_asked_and_only_then(meshes2, monkeypatch):
+    program = mpmdc.compile(two_stage, meshes2).lower(jnp.ones(4)).program("after-partition")
+    monkeypatch.delenv("MPMDC_VERIFY", raising=False)
+    assert not verification_requested()
+    run_pipeline(program, [FORGETS_PLACEMENTS])  # a user's compile does not verify
+    with verifying():
+        assert verification_requested()
+        with pytest.raises(errors.InternalError, match="fails verification"):
+            run_pipeline(program, [FORGETS_PLACEMENTS])
+    assert not verification_requested()
+    monkeypatch.setenv("MPMDC_VERIFY", "1")
+    with pytest.raises(errors.InternalError, match="fails verification"):
+        run_pipeline(program, [FORGETS_PLACEMENTS])
+
+
+def test_dump_verifies_every_pass(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MPMDC_VERIFY", raising=False)
+    monkeypatch.setitem(PASSES, FORGETS_PLACEMENTS.name, FORGETS_PLACEMENTS)
+    target = tmp_path / "model.py"
+    target.write_text(
+        "import jax.numpy as jnp, mpmdc\n"
+        "from test_pipeline import two_stage\n"
+        "def lowered():\n"
+        "    return mpmdc.compile(two_stage, mpmdc.make_meshes(2, {'data': 2})).lower(jnp.ones(4))\n"
+    )
+    status = cli.main(["dump", f"{target}:lowered", "--passes", "inline,partition,forgets-placements"])
+    _, err = capsys.readouterr()
+    assert status == 1 and "`forgets-placements`, run on the program 'after-partition': its output fails verification" in err
 
 
 def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):

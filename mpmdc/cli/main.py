@@ -28,7 +28,7 @@ from mpmdc.errors import (
     UsageError,
 )
 from mpmdc.passes import PASSES
-from mpmdc.pipeline import DEFAULT_PIPELINE
+from mpmdc.pipeline import DEFAULT_PIPELINE, verifying
 from mpmdc.schedules import UNIT_COSTS, Layout, bubble_formula, simulate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -159,9 +159,10 @@ def _dump(args) -> int:
                 f"unknown platform {platform!r}; available backends: {', '.join(backends.available())}"
             )
     target = find_target(module, options.file, options.target_name)
-    lowered = _user_code(lambda: lowered_from_target(target, options), options)
-    if options.passes is not None:
-        lowered = lowered.rerun(options.passes)
+    with verifying():  # a dump is for looking closely: every pass's output is checked
+        lowered = _user_code(lambda: lowered_from_target(target, options), options)
+        if options.passes is not None:
+            lowered = lowered.rerun(options.passes)
 
     if options.list_stages:
         print("\n".join(lowered.stages))
