@@ -237,30 +237,61 @@ PARAMS_LOWERING_IGNORES: dict = {
 }
 
 
-def _unprinted(value, out: list) -> None:
-    """Append to ``out`` what of a parameter ``value`` the jaxpr printer leaves out:
-    constants of closed jaxprs (by identity), and every non-jaxpr value itself (by
-    equality where it is hashable, else by identity). Callbacks print as a masked
-    address and constants by type only, so text alone would merge different bodies."""
+def _hashable(value):
+    """``value`` where it can be hashed (compared by equality), else its identity."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _param_key(value, out: list) -> None:
+    """Append to ``out`` an account of parameter ``value``: a jaxpr by its structure,
+    the constants of a closed one by identity, other values by equality where they are
+    hashable, else by identity (callbacks, arrays)."""
     if isinstance(value, jcore.ClosedJaxpr):
-        out.append(tuple(id(c) for c in value.consts))
-        _unprinted(value.jaxpr, out)
+        out.append(("consts", tuple(id(c) for c in value.consts)))
+        _jaxpr_key(value.jaxpr, out)
     elif isinstance(value, jcore.Jaxpr):
-        for eqn in value.eqns:
-            ignored = PARAMS_LOWERING_IGNORES.get(eqn.primitive, ())
-            for name in sorted(eqn.params):
-                if name not in ignored:
-                    _unprinted(eqn.params[name], out)
-            out.extend(id(a.val) for a in eqn.invars if isinstance(a, jcore.Literal) and np.ndim(a.val))
+        _jaxpr_key(value, out)
     elif isinstance(value, (tuple, list)):
+        out.append(("items", len(value)))
         for item in value:
-            _unprinted(item, out)
+            _param_key(item, out)
     else:
-        try:
-            hash(value)
-        except TypeError:
-            value = ("id", id(value))
-        out.append(value)
+        out.append(_hashable(value))
+
+
+def _jaxpr_key(jaxpr: jcore.Jaxpr, out: list) -> None:
+    """Append to ``out`` what ``jaxpr`` computes: the types of its constants and inputs,
+    then per equation its primitive, operands (variables numbered as they are defined,
+    literals by value), result types, context and parameters, then its outputs."""
+    number: dict = {}
+
+    def define(variables) -> None:
+        for v in variables:
+            number[v] = len(number)
+        out.append(tuple(v.aval for v in variables))
+
+    def operand(a):
+        if isinstance(a, jcore.Literal):
+            return ("literal", _hashable(a.val) if not np.ndim(a.val) else ("id", id(a.val)), a.aval)
+        return number[a]
+
+    define(jaxpr.constvars)
+    define(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        ctx = eqn.ctx
+        out.append((eqn.primitive, tuple(operand(a) for a in eqn.invars)))
+        out.append(_hashable((ctx.compute_type, ctx.threefry_partitionable, ctx.xla_metadata)))
+        define(eqn.outvars)
+        ignored = PARAMS_LOWERING_IGNORES.get(eqn.primitive, ())
+        for name in sorted(eqn.params):
+            if name not in ignored:
+                out.append(name)
+                _param_key(eqn.params[name], out)
+    out.append(tuple(operand(a) for a in jaxpr.outvars))
 
 
 _BODY_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -269,14 +300,15 @@ _BODY_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def body_key(body: jcore.ClosedJaxpr) -> tuple:
     """What a closed jaxpr computes, as a hashable key: equal keys compute the same.
 
-    JAX's printed text (variables renamed canonically) plus what the text leaves out
-    (``_unprinted``): its constants and those of nested calls, callbacks, other
-    opaque parameters. Remembered per body object, since several passes ask.
+    One walk over the body and the jaxprs nested in it (``_jaxpr_key``); its constants
+    and opaque parameters (callbacks, arrays) count by identity. Printing the jaxpr
+    would say as much but cost ten times more. Remembered per body object, since
+    several passes ask.
     """
     if body not in _BODY_KEYS:
-        extra: list = []
-        _unprinted(body, extra)
-        _BODY_KEYS[body] = (str(body), tuple(extra))
+        key: list = []
+        _param_key(body, key)
+        _BODY_KEYS[body] = tuple(key)
     return _BODY_KEYS[body]
 
 
