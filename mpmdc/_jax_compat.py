@@ -4,6 +4,10 @@ Everything here is a private JAX name that mpmdc needs and that has no public
 equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job.
 """
 
+import io
+
+import numpy as np
+from jax._src import compiler as _compiler
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
@@ -11,6 +15,7 @@ from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import xla_bridge as _xla_bridge
+from jax.experimental import serialize_executable
 
 Var = _core.Var
 JaxprPpContext = _core.JaxprPpContext
@@ -80,6 +85,46 @@ def direct_call(executable):
     make = getattr(executable._executable, "create_cpp_call", None)
     call = make(executable._params) if make is not None else None
     return call if call is not None else executable
+
+
+def load_on_devices(compiled, devices):
+    """``compiled`` (a ``jax.stages.Compiled`` for one mesh) loaded to run on ``devices``
+    instead, the same number in the same order, without compiling it again; ``None``
+    where that cannot be done safely.
+
+    The executable is serialized and deserialized with its device assignment, shardings
+    and meshes moved onto ``devices`` (milliseconds, against a compile's tenths of a
+    second). Executables with host callbacks or effects keep Python objects that do not
+    travel, so they are left to be compiled.
+    """
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if unloaded is None or unloaded.host_callbacks or unloaded.keepalive:
+        return None
+    if unloaded.ordered_effects or unloaded.unordered_effects:
+        return None
+    old = list(unloaded.device_list)
+    if len(old) != len(devices):
+        return None
+    moved = {d.id: new for d, new in zip(old, devices)}
+    client = devices[0].client
+    options = _compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=len(devices),
+        device_assignment=np.array(list(devices)).reshape(1, -1),
+        backend=client,
+    )
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+
+    class Moving(serialize_executable._JaxPjrtUnpickler):
+        def persistent_load(self, pid):
+            if pid[0] == "device":
+                return moved[pid[1]]
+            if pid[0] == "exec":
+                return self.backend.deserialize_executable(pid[1], self.execution_devices, options)
+            return super().persistent_load(pid)
+
+    executable, args_info, no_kwargs = Moving(io.BytesIO(payload), client, list(devices)).load()
+    return _stages.Compiled(executable.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs)
 
 
 def detect_cluster():

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from mpmdc import _jax_compat as compat
 from mpmdc.errors import BackendError
 from mpmdc.lowering.send_recv import IN_PROGRAM_PLATFORMS
 
@@ -71,6 +72,12 @@ class Backend:
         Called from several threads at once for a program's distinct fragments.
         """
         return lowered.compile(dict(self.compiler_options) or None)
+
+    def load_fragment(self, compiled, devices):
+        """``compiled`` (from :meth:`compile_fragment`, for one mesh) made to run on
+        ``devices`` (another mesh of the same shape, in the same order) without compiling
+        again, or ``None`` to have the fragment compiled for that mesh instead."""
+        return compat.load_on_devices(compiled, devices)
 
     def check_can_run(self, meshes) -> None:
         """Raise ``BackendError`` unless this backend can run fragments on ``meshes`` here."""

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mlp_loss
+from helpers import assert_same_as_jit, mlp_loss
 
 import mpmdc
 from mpmdc import backends
@@ -92,6 +92,66 @@ def test_what_runs_is_what_lower_shows_also_when_donating(meshes2, monkeypatch):
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5)
     assert all(w.is_deleted() for w in ws)
+
+
+def _recording_backends(monkeypatch):
+    """Two CPU backends that record each XLA compile: ``recording-cpu`` shares a stage's
+    executable across meshes of one shape, ``compiling-cpu`` compiles it for each."""
+    compiled = []
+
+    class Recording(backends.Backend):
+        def compile_fragment(self, lowered):
+            compiled.append(lowered)
+            return super().compile_fragment(lowered)
+
+    class Compiling(Recording):
+        def load_fragment(self, compiled, devices):
+            return None
+
+    monkeypatch.setattr(backends, "_registry", dict(backends._registry))
+    backends.register(Recording("recording-cpu", "cpu"))
+    backends.register(Compiling("compiling-cpu", "cpu"))
+    return compiled
+
+
+def test_a_stage_repeated_on_meshes_of_one_shape_is_compiled_once(meshes4, monkeypatch):
+    """Stages 0-2 are one body (tanh of a matmul) on three meshes of one shape: XLA
+    compiles it once, and the other two meshes load that executable onto their devices,
+    computing the same bits as an executable compiled for each."""
+    compiled = _recording_backends(monkeypatch)
+    step = jax.value_and_grad(mlp_loss)
+    shared = mpmdc.compile(step, meshes4, backend="recording-cpu").lower(WS, X).compile()
+    shared_compiles = len(compiled)
+    compiled.clear()
+    separate = mpmdc.compile(step, meshes4, backend="compiling-cpu").lower(WS, X).compile()
+    assert (shared_compiles, len(compiled)) == (4, 7)
+    assert shared.num_executables == separate.num_executables == 7
+    got, want = jax.tree.leaves(shared(WS, X)), jax.tree.leaves(separate(WS, X))
+    for g, w in zip(got, want):
+        assert g.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert_same_as_jit(step, meshes4, WS, X)
+
+
+def test_a_stage_with_a_callback_is_compiled_for_each_mesh(meshes4, monkeypatch):
+    """A host callback is a Python object the executable keeps: it does not travel to
+    another mesh, so each mesh compiles its own."""
+    compiled = _recording_backends(monkeypatch)
+    seen = []
+
+    def loss(ws, x):
+        for i, w in enumerate(ws):
+            x = jnp.tanh(mpmdc.stage(x, i) @ w)
+            jax.debug.callback(lambda v: seen.append(float(v)), jnp.sum(x))
+        return jnp.sum(x**2)
+
+    executable = mpmdc.compile(loss, meshes4, backend="recording-cpu").lower(WS, X).compile()
+    assert len(compiled) == executable.num_executables == 4
+    got = executable(WS, X)
+    jax.effects_barrier()
+    assert np.asarray(got) == np.asarray(jax.jit(loss)(WS, X))
+    jax.effects_barrier()
+    assert len(seen) == 8 and seen[:4] == seen[4:]  # each stage's callback once, as under jit
 
 
 def test_input_shardings_say_where_each_argument_runs(meshes4):

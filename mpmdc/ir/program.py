@@ -320,6 +320,14 @@ def fragment_key(eqn) -> tuple:
     return (body_key(p["jaxpr"]), p["mesh"], p["in_specs"], p["out_specs"], p["donate_argnums"])
 
 
+def module_key(eqn, mesh) -> tuple:
+    """Fragments with equal keys compile to one executable up to the devices it runs on:
+    the :func:`fragment_key` with the mesh index replaced by ``mesh``'s axes (names,
+    sizes and types), so identical stages on meshes of one shape share it."""
+    body, _, *rest = fragment_key(eqn)
+    return (body, tuple(mesh.shape.items()), tuple(getattr(mesh, "axis_types", ())), *rest)
+
+
 # ----------------------------------------------------------------- printing
 
 

@@ -37,7 +37,7 @@ from mpmdc import backends, distributed
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Program, fragment_key, is_var
+from mpmdc.ir.program import Program, fragment_key, is_var, module_key
 from mpmdc.ir.pytrees import first_difference, skeleton
 from mpmdc.ir.sharding import named
 from mpmdc.runtime.memory import MeshMemory, memory_profile
@@ -170,13 +170,36 @@ def _compile_here(program: Program, backend, here: list[bool]) -> tuple[dict, di
     """``(fragment key per equation index, executable per key)`` for the fragments of
     meshes here: every module ``lower`` produced, compiled once, in parallel (XLA
     releases the GIL while it compiles). Nothing is lowered here, so what runs is what
-    ``lower`` shows."""
-    keys = {
-        i: fragment_key(eqn)
-        for i, eqn in enumerate(program.jaxpr.jaxpr.eqns)
-        if eqn.primitive is fragment_p and here[eqn.params["mesh"]]
-    }
-    return keys, compile_all(backend, {k: program.lowerings[k] for k in keys.values()})
+    ``lower`` shows.
+
+    A module that differs from one of another mesh only in its devices (the same stage
+    body on meshes of one shape) is compiled once and loaded onto the other mesh's
+    devices (``Backend.load_fragment``), where both meshes are this process's own.
+    """
+    eqns = program.jaxpr.jaxpr.eqns
+    keys = {i: fragment_key(eqn) for i, eqn in enumerate(eqns) if eqn.primitive is fragment_p and here[eqn.params["mesh"]]}
+    mesh_of, first_of, loaded_from = {}, {}, {}
+    for i, key in keys.items():
+        if key in mesh_of:
+            continue
+        mesh_of[key] = mesh = program.meshes[eqns[i].params["mesh"]]
+        first = first_of.setdefault(module_key(eqns[i], mesh), key)
+        if first != key and not eqns[i].effects and _can_share(mesh_of[first], mesh):
+            loaded_from[key] = first
+    executables = compile_all(backend, {k: program.lowerings[k] for k in mesh_of if k not in loaded_from})
+    for key, first in loaded_from.items():
+        loaded = backend.load_fragment(executables[first], list(mesh_of[key].devices.flat))
+        executables[key] = loaded if loaded is not None else backend.compile_fragment(program.lowerings[key])
+    return keys, executables
+
+
+def _can_share(a, b) -> bool:
+    """Whether an executable compiled for mesh ``a`` may be loaded onto mesh ``b``: both
+    are this process's alone, and no persistent compilation cache is in use (an
+    executable that came from it loses kernels when serialized again)."""
+    me = jax.process_index()
+    own = all(d.process_index == me for mesh in (a, b) for d in mesh.devices.flat)
+    return own and not jax.config.jax_compilation_cache_dir
 
 
 class Executable:
