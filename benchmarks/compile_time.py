@@ -3,8 +3,9 @@
 The step: next-token loss and gradient over 8 microbatches under 1F1B, then Adam, for
 4 to 32 layers in 4 stages on 4 meshes of 2 CPU devices. For mpmdc it times tracing,
 the passes alone (inline..schedule, and per equation of the traced program), the
-`lower` pass (StableHLO), the whole `lower()`, and `lower().compile()`; for jax.jit,
-`jax.jit(step).lower(...).compile()` of the same step on one device (where
+`lower` pass (StableHLO), the whole `lower()` (against `jax.jit(step).lower(...)`), and
+`lower().compile()` with the number of fragments XLA compiled and of those loaded from
+another mesh's executable; for jax.jit, `jax.jit(step).lower(...).compile()` of the same step on one device (where
 `accumulate` is a `lax.scan`). Writes results/compile_time.json and, with
 matplotlib, results/compile_time.png.
 
@@ -22,9 +23,24 @@ import _common
 import jax
 
 import mpmdc
+from mpmdc import backends
 from mpmdc.cli.models import init_transformer, transformer_loss
 
 PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
+COUNTS = {"compiled": 0, "loaded": 0}
+
+
+def _counting(method, counter):
+    def counted(self, *args):
+        COUNTS[counter] += 1
+        return method(self, *args)
+
+    return counted
+
+
+# How many fragments XLA compiles, and how many reuse another mesh's executable.
+backends.Backend.compile_fragment = _counting(backends.Backend.compile_fragment, "compiled")
+backends.Backend.load_fragment = _counting(backends.Backend.load_fragment, "loaded")
 
 
 def measure(layers: int) -> dict:
@@ -32,9 +48,11 @@ def measure(layers: int) -> dict:
     start = time.perf_counter()
     lowered = mpmdc.compile(step, _common.four_meshes()).lower(*args)
     lower_s = time.perf_counter() - start
+    COUNTS.update(compiled=0, loaded=0)
     start = time.perf_counter()
     lowered.compile()
     compile_s = time.perf_counter() - start
+    jit_lower_s = _common.seconds(lambda: jax.jit(step).lower(*args))
     jit_s = _common.seconds(lambda: jax.jit(step).lower(*args).compile())
     passes = sum(lowered.seconds[p] for p in PASSES)
     eqns = len(lowered.program("input").jaxpr.jaxpr.eqns)
@@ -46,7 +64,11 @@ def measure(layers: int) -> dict:
         "passes us/eqn": passes / eqns * 1e6,
         "StableHLO s": lowered.seconds["stablehlo"],
         "lower() s": lower_s,
+        "jax.jit lower s": jit_lower_s,
+        "lower ratio": lower_s / jit_lower_s,
         "compile() s": compile_s,
+        "XLA compiles": COUNTS["compiled"],
+        "loaded": COUNTS["loaded"],
         "mpmdc total s": lower_s + compile_s,
         "jax.jit total s": jit_s,
         "ratio": (lower_s + compile_s) / jit_s,

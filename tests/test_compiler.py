@@ -2,7 +2,11 @@
 the demo, markers under jit/grad/vmap. Each pass's own rules are tested on small programs
 in ``tests/test_pass_<name>.py``."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +156,48 @@ def test_a_stage_with_a_callback_is_compiled_for_each_mesh(meshes4, monkeypatch)
     assert np.asarray(got) == np.asarray(jax.jit(loss)(WS, X))
     jax.effects_barrier()
     assert len(seen) == 8 and seen[:4] == seen[4:]  # each stage's callback once, as under jit
+
+
+CACHED_PROGRAM = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+from jax import monitoring
+from helpers import mlp_loss
+import mpmdc
+
+events = {}
+monitoring.register_event_listener(lambda name, **_: events.__setitem__(name, events.get(name, 0) + 1))
+ws = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
+x = jnp.arange(32.0).reshape(4, 8) / 32
+step = jax.value_and_grad(mlp_loss)
+loss, _ = mpmdc.compile(step, mpmdc.make_meshes(4, {"data": 2}))(ws, x)
+print(events.get("/jax/compilation_cache/compile_requests_use_cache", 0),
+      events.get("/jax/compilation_cache/cache_hits", 0), float(loss))
+"""
+
+
+def test_the_persistent_compilation_cache_serves_every_fragment(tmp_path):
+    """JAX's persistent cache keys each fragment's module and devices: a second process
+    finds every one of its compiles there (no executable is shared across meshes when
+    the cache is on, since one loaded from it cannot be serialized again)."""
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", CACHED_PROGRAM], env=env, capture_output=True, text=True, timeout=100)
+        assert done.returncode == 0, done.stderr[-3000:]
+        requests, hits, loss = done.stdout.split()
+        runs.append((int(requests), int(hits), loss))
+    (cold_requests, cold_hits, cold_loss), (warm_requests, warm_hits, warm_loss) = runs
+    assert cold_hits == 0 and cold_requests >= 7  # at least the 7 fragments
+    assert warm_hits == warm_requests == cold_requests
+    assert warm_loss == cold_loss
 
 
 def test_input_shardings_say_where_each_argument_runs(meshes4):
