@@ -431,10 +431,15 @@ class Compiled:
             per_arg = [self.in_specs] * len(args)
         else:
             per_arg = list(self.in_specs)
-            if len(per_arg) != len(args):
+            dynamic = [i for i in range(len(args)) if i not in static]
+            if len(per_arg) == len(dynamic) < len(args):  # static ones left out, as jax.jit's in_shardings
+                given = iter(per_arg)
+                per_arg = [None if i in static else next(given) for i in range(len(args))]
+            elif len(per_arg) != len(args):
+                also = f" (or one per non-static argument, {len(dynamic)})" if static else ""
                 raise SpecError(
                     f"in_specs has {len(per_arg)} entries but the function was called with "
-                    f"{len(args)} positional arguments; give one entry per argument."
+                    f"{len(args)} positional arguments; give one entry per argument{also}."
                 )
         flat = []
         for i, (spec, arg) in enumerate(zip(per_arg, args)):

@@ -93,3 +93,20 @@ def test_out_shardings_off_the_meshes_are_named(meshes2):
         mpmdc.compile(lambda x: (x, x * 2), meshes2, out_shardings=(None, NamedSharding(other, P()))).lower(X)
     with pytest.raises(mpmdc.errors.SpecError, match=r"out_shardings for out is P\(\), which is not a NamedSharding"):
         mpmdc.compile(lambda x: x * 2, meshes2, out_shardings=P()).lower(X)
+
+
+def test_in_specs_may_leave_static_arguments_out_as_jax_jit_does(meshes2):
+    def scaled(w, scale, x):
+        return two_stage(w, x) * scale
+
+    with_static = mpmdc.compile(scaled, meshes2, static_argnums=1, in_specs=(None, None, P("data")))
+    without = mpmdc.compile(scaled, meshes2, static_argnums=1, in_specs=(None, P("data")))
+    assert with_static.lower(W, 2.0, X).program("after-split").in_specs[1] == P("data")
+    assert without.lower(W, 2.0, X).program("after-split").in_specs[1] == P("data")
+    assert_same_array(without(W, 2.0, X), jax.jit(scaled, static_argnums=1)(W, 2.0, X))
+    with pytest.raises(mpmdc.errors.SpecError, match=r"one entry per argument \(or one per non-static argument, 2\)"):
+        mpmdc.compile(scaled, meshes2, static_argnums=1, in_specs=(P("data"),)).lower(W, 2.0, X)
+    # The executable from lower() has its static arguments fixed: passing one again is named.
+    executable = without.lower(W, 2.0, X).compile()
+    with pytest.raises(mpmdc.errors.ArgumentError, match="static arguments were fixed by lower"):
+        executable(W, 2.0, X)

@@ -55,6 +55,9 @@ class TransferReport:
         columns = range(len(CATEGORIES)) if category is None else [CATEGORIES.index(category)]
         return sum(link.bytes[c] for link in self.links for c in columns)
 
+    def __str__(self) -> str:
+        return self.as_text()
+
     def as_text(self) -> str:
         """A table: one row per mesh pair, then the bytes each mesh holds."""
         head = ["link", "values"] + [f"{c} B" for c in CATEGORIES]

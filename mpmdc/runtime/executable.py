@@ -66,10 +66,13 @@ class Signature:
         if treedef != self.in_tree:
             want_args, want_kwargs = skeleton(self.in_tree)
             if len(args) != len(want_args) or sorted(kwargs) != sorted(want_kwargs):
+                static = (
+                    " (static arguments were fixed by lower(): leave them out)" if len(args) > len(want_args) else ""
+                )
                 raise ArgumentError(
                     f"called with {len(args)} positional argument(s) and keywords {sorted(kwargs)}, "
                     f"but the executable was lowered for {len(want_args)} and keywords "
-                    f"{sorted(want_kwargs)}; pass each argument the way it was passed to lower()."
+                    f"{sorted(want_kwargs)}; pass each argument the way it was passed to lower(){static}."
                 )
             found = first_difference((want_args, want_kwargs), (args, kwargs))
             detail = f" ({found.entries})" if found.entries else ""

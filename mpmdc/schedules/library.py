@@ -109,6 +109,7 @@ class Interleaved1F1B(Schedule):
             raise ScheduleError(
                 f"interleaved-1f1b runs microbatches in groups of {p} (one per mesh); "
                 f"{m} microbatches is not a multiple of {p}."
+                + (f" (With {n} stages on {n} meshes nothing interleaves: put several stages on each mesh.)" if n == p else "")
             )
         v = n // p
         total = m * v
