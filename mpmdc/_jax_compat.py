@@ -11,6 +11,7 @@ from jax._src import compiler as _compiler
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
+from jax._src.interpreters import partial_eval as _pe
 from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
@@ -125,6 +126,40 @@ def load_on_devices(compiled, devices):
 
     executable, args_info, no_kwargs = Moving(io.BytesIO(payload), client, list(devices)).load()
     return _stages.Compiled(executable.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs)
+
+
+def replay_in_trace(closed, *args):
+    """``closed``'s equations emitted as they are into the jaxpr being traced, on
+    ``args``; its outputs, or ``None`` outside a jaxpr trace (under ``vmap``, say).
+
+    What ``jax.core.jaxpr_as_fun(closed)(*args)`` does, without asking every primitive
+    for its output types again: the equations already carry them (JAX's own
+    ``inline_jaxpr_into_trace`` does the same, but gives every equation the call
+    site's source line, where this keeps each equation's own).
+    """
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    jaxpr = closed.jaxpr
+    env = {}
+    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args)):
+        env[var] = trace.to_jaxpr_tracer(value, _source_info_util.current())
+
+    def read(atom, source_info):
+        if isinstance(atom, _core.Literal):
+            return _pe.DynamicJaxprTracer(trace, atom.aval, atom, source_info)
+        return env[atom]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a, eqn.source_info) for a in eqn.invars]
+        effects = {
+            e.replace(env[e.input].val) if isinstance(e, _effects.JaxprInputEffect) else e for e in eqn.effects
+        }
+        outs = trace.emit_eqn(
+            ins, [v.aval for v in eqn.outvars], eqn.primitive, eqn.params, effects, eqn.source_info, eqn.ctx
+        )
+        env.update(zip(eqn.outvars, outs))
+    return [read(a, _source_info_util.current()) for a in jaxpr.outvars]
 
 
 def detect_cluster():

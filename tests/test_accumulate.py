@@ -73,3 +73,25 @@ def test_accumulate_errors(kwargs, error, says):
 def test_scalar_leaf_is_named():
     with pytest.raises(AccumulateError, match=r"xs\['scale'\] is a scalar"):
         mpmdc.accumulate(lambda mb: mb["x"].sum(), {"x": jnp.ones(4), "scale": 2.0}, microbatches=2)
+
+
+def test_microbatches_are_replayed_as_traced_keeping_source_lines(meshes2, monkeypatch):
+    """Under mpmdc the loop replays the traced microbatch by emitting its equations as
+    they are; the program is the one replaying them through ``jaxpr_as_fun`` (binding
+    every primitive again) gives, and every equation keeps the user's source line."""
+    from mpmdc import _jax_compat as compat
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(mpmdc.stage(jnp.sin(x) @ w, 1)) ** 2)
+
+    def step(w, x):
+        return mpmdc.accumulate(lambda xb: jax.value_and_grad(loss)(w, xb), x, microbatches=4)
+
+    w, x = jnp.eye(8) * 0.5, jnp.arange(64.0).reshape(8, 8) / 64
+    emitted = mpmdc.compile(step, meshes2).lower(w, x)
+    sines = [e for e in emitted.program("input").jaxpr.jaxpr.eqns if e.primitive.name == "sin"]
+    assert len(sines) == 4 and all("test_accumulate.py" in compat.source_line(e) for e in sines)
+    monkeypatch.setattr(compat, "replay_in_trace", lambda closed, *args: None)
+    bound = mpmdc.compile(step, meshes2).lower(w, x)
+    assert emitted.as_text("input") == bound.as_text("input")
+    assert emitted.as_text("stablehlo") == bound.as_text("stablehlo")

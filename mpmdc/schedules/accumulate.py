@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from mpmdc import _jax_compat as compat
 from mpmdc.errors import AccumulateError
 from mpmdc.ir.primitives import mark_microbatch
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
@@ -135,7 +136,8 @@ def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
 def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     """The loop unrolled for mpmdc: ``fn`` traced once, its jaxpr replayed per microbatch.
 
-    Replaying the equations (``jaxpr_as_fun`` keeps their source lines) costs a fraction
+    Replaying the equations (each keeping its source line; emitted as they are where
+    mpmdc traces, so no primitive computes its output types again) costs a fraction
     of tracing ``fn`` again, which for a training step means differentiating the model
     again. Values ``fn`` closes over (the parameters) are the jaxpr's constants. A
     microbatch is a contiguous slice of the leading axis, so a batch sharded along that
@@ -148,7 +150,11 @@ def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(one)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     kinds = _checked_reductions(reduce, out_tree, [y.shape for y in out_leaves])
-    replay = jcore.jaxpr_as_fun(closed)
+    fallback = jcore.jaxpr_as_fun(closed)
+
+    def replay(*args):
+        outs = compat.replay_in_trace(closed, *args)
+        return fallback(*args) if outs is None else outs
 
     def microbatch(i):
         return mark_microbatch([jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)], i)
