@@ -246,6 +246,13 @@ def _hashable(value):
     return value
 
 
+def _scalar_bits(value) -> tuple:
+    """A scalar literal by its dtype and bits: a Python number, NumPy scalar or 0-d
+    ``jax.Array`` (which cannot be hashed) of one value compare equal, NaN included."""
+    host = np.asarray(value)
+    return (host.dtype.str, host.tobytes())
+
+
 def _param_key(value, out: list) -> None:
     """Append to ``out`` an account of parameter ``value``: a jaxpr by its structure,
     the constants of a closed one by identity, other values by equality where they are
@@ -276,7 +283,7 @@ def _jaxpr_key(jaxpr: jcore.Jaxpr, out: list) -> None:
 
     def operand(a):
         if isinstance(a, jcore.Literal):
-            return ("literal", _hashable(a.val) if not np.ndim(a.val) else ("id", id(a.val)), a.aval)
+            return ("literal", _scalar_bits(a.val) if not np.ndim(a.val) else ("id", id(a.val)), a.aval)
         return number[a]
 
     define(jaxpr.constvars)
