@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax
 from jax.experimental import checkify
-from jax.extend import core as jcore
 
+from mpmdc import _jax_compat as compat
 from mpmdc.ir.program import Program, find_eqns
 from mpmdc.ir.sharding import named
 
@@ -41,7 +41,7 @@ def _raising_checks(body):
 
 def _fragment_function(eqn):
     """A Python callable running fragment ``eqn``'s body, named after the fragment."""
-    body = jcore.jaxpr_as_fun(eqn.params["jaxpr"])
+    body = compat.replaying_fun(eqn.params["jaxpr"])
     if any(find_eqns(eqn.params["jaxpr"].jaxpr.eqns, lambda e: e.primitive.name == "check")):
         body = _raising_checks(body)
 

@@ -162,6 +162,19 @@ def replay_in_trace(closed, *args):
     return [read(a, _source_info_util.current()) for a in jaxpr.outvars]
 
 
+def replaying_fun(closed):
+    """``jax.core.jaxpr_as_fun(closed)`` that replays the equations as they are
+    (:func:`replay_in_trace`) where it is called inside a jaxpr trace, and binds them
+    again elsewhere (under ``vmap`` or ``checkify``, say)."""
+    bound = _core.jaxpr_as_fun(closed)
+
+    def run(*args):
+        outs = replay_in_trace(closed, *args)
+        return bound(*args) if outs is None else outs
+
+    return run
+
+
 def detect_cluster():
     """``(coordinator address, process count, process id, local device ids)`` as
     ``jax.distributed`` detects them from a cluster's environment (SLURM, Open MPI,

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import AccumulateError
@@ -150,11 +149,7 @@ def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(one)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     kinds = _checked_reductions(reduce, out_tree, [y.shape for y in out_leaves])
-    fallback = jcore.jaxpr_as_fun(closed)
-
-    def replay(*args):
-        outs = compat.replay_in_trace(closed, *args)
-        return fallback(*args) if outs is None else outs
+    replay = compat.replaying_fun(closed)
 
     def microbatch(i):
         return mark_microbatch([jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)], i)
