@@ -28,7 +28,9 @@ from mpmdc.ir.program import Program
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import spec_problem
 from mpmdc.ir.traffic import TransferReport, transfer_report
+from mpmdc.passes.lower import handing_modules_to
 from mpmdc.pipeline import resolve, run_pipeline
+from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Executable, Signature, leaf_type
 from mpmdc.runtime.meshes import check_meshes
 from mpmdc.schedules.accumulate import unrolled
@@ -221,7 +223,11 @@ class Lowered:
 
         Compiles the modules of the ``stablehlo`` stage (lowering first, with the
         ``lower`` pass, if this pipeline stopped before it)."""
-        return Executable(self._lowered(None), self.signature)
+        return self._executable(None)
+
+    def _executable(self, compiler: FragmentCompiler | None) -> Executable:
+        """:meth:`compile`, finishing what ``compiler`` started while lowering."""
+        return Executable(self._lowered(None), self.signature, compiler=compiler)
 
 
 class Compiled:
@@ -309,7 +315,11 @@ class Compiled:
         key, leaves = self._signature_key(args, kwargs)
         exe = self._cache.get(key)
         if exe is None:
-            exe = self.lower(*args, **kwargs).compile()
+            backend = backends.get(self.backend)
+            backend.check_can_run(self.meshes)
+            # XLA compiles each module while the `lower` pass lowers the next.
+            with FragmentCompiler(backend) as compiler, handing_modules_to(compiler.offer):
+                exe = self.lower(*args, **kwargs)._executable(compiler)
             self._cache[key] = exe
         return exe, leaves
 

@@ -13,10 +13,15 @@ Needs a split program, in its final order of calls. Three phases:
 The modules are attached to the program in fragment order, with the backend they
 were lowered for (the stage called ``stablehlo`` prints them), and the
 ``jax.stages.Lowered`` objects are kept: the runtime compiles exactly these, so what
-``stablehlo`` shows is what runs.
+``stablehlo`` shows is what runs. Within :func:`handing_modules_to` each new module is
+also handed on as soon as it is lowered (the call path's compiler starts XLA on it
+while this pass lowers the next); the pass's result does not depend on it.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from mpmdc import backends
 from mpmdc.errors import PassError
@@ -26,6 +31,20 @@ from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
 from mpmdc.lowering import lower_fragment
 from mpmdc.passes.base import register
 from mpmdc.passes.in_program_transfers import in_program_transfers
+
+_module_sink: ContextVar = ContextVar("mpmdc_module_sink", default=None)
+
+
+@contextmanager
+def handing_modules_to(sink):
+    """Within the block, ``lower`` calls ``sink(key, eqn, mesh, backend, lowered)`` for
+    each distinct module right after lowering it (``key`` its fragment key, ``eqn`` the
+    first fragment with it, ``mesh`` that fragment's mesh)."""
+    token = _module_sink.set(sink)
+    try:
+        yield
+    finally:
+        _module_sink.reset(token)
 
 
 @register("lower", "emit StableHLO per fragment for the backend's platform")
@@ -37,12 +56,15 @@ def lower(program: Program, *, backend: str | None = None) -> Program:
     if chosen.transfers == "in-program":
         program = in_program_transfers(program)
     program = with_donations(program)
+    sink = _module_sink.get()
     lowerings, modules = {}, []
     for eqn in program.jaxpr.jaxpr.eqns:
         if eqn.primitive is fragment_p:
             key = fragment_key(eqn)
             if key not in lowerings:
                 lowerings[key] = lower_fragment(program, eqn, chosen)
+                if sink is not None:
+                    sink(key, eqn, program.meshes[eqn.params["mesh"]], chosen, lowerings[key])
                 modules.append((eqn.params["name"], lowerings[key].as_text()))
     return program.replace(modules=tuple(modules), backend=chosen.name, lowerings=lowerings)
 

@@ -2,10 +2,12 @@
 the demo, markers under jit/grad/vmap. Each pass's own rules are tested on small programs
 in ``tests/test_pass_<name>.py``."""
 
+import importlib
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -144,6 +146,37 @@ def test_a_stage_repeated_on_meshes_of_one_shape_is_compiled_once(meshes4, monke
         assert g.sharding == w.sharding
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert_same_as_jit(step, meshes4, WS, X)
+
+
+def test_the_first_call_compiles_each_module_while_the_next_is_lowered(meshes4, monkeypatch):
+    """On the call path XLA starts on a module as soon as ``lower`` has emitted it: the
+    last module's lowering waits (up to 30 s) for the first compile to begin, which
+    happens only if compiles start before lowering ends. The result is jax.jit's."""
+    lower_pass = importlib.import_module("mpmdc.passes.lower")  # (the package exports the pass by that name)
+    compiled = _recording_backends(monkeypatch)
+    started = threading.Event()
+    lowered_names, waited = [], []
+    original = lower_pass.lower_fragment
+
+    class Signalling(backends.Backend):
+        def compile_fragment(self, lowered):
+            started.set()
+            compiled.append(lowered)
+            return super().compile_fragment(lowered)
+
+    def lower_fragment(program, eqn, backend):
+        lowered_names.append(eqn.params["name"])
+        if eqn.params["name"] == "s0_bwd":  # the last fragment
+            waited.append(started.wait(30))
+        return original(program, eqn, backend)
+
+    backends.register(Signalling("signalling-cpu", "cpu"))
+    monkeypatch.setattr(lower_pass, "lower_fragment", lower_fragment)
+    step = jax.value_and_grad(mlp_loss)
+    got = mpmdc.compile(step, meshes4, backend="signalling-cpu")(WS, X)
+    assert waited == [True] and lowered_names[-1] == "s0_bwd"
+    assert len(compiled) == 4  # 7 modules; s1's and s2's forward and s1's backward are loaded
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.jit(step)(WS, X)[0]), rtol=2e-6)
 
 
 def test_a_stage_with_a_callback_is_compiled_for_each_mesh(meshes4, monkeypatch):

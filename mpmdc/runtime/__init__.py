@@ -3,6 +3,8 @@
 - ``meshes``: :func:`mpmdc.make_meshes` and the checks on user-given meshes;
 - ``executable``: :class:`Executable`, one compiled executable per distinct fragment
   and mesh, called in program order (one process or many);
+- ``compiling``: each distinct module compiled once, as soon as it is lowered, and
+  loaded onto other meshes of one shape;
 - ``transfers``: how a value moves between two meshes (in one process or across);
 - ``memory``: the bytes each mesh holds along a step, from the release plan;
 - ``peers``: what processes agree on before they run, and the progress of a call.

@@ -18,34 +18,30 @@ waits for this process's own work under the fault timeout.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import re
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from tqdm.auto import tqdm
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Program, fragment_key, is_var, module_key
+from mpmdc.ir.program import Program, fragment_key, is_var
 from mpmdc.ir.pytrees import first_difference, skeleton
 from mpmdc.ir.sharding import named
+from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.memory import MeshMemory, memory_profile
 from mpmdc.runtime.peers import Progress, program_entries
 from mpmdc.runtime.transfers import MeshTransfer, is_here, placeholder, processes_of
 from mpmdc.schedules import Action, Slot, Timeline, action_of
-
-PROGRESS_MIN_FRAGMENTS = 8  # fewer distinct fragments compile too fast to need a bar
 
 
 @dataclass(frozen=True)
@@ -169,40 +165,20 @@ class _Slots:
         return self.index[key]
 
 
-def _compile_here(program: Program, backend, here: list[bool]) -> tuple[dict, dict]:
+def _compile_here(program: Program, backend, here: list[bool], compiler=None) -> tuple[dict, dict]:
     """``(fragment key per equation index, executable per key)`` for the fragments of
-    meshes here: every module ``lower`` produced, compiled once, in parallel (XLA
-    releases the GIL while it compiles). Nothing is lowered here, so what runs is what
-    ``lower`` shows.
-
-    A module that differs from one of another mesh only in its devices (the same stage
-    body on meshes of one shape) is compiled once and loaded onto the other mesh's
-    devices (``Backend.load_fragment``), where both meshes are this process's own.
-    """
+    meshes here: every module ``lower`` produced (nothing is lowered here, so what runs
+    is what ``lower`` shows), through ``compiler`` where the call path already handed
+    it modules as they were lowered, else through a new ``FragmentCompiler``."""
     eqns = program.jaxpr.jaxpr.eqns
     keys = {i: fragment_key(eqn) for i, eqn in enumerate(eqns) if eqn.primitive is fragment_p and here[eqn.params["mesh"]]}
-    mesh_of, first_of, loaded_from = {}, {}, {}
-    for i, key in keys.items():
-        if key in mesh_of:
-            continue
-        mesh_of[key] = mesh = program.meshes[eqns[i].params["mesh"]]
-        first = first_of.setdefault(module_key(eqns[i], mesh), key)
-        if first != key and not eqns[i].effects and _can_share(mesh_of[first], mesh):
-            loaded_from[key] = first
-    executables = compile_all(backend, {k: program.lowerings[k] for k in mesh_of if k not in loaded_from})
-    for key, first in loaded_from.items():
-        loaded = backend.load_fragment(executables[first], list(mesh_of[key].devices.flat))
-        executables[key] = loaded if loaded is not None else backend.compile_fragment(program.lowerings[key])
-    return keys, executables
-
-
-def _can_share(a, b) -> bool:
-    """Whether an executable compiled for mesh ``a`` may be loaded onto mesh ``b``: both
-    are this process's alone, and no persistent compilation cache is in use (an
-    executable that came from it loses kernels when serialized again)."""
-    me = jax.process_index()
-    own = all(d.process_index == me for mesh in (a, b) for d in mesh.devices.flat)
-    return own and not jax.config.jax_compilation_cache_dir
+    with contextlib.ExitStack() as owned:
+        if compiler is None or compiler.backend is not backend:
+            compiler = owned.enter_context(FragmentCompiler(backend))
+        for i, key in keys.items():
+            mesh = program.meshes[eqns[i].params["mesh"]]
+            compiler.offer(key, eqns[i], mesh, backend, program.lowerings[key])
+        return keys, compiler.executables()
 
 
 class Executable:
@@ -211,7 +187,7 @@ class Executable:
     _built_multiprocess = 0  # executables built in a multi-process run, numbering their checks
     _timed_runs = 0  # multi-process ``run_timed`` calls, numbering their barriers
 
-    def __init__(self, program: Program, signature: Signature):
+    def __init__(self, program: Program, signature: Signature, *, compiler: FragmentCompiler | None = None):
         if program.lowerings is None:
             raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
         self.program = program
@@ -221,7 +197,7 @@ class Executable:
         self.multiprocess = distributed.is_multiprocess()
         here = [is_here(m) for m in program.meshes]
         self._in_shardings = [named(program.meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)]
-        keys, self._executables = _compile_here(program, backend, here)
+        keys, self._executables = _compile_here(program, backend, here, compiler)
         slots = _Slots()
         for v, c in zip(program.jaxpr.jaxpr.constvars, program.jaxpr.consts):
             slots(v, c)
@@ -467,31 +443,6 @@ def _placed(x, sharding):
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
-
-
-def compile_all(backend, lowerings: dict) -> dict:
-    """``{key: executable}`` for ``{key: jax.stages.Lowered}``, compiled by ``backend``.
-
-    Compiles run in a thread pool; on a terminal a progress bar counts them (silent
-    when stderr is not a TTY, and for a handful of fragments).
-    """
-    if not lowerings:
-        return {}
-    workers = min(len(lowerings), os.cpu_count() or 1)
-    bar = tqdm(
-        total=len(lowerings),
-        desc="mpmdc: compiling fragments",
-        unit="fragment",
-        disable=len(lowerings) < PROGRESS_MIN_FRAGMENTS or not sys.stderr.isatty(),
-        leave=False,
-    )
-    with bar, ThreadPoolExecutor(workers, thread_name_prefix="mpmdc-compile") as pool:
-        futures = {pool.submit(backend.compile_fragment, lowered): key for key, lowered in lowerings.items()}
-        out = {}
-        for future in as_completed(futures):
-            out[futures[future]] = future.result()
-            bar.update()
-    return out
 
 
 def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int, fault=None) -> Timeline:
