@@ -33,16 +33,39 @@ def transformer_config(layers: int, stages: int = 4) -> TransformerConfig:
     return TransformerConfig(vocab=256, width=64, heads=4, hidden=256, layers=layers, stages=stages)
 
 
+def step_function(layers: int, microbatches: int = 8, schedule: str = "1f1b", stages: int = 4):
+    """The benchmark transformer's training step, a new function on each call (JAX
+    caches tracing and lowering per function)."""
+    config = transformer_config(layers, stages)
+
+    def step(params, state, tokens):
+        return transformer_step(params, state, tokens, config, microbatches=microbatches, schedule=schedule)
+
+    return step
+
+
 def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b", stages: int = 4):
     """(step function, arguments) of the benchmark transformer's training step."""
     config = transformer_config(layers, stages)
     params = init_transformer(jax.random.key(0), config)
     tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, config.vocab)
+    return step_function(layers, microbatches, schedule, stages), (params, adam_init(params), tokens)
 
-    def step(params, state, tokens):
-        return transformer_step(params, state, tokens, config, microbatches=microbatches, schedule=schedule)
 
-    return step, (params, adam_init(params), tokens)
+def warm_up() -> None:
+    """Trace and compile a 1-layer step with ``jax.jit``: JAX's own first-use costs
+    (rules, caches) are paid before anything is timed."""
+    step, args = transformer_setup(1, microbatches=2)
+    jax.block_until_ready(jax.jit(step)(*args))
+
+
+def first_call(fn, args) -> float:
+    """Seconds from calling ``fn`` (mpmdc-compiled or jitted, not called before) to its
+    result on this process's devices: tracing, passes, compiling and one step."""
+    start = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(out) if x.addressable_shards])
+    return time.perf_counter() - start
 
 
 def four_meshes():

@@ -6,8 +6,13 @@ the passes alone (inline..schedule, and per equation of the traced program), the
 `lower` pass (StableHLO), the whole `lower()` (against `jax.jit(step).lower(...)`), and
 `lower().compile()` with the number of fragments XLA compiled and of those loaded from
 another mesh's executable; for jax.jit, `jax.jit(step).lower(...).compile()` of the same step on one device (where
-`accumulate` is a `lax.scan`). Writes results/compile_time.json and, with
-matplotlib, results/compile_time.png.
+`accumulate` is a `lax.scan`). Then the first call of each (function to result: what
+a user waits for; mpmdc's compiles each module while lowering the next), median of 3
+taken in turns. Writes
+results/compile_time.json and, with matplotlib, results/compile_time.png.
+
+Then the first calls at 8 layers in two fresh processes sharing JAX's persistent
+compilation cache (cold, then warm).
 
 Then where the compile time goes: XLA compiling mpmdc's distinct modules of the 8-layer
 step one after another against `jax.jit`'s one module, and XLA's time for one jitted
@@ -17,6 +22,12 @@ gradient module against its number of layers.
 """
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import _common
@@ -28,6 +39,7 @@ from mpmdc.cli.models import init_transformer, transformer_loss
 
 PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
 COUNTS = {"compiled": 0, "loaded": 0}
+REPEAT = 3  # first calls of each, taking turns (median)
 
 
 def _counting(method, counter):
@@ -52,8 +64,14 @@ def measure(layers: int) -> dict:
     start = time.perf_counter()
     lowered.compile()
     compile_s = time.perf_counter() - start
-    jit_lower_s = _common.seconds(lambda: jax.jit(step).lower(*args))
-    jit_s = _common.seconds(lambda: jax.jit(step).lower(*args).compile())
+    counts = dict(COUNTS)
+    jit_lower_s = _common.seconds(lambda: jax.jit(_common.step_function(layers)).lower(*args))
+    jit_s = _common.seconds(lambda: jax.jit(_common.step_function(layers)).lower(*args).compile())
+    firsts, jit_firsts = [], []
+    for _ in range(REPEAT):  # taking turns, so that load on the machine falls on both alike
+        firsts.append(_common.first_call(mpmdc.compile(_common.step_function(layers), _common.four_meshes()), args))
+        jit_firsts.append(_common.first_call(jax.jit(_common.step_function(layers)), args))
+    first_s, jit_first_s = statistics.median(firsts), statistics.median(jit_firsts)
     passes = sum(lowered.seconds[p] for p in PASSES)
     eqns = len(lowered.program("input").jaxpr.jaxpr.eqns)
     return {
@@ -67,12 +85,38 @@ def measure(layers: int) -> dict:
         "jax.jit lower s": jit_lower_s,
         "lower ratio": lower_s / jit_lower_s,
         "compile() s": compile_s,
-        "XLA compiles": COUNTS["compiled"],
-        "loaded": COUNTS["loaded"],
+        "XLA compiles": counts["compiled"],
+        "loaded": counts["loaded"],
         "mpmdc total s": lower_s + compile_s,
         "jax.jit total s": jit_s,
         "ratio": (lower_s + compile_s) / jit_s,
+        "first call s": first_s,
+        "jax.jit first call s": jit_first_s,
+        "first-call ratio": first_s / jit_first_s,
     }
+
+
+def warm_cache(layers: int) -> list[dict]:
+    """First calls in two fresh processes sharing a persistent compilation cache: the
+    first fills it, the second finds every module there."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        for run in ("cold (fills the cache)", "warm"):
+            command = [sys.executable, __file__, "--first-calls", str(layers)]
+            found = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            rows.append({"layers": layers, "cache": run, "mpmdc first call s": found[0],
+                         "jax.jit first call s": found[1], "ratio": found[0] / found[1]})
+    return rows
+
+
+def first_calls(layers: int) -> None:
+    """Print ``[mpmdc's first call s, jax.jit's]`` for the step (after a warm-up)."""
+    _common.warm_up()
+    args = _common.transformer_setup(layers)[1]
+    mpmdc_s = _common.first_call(mpmdc.compile(_common.step_function(layers), _common.four_meshes()), args)
+    print(json.dumps([mpmdc_s, _common.first_call(jax.jit(_common.step_function(layers)), args)]))
 
 
 def xla_split(layers: int) -> list[dict]:
@@ -132,10 +176,17 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
-    rows = [measure(n) for n in parser.parse_args().layers]
+    parser.add_argument("--first-calls", type=int, help=argparse.SUPPRESS)  # a warm_cache process
+    options = parser.parse_args()
+    if options.first_calls:
+        return first_calls(options.first_calls)
+    _common.warm_up()
+    rows = [measure(n) for n in options.layers]
     columns = list(rows[0])
     _common.report("compile_time", rows, columns)
     plot(rows, _common.RESULTS / "compile_time.png")
+    warm = warm_cache(8)
+    _common.report("compile_warm_cache", warm, list(warm[0]))
     split = xla_split(8)
     _common.report("compile_xla_split", split, list(split[0]))
     sizes = xla_module_size([1, 2, 4, 8, 16])

@@ -66,33 +66,21 @@ def feed(out, args):
     return (out[0], out[1], args[2])
 
 
-def warm_up():
-    """Trace and compile a 1-layer step with ``jax.jit``: JAX's own first-use costs
-    (rules, caches) are paid before either side is timed."""
-    step, args = _common.transformer_setup(1, microbatches=2, schedule="1f1b")
-    jax.block_until_ready(jax.jit(step)(*args))
-
-
 def first_calls(meshes) -> tuple[float, float]:
     """Seconds of mpmdc's first call of the step on ``meshes``, then of ``jax.jit``'s
     (each: function to result)."""
     step, args = step_setup()
-    start = time.perf_counter()
-    out = mpmdc.compile(step, meshes)(*args)
-    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(out) if x.addressable_shards])
-    mpmdc_s = time.perf_counter() - start
+    mpmdc_s = _common.first_call(mpmdc.compile(step, meshes), args)
     if mpmdc.distributed.is_multiprocess():
         mpmdc.distributed.barrier("bench-jit-first-call")
-    start = time.perf_counter()
-    jax.block_until_ready(jax.jit(step)(*args))
-    return mpmdc_s, time.perf_counter() - start
+    return mpmdc_s, _common.first_call(jax.jit(step), args)
 
 
 def worker():
     """One of 4 processes: first calls and step times, then process 0 -> 1 transfers."""
     here = jax.process_index()
     meshes = mpmdc.make_meshes(4, {"data": 1})
-    warm_up()
+    _common.warm_up()
     mpmdc.distributed.barrier("bench-warm")
     compile_s, jit_compile_s = first_calls(meshes)
     client = mpmdc._jax_compat.distributed_client()
@@ -133,7 +121,7 @@ def worker():
 
 def in_one_process():
     meshes = mpmdc.make_meshes(4, {"data": 1})
-    warm_up()
+    _common.warm_up()
     compile_s, jit_compile_s = first_calls(meshes)
     step, args = step_setup()
     compiled = mpmdc.compile(step, meshes)
