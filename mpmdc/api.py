@@ -223,9 +223,9 @@ class Lowered:
 
         Compiles the modules of the ``stablehlo`` stage (lowering first, with the
         ``lower`` pass, if this pipeline stopped before it)."""
-        return self._executable(None)
+        return self._compile_with(None)
 
-    def _executable(self, compiler: FragmentCompiler | None) -> Executable:
+    def _compile_with(self, compiler: FragmentCompiler | None) -> Executable:
         """:meth:`compile`, finishing what ``compiler`` started while lowering."""
         return Executable(self._lowered(None), self.signature, compiler=compiler)
 
@@ -319,7 +319,7 @@ class Compiled:
             backend.check_can_run(self.meshes)
             # XLA compiles each module while the `lower` pass lowers the next.
             with FragmentCompiler(backend) as compiler, handing_modules_to(compiler.offer):
-                exe = self.lower(*args, **kwargs)._executable(compiler)
+                exe = self.lower(*args, **kwargs)._compile_with(compiler)
             self._cache[key] = exe
         return exe, leaves
 

@@ -80,15 +80,21 @@ def test_verification_runs_when_asked_and_only_then(meshes2, monkeypatch):
         run_pipeline(program, [FORGETS_PLACEMENTS])
 
 
+def _dump_target(tmp_path, imports: str, *body: str):
+    """A module for ``mpmdc dump`` whose ``lowered()`` runs ``body`` after ``imports``."""
+    target = tmp_path / "model.py"
+    lines = ["import jax.numpy as jnp, mpmdc", imports, "def lowered():", *(f"    {line}" for line in body)]
+    target.write_text("\n".join(lines) + "\n")
+    return target
+
+
 def test_dump_verifies_every_pass(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MPMDC_VERIFY", raising=False)
     monkeypatch.setitem(PASSES, FORGETS_PLACEMENTS.name, FORGETS_PLACEMENTS)
-    target = tmp_path / "model.py"
-    target.write_text(
-        "import jax.numpy as jnp, mpmdc\n"
-        "from test_pipeline import two_stage\n"
-        "def lowered():\n"
-        "    return mpmdc.compile(two_stage, mpmdc.make_meshes(2, {'data': 2})).lower(jnp.ones(4))\n"
+    target = _dump_target(
+        tmp_path,
+        "from test_pipeline import two_stage",
+        "return mpmdc.compile(two_stage, mpmdc.make_meshes(2, {'data': 2})).lower(jnp.ones(4))",
     )
     status = cli.main(["dump", f"{target}:lowered", "--passes", "inline,partition,forgets-placements"])
     _, err = capsys.readouterr()
@@ -101,14 +107,12 @@ def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
 
 
 def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
-    target = tmp_path / "broken.py"
-    target.write_text(
-        "import jax.numpy as jnp, mpmdc\n"
-        "from test_pipeline import CRASHING, passes_with, two_stage\n"
-        "def lowered():\n"
-        "    meshes = mpmdc.make_meshes(2, {'data': 2})\n"
-        "    passes = passes_with(CRASHING, after='partition')\n"
-        "    return mpmdc.compile(two_stage, meshes, passes=passes).lower(jnp.ones(4))\n"
+    target = _dump_target(
+        tmp_path,
+        "from test_pipeline import CRASHING, passes_with, two_stage",
+        "meshes = mpmdc.make_meshes(2, {'data': 2})",
+        "passes = passes_with(CRASHING, after='partition')",
+        "return mpmdc.compile(two_stage, meshes, passes=passes).lower(jnp.ones(4))",
     )
     status = cli.main(["dump", f"{target}:lowered", "--stage", "all"])
     out, err = capsys.readouterr()
