@@ -313,3 +313,23 @@ def test_a_keyword_where_a_positional_argument_was_lowered_is_named():
     executable = executable.lower({"x": x}, x).compile()
     with pytest.raises(mpmdc.errors.ArgumentError, match=r"1 positional argument\(s\) and keywords \['b'\], but .* lowered for 2"):
         executable({"x": x}, b=x)
+
+
+def test_a_body_with_xla_metadata_is_keyed_by_the_metadata_not_its_identity():
+    """``body_key`` once keyed an equation's context by the identity of a temporary
+    tuple whenever it carried XLA metadata (a dict, unhashable): equal bodies got
+    different keys, and a recycled address could make different ones equal."""
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    from mpmdc.ir.program import body_key
+
+    def tagged(tag):
+        def f(x):
+            with set_xla_metadata(tag=tag):
+                return jnp.sin(x) * 2
+
+        return jax.make_jaxpr(f)(1.0)
+
+    assert tagged("a").jaxpr.eqns[0].ctx.xla_metadata == {"tag": "a"}
+    assert body_key(tagged("a")) == body_key(tagged("a"))
+    assert body_key(tagged("a")) != body_key(tagged("b"))

@@ -295,7 +295,9 @@ def _jaxpr_key(jaxpr: jcore.Jaxpr, out: list) -> None:
     for eqn in jaxpr.eqns:
         ctx = eqn.ctx
         out.append((eqn.primitive, tuple(operand(a) for a in eqn.invars)))
-        out.append(_hashable((ctx.compute_type, ctx.threefry_partitionable, ctx.xla_metadata)))
+        # (The metadata is a dict: keyed by its items, not by a temporary's identity.)
+        metadata = tuple((k, _hashable(v)) for k, v in sorted((ctx.xla_metadata or {}).items()))
+        out.append((_hashable(ctx.compute_type), ctx.threefry_partitionable, metadata))
         define(eqn.outvars)
         ignored = PARAMS_LOWERING_IGNORES.get(eqn.primitive, ())
         for name in sorted(eqn.params):

@@ -2,7 +2,7 @@
 
 A program is a DAG of 3 to 60 operations on square float32 values: elementwise,
 matmul, reductions, transpose, slicing and concatenation, ``scan``, ``cond``,
-``custom_vjp``, ``shard_map`` with ``psum`` on the mesh of a random stage (its operand
+``custom_vjp``, an op carrying XLA metadata, ``shard_map`` with ``psum`` on the mesh of a random stage (its operand
 marked into that stage or not), and what real code does besides:
 
 * captured constants: module-level jax and numpy arrays, arrays made in a closure, a
@@ -41,6 +41,7 @@ import numpy as np
 from helpers import assert_same_array, clipped_tanh
 from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
@@ -59,6 +60,13 @@ def _scan_rows(x):
     return jax.lax.scan(body, jnp.zeros(x.shape[1]), x)[1]
 
 
+def _tagged_tanh(x):
+    """tanh carrying XLA metadata (a dict in the equation's context, which keys must
+    compare by value)."""
+    with set_xla_metadata(origin="fuzz"):
+        return jnp.tanh(x)
+
+
 UNARY = {
     "tanh": jnp.tanh,
     "sin": jnp.sin,
@@ -71,6 +79,7 @@ UNARY = {
     "scan": _scan_rows,
     "cond": lambda x: jax.lax.cond(jnp.sum(x) > 0, jnp.tanh, jnp.sin, x),
     "custom_vjp": clipped_tanh,
+    "tagged": _tagged_tanh,
 }
 BINARY = {
     "add": jnp.add,
