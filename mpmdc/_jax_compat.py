@@ -29,13 +29,12 @@ shard_map_p = _shard_map.shard_map_p
 ordered_effects = _effects.ordered_effects
 
 
-def with_metadata(ctx, key: str, value):
-    """Equation context ``ctx`` with ``key`` set to ``value`` in its metadata (``None``
-    removes it). JAX's rewrites (DCE rules, ``eqn.replace``) keep an equation's context,
-    so what is recorded here travels with the equation."""
-    items = {k: v for k, v in (ctx.xla_metadata or {}).items() if k != key}
-    if value is not None:
-        items[key] = value
+def with_metadata(ctx, updates: dict):
+    """Equation context ``ctx`` with its metadata updated by ``updates`` (a value of
+    ``None`` removes its key). JAX's rewrites (DCE rules, ``eqn.replace``) keep an
+    equation's context, so what is recorded here travels with the equation."""
+    items = {k: v for k, v in (ctx.xla_metadata or {}).items() if k not in updates}
+    items.update((k, v) for k, v in updates.items() if v is not None)
     return _core.JaxprEqnContext._create(
         ctx.compute_type,
         ctx.threefry_partitionable,

@@ -29,7 +29,7 @@ from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import spec_problem
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.passes.lower import handing_modules_to
-from mpmdc.pipeline import resolve, run_pipeline
+from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Executable, Signature, leaf_type
 from mpmdc.runtime.meshes import check_meshes
@@ -340,6 +340,10 @@ class Compiled:
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
+        with cycles_collected_after():  # (tracing too: see its docstring)
+            return self._lower(args, kwargs)
+
+    def _lower(self, args, kwargs) -> Lowered:
         static_values, dynamic, donate = self._split_args(args)
         static = dict(static_values)
         leaves, in_paths, in_tree = _flat_arguments(dynamic, kwargs)

@@ -48,6 +48,7 @@ their producer.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from jax.extend import core as jcore
@@ -71,7 +72,6 @@ from mpmdc.ir.program import (
     nbytes,
     placed,
     placement_of,
-    rematerialized,
     substituted,
     vars_of,
 )
@@ -90,15 +90,15 @@ _EXPANDING = frozenset(
 def _is_cheap(eqn, from_literals) -> bool:
     """Cloned next to each user: computed from literals alone (``from_literals`` holds
     such values), or a shape/type change of a small value; no effects or bodies."""
-    if is_marker(eqn) or is_microbatch_marker(eqn) or eqn.effects:
-        return False
-    if list(jcore.jaxprs_in_params(eqn.params)):
-        return False
     operands = vars_of(eqn.invars)
-    if all(a in from_literals for a in operands):
-        return True
-    return eqn.primitive in _EXPANDING and all(
-        a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands
+    candidate = all(a in from_literals for a in operands) or (
+        eqn.primitive in _EXPANDING and all(a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands)
+    )
+    # (The structural tests last: few equations get past the first.)
+    return (
+        candidate
+        and not (is_marker(eqn) or is_microbatch_marker(eqn) or eqn.effects)
+        and not any(True for _ in jcore.jaxprs_in_params(eqn.params))
     )
 
 
@@ -170,7 +170,9 @@ class _Placer:
     def mesh(self, stage: int) -> int:
         return self.program.mesh_of_stage(stage)
 
-    def key(self, stage: int, transpose: int):
+    @staticmethod
+    @functools.cache
+    def key(stage: int, transpose: int):
         return Placement(stage, transpose).order_key()
 
     def placed_users(self, v):
@@ -221,6 +223,8 @@ class _Placer:
         already on its mesh and, ``with_users``, results its placed users read elsewhere.
         ``candidates`` maps each stage to the latest pipeline position of the equations
         that suggested it; ties go to the latest."""
+        if len(candidates) == 1:  # (most of the pipeline's work: nothing to weigh)
+            return next(iter(candidates))
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
         outputs = [(v, {self.mesh(self.stage[j]) for j in self.placed_users(v)}) for v in self.eqns[i].outvars]
         # Inside the microbatch loop a program input is moved once for every microbatch,
@@ -451,10 +455,11 @@ def _with_clones(eqns, outvars, producer, cheap, placement, out_placement):
     for i, eqn in enumerate(eqns):
         if i in cheap:
             for p in sorted(needed[i], key=Placement.order_key):
-                new_eqns.append(placed(rematerialized(copy_eqn(eqn, clone_env.setdefault(p, {})), False), p))
+                new_eqns.append(placed(copy_eqn(eqn, clone_env.setdefault(p, {})), p))
         else:
             p = placement[i]
-            new_eqns.append(placed(rematerialized(eqn.replace(invars=substituted(eqn.invars, clone_env.get(p, {}))), False), p))
+            env = clone_env.get(p)
+            new_eqns.append(placed(eqn, p, **({"invars": substituted(eqn.invars, env)} if env else {})))
     new_outvars = [substituted([v], clone_env.get(p, {}))[0] for v, p in zip(outvars, out_placement)]
     return new_eqns, new_outvars
 

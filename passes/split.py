@@ -119,7 +119,7 @@ def _without_markers(jaxpr, placements):
             env.update(zip(eqn.outvars, substituted(eqn.invars, env)))
         else:
             # Fragment bodies carry no placements: JAX would lower them as attributes.
-            eqns.append(placed(eqn, None).replace(invars=substituted(eqn.invars, env)))
+            eqns.append(placed(eqn, None, invars=substituted(eqn.invars, env)))
             kept.append(placement)
     return eqns, kept, env
 

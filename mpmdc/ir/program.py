@@ -65,14 +65,17 @@ def placement_of(eqn) -> Placement | None:
     return metadata.get(_PLACEMENT_KEY) if metadata else None
 
 
-def placed(eqn, placement: Placement | None):
-    """``eqn`` recording ``placement`` (``None``: with no placement, as in a fragment body)."""
-    if placement_of(eqn) == placement:
-        return eqn
-    return eqn.replace(ctx=compat.with_metadata(eqn.ctx, _PLACEMENT_KEY, placement))
-
-
 _REMAT_KEY = "mpmdc.remat"
+
+
+def placed(eqn, placement: Placement | None, **changes):
+    """``eqn`` with ``changes`` recording ``placement`` (``None``: with no placement, as
+    in a fragment body). Placing it drops the mark :func:`rematerialized` left, which
+    only placement reads."""
+    metadata = eqn.ctx.xla_metadata or {}
+    if metadata.get(_PLACEMENT_KEY) != placement or _REMAT_KEY in metadata:
+        changes["ctx"] = compat.with_metadata(eqn.ctx, {_PLACEMENT_KEY: placement, _REMAT_KEY: None})
+    return eqn.replace(**changes) if changes else eqn
 
 
 def is_rematerialized(eqn) -> bool:
@@ -85,7 +88,7 @@ def rematerialized(eqn, flag: bool):
     """``eqn`` recording whether it came out of a ``jax.checkpoint`` body."""
     if is_rematerialized(eqn) == flag:
         return eqn
-    return eqn.replace(ctx=compat.with_metadata(eqn.ctx, _REMAT_KEY, True if flag else None))
+    return eqn.replace(ctx=compat.with_metadata(eqn.ctx, {_REMAT_KEY: True if flag else None}))
 
 
 @dataclass(frozen=True)
@@ -257,11 +260,18 @@ def _scalar_bits(value) -> tuple:
     return (host.dtype.str, host.tobytes())
 
 
+# Parameter types compared by equality as they are (no jaxpr inside, always hashable).
+_PLAIN_PARAMS = frozenset({int, float, bool, str, type(None), np.dtype})
+
+
 def _param_key(value, out: list) -> None:
     """Append to ``out`` an account of parameter ``value``: a jaxpr by its structure,
     the constants of a closed one by identity, other values by equality where they are
     hashable, else by identity (callbacks, arrays)."""
-    if isinstance(value, jcore.ClosedJaxpr):
+    kind = type(value)
+    if kind in _PLAIN_PARAMS:  # (most parameters: checked first, by exact type)
+        out.append(value)
+    elif isinstance(value, jcore.ClosedJaxpr):
         out.append(("consts", tuple(id(c) for c in value.consts)))
         _jaxpr_key(value.jaxpr, out)
     elif isinstance(value, jcore.Jaxpr):
@@ -277,34 +287,43 @@ def _param_key(value, out: list) -> None:
 def _jaxpr_key(jaxpr: jcore.Jaxpr, out: list) -> None:
     """Append to ``out`` what ``jaxpr`` computes: the types of its constants and inputs,
     then per equation its primitive, operands (variables numbered as they are defined,
-    literals by value), result types, context and parameters, then its outputs."""
+    literals by value), context, result types and parameters, then its outputs."""
+    # (Written for speed: every fragment's body is walked once per lowering.)
     number: dict = {}
 
-    def define(variables) -> None:
+    def define(variables) -> tuple:
         for v in variables:
             number[v] = len(number)
-        out.append(tuple(v.aval for v in variables))
+        return tuple([v.aval for v in variables])
 
-    def operand(a):
-        if isinstance(a, jcore.Literal):
-            return ("literal", _scalar_bits(a.val) if not np.ndim(a.val) else ("id", id(a.val)), a.aval)
-        return number[a]
+    def operands(atoms) -> tuple:
+        return tuple([number[a] if type(a) is _Var else _operand(a, number) for a in atoms])
 
-    define(jaxpr.constvars)
-    define(jaxpr.invars)
+    out.append(define(jaxpr.constvars))
+    out.append(define(jaxpr.invars))
     for eqn in jaxpr.eqns:
-        ctx = eqn.ctx
-        out.append((eqn.primitive, tuple(operand(a) for a in eqn.invars)))
+        ctx, params = eqn.ctx, eqn.params
         # (The metadata is a dict: keyed by its items, not by a temporary's identity.)
-        metadata = tuple((k, _hashable(v)) for k, v in sorted((ctx.xla_metadata or {}).items()))
-        out.append((_hashable(ctx.compute_type), ctx.threefry_partitionable, metadata))
-        define(eqn.outvars)
-        ignored = PARAMS_LOWERING_IGNORES.get(eqn.primitive, ())
-        for name in sorted(eqn.params):
-            if name not in ignored:
-                out.append(name)
-                _param_key(eqn.params[name], out)
-    out.append(tuple(operand(a) for a in jaxpr.outvars))
+        metadata = ctx.xla_metadata
+        metadata = tuple([(k, _hashable(v)) for k, v in sorted(metadata.items())]) if metadata else ()
+        context = (_hashable(ctx.compute_type), ctx.threefry_partitionable, metadata)
+        out.append((eqn.primitive, operands(eqn.invars), context, define(eqn.outvars)))
+        if params:
+            ignored = PARAMS_LOWERING_IGNORES.get(eqn.primitive, ())
+            for name in sorted(params):
+                if name not in ignored:
+                    out.append(name)
+                    _param_key(params[name], out)
+    out.append(operands(jaxpr.outvars))
+
+
+def _operand(atom, number: dict):
+    """An operand that is not a plain variable: a literal by value (a scalar by its
+    bits, an array by identity), or a variable of a subclass by its number."""
+    if isinstance(atom, jcore.Literal):
+        value = atom.val
+        return ("literal", _scalar_bits(value) if not np.ndim(value) else ("id", id(value)), atom.aval)
+    return number[atom]
 
 
 _BODY_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
