@@ -10,6 +10,7 @@ are only ``fragment`` and ``transfer``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -74,8 +75,14 @@ def placed(eqn, placement: Placement | None, **changes):
     only placement reads."""
     metadata = eqn.ctx.xla_metadata or {}
     if metadata.get(_PLACEMENT_KEY) != placement or _REMAT_KEY in metadata:
-        changes["ctx"] = compat.with_metadata(eqn.ctx, {_PLACEMENT_KEY: placement, _REMAT_KEY: None})
+        changes["ctx"] = _placed_context(eqn.ctx, placement)
     return eqn.replace(**changes) if changes else eqn
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed_context(ctx, placement: Placement | None):
+    # (JAX interns contexts: a program's equations share a few, one per placement.)
+    return compat.with_metadata(ctx, {_PLACEMENT_KEY: placement, _REMAT_KEY: None})
 
 
 def is_rematerialized(eqn) -> bool:
