@@ -10,10 +10,9 @@ Needs a split program, in its final order of calls. Three phases:
    forward of a stage, say) are lowered once and share a module, named after the
    first of them.
 
-The modules are attached to the program in fragment order, with the backend they
-were lowered for (the stage called ``stablehlo`` prints them), and the
-``jax.stages.Lowered`` objects are kept: the runtime compiles exactly these, so what
-``stablehlo`` shows is what runs. Within :func:`handing_modules_to` each new module is
+The ``jax.stages.Lowered`` objects are attached to the program, in fragment order
+and with the backend they were lowered for: the runtime compiles exactly these, and
+the stage called ``stablehlo`` prints their text, so what it shows is what runs. Within :func:`handing_modules_to` each new module is
 also handed on as soon as it is lowered (the call path's compiler starts XLA on it
 while this pass lowers the next); the pass's result does not depend on it.
 """
@@ -57,7 +56,7 @@ def lower(program: Program, *, backend: str | None = None) -> Program:
         program = in_program_transfers(program)
     program = with_donations(program)
     sink = _module_sink.get()
-    lowerings, modules = {}, []
+    lowerings, module_keys = {}, []
     for eqn in program.jaxpr.jaxpr.eqns:
         if eqn.primitive is fragment_p:
             key = fragment_key(eqn)
@@ -65,8 +64,8 @@ def lower(program: Program, *, backend: str | None = None) -> Program:
                 lowerings[key] = lower_fragment(program, eqn, chosen)
                 if sink is not None:
                     sink(key, eqn, program.meshes[eqn.params["mesh"]], chosen, lowerings[key])
-                modules.append((eqn.params["name"], lowerings[key].as_text()))
-    return program.replace(modules=tuple(modules), backend=chosen.name, lowerings=lowerings)
+                module_keys.append((eqn.params["name"], key))
+    return program.replace(module_keys=tuple(module_keys), backend=chosen.name, lowerings=lowerings)
 
 
 def with_donations(program: Program) -> Program:

@@ -121,11 +121,22 @@ class Program:
     out_meshes: tuple[int, ...] | None = None
     # per output, the mesh the caller asked for (``compile(out_shardings=...)``) or None
     wanted_out_meshes: tuple[int | None, ...] | None = None
-    modules: tuple[tuple[str, str], ...] | None = None  # (fragment, StableHLO) for ``backend``
+    # (first fragment's name, ``fragment_key``) per distinct module, once lowered for ``backend``
+    module_keys: tuple[tuple[str, tuple], ...] | None = None
     schedule: Schedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
     microbatches: int | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def modules(self) -> tuple[tuple[str, str], ...] | None:
+        """``(fragment name, StableHLO text)`` per distinct module, ``None`` before ``lower``.
+
+        Printed when asked, not by ``lower``: the call path never reads the text.
+        """
+        if self.module_keys is None:
+            return None
+        return tuple((name, self.lowerings[key].as_text()) for name, key in self.module_keys)
 
     def replace(self, **changes) -> "Program":
         """A copy with ``changes`` applied (programs are immutable)."""
