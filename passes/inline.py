@@ -79,7 +79,7 @@ def inline(program: Program) -> Program:
         env.update(zip(eqn.outvars, forward[k]))
         return True
 
-    def visit(body_eqns, env, remat: bool):
+    def visit(body_eqns, env, remat: bool, top: bool = False):
         for eqn in body_eqns:
             if remat and is_marker(eqn) and eqn.params["transpose"] == 0 and reuse_entering(eqn, env):
                 continue
@@ -100,12 +100,16 @@ def inline(program: Program) -> Program:
                 marker = next(find_eqns(sub.eqns, is_marker), None)
                 if marker is not None:
                     raise _marker_inside(eqn, marker)
-            eqns.append(rematerialized(copy_eqn(eqn, env), remat))
+            if top:  # (its variables are unique already: only renamed operands change)
+                invars = substituted(eqn.invars, env)
+                eqns.append(eqn if all(a is b for a, b in zip(invars, eqn.invars)) else eqn.replace(invars=invars))
+            else:
+                eqns.append(rematerialized(copy_eqn(eqn, env), remat))
             if not remat and is_marker(eqn) and eqn.params["transpose"] == 0:
                 entering.setdefault(eqn.params["stage"], []).append(eqns[-1].outvars)
 
     env = {}
-    visit(closed.jaxpr.eqns, env, remat=False)
+    visit(closed.jaxpr.eqns, env, remat=False, top=True)
     new = make_closed_jaxpr(
         constvars,
         consts,

@@ -61,8 +61,8 @@ def _is_ordered(eqn) -> bool:
 
 def _check_ordered_effects(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
     """XLA orders effects on one device only (``jax.jit`` refuses them on more, too)."""
-    if mesh.devices.size == 1:
-        return
+    if mesh.devices.size == 1 or not any(_is_ordered(e) for e in eqns):
+        return  # (an equation's effects include those of the bodies inside it)
     for eqn in find_eqns(eqns, lambda e: _is_ordered(e) and not list(jcore.jaxprs_in_params(e.params))):
         raise TypeCheckError(
             f"`{eqn.primitive.name}` at {compat.source_line(eqn)} has an ordered effect and is "
