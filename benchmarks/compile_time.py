@@ -15,8 +15,9 @@ Then the first calls at 8 layers in two fresh processes sharing JAX's persistent
 compilation cache (cold, then warm).
 
 Then where the compile time goes: XLA compiling mpmdc's distinct modules of the 8-layer
-step one after another against `jax.jit`'s one module, and XLA's time for one jitted
-gradient module against its number of layers.
+step one after another against `jax.jit`'s one module (in all, and per module: inside
+the microbatch loop or outside it), and XLA's time for one jitted gradient module
+against its number of layers.
 
     python benchmarks/compile_time.py [--layers 4 8 16 32]
 """
@@ -35,6 +36,7 @@ import jax
 
 import mpmdc
 from mpmdc import backends
+from mpmdc.ir.program import fragment_key
 from mpmdc.cli.models import init_transformer, transformer_loss
 
 PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
@@ -119,19 +121,31 @@ def first_calls(layers: int) -> None:
     print(json.dumps([mpmdc_s, _common.first_call(jax.jit(_common.step_function(layers)), args)]))
 
 
-def xla_split(layers: int) -> list[dict]:
+def xla_split(layers: int) -> tuple[list[dict], list[dict]]:
     """XLA's time alone: each of mpmdc's distinct modules compiled one after another,
-    against the one module of `jax.jit`."""
+    against the one module of `jax.jit`; and per module, what it is and its compile time."""
     step, args = _common.transformer_setup(layers)
-    lowerings = mpmdc.compile(step, _common.four_meshes()).lower(*args).program("stablehlo").lowerings
-    each = [_common.seconds(lowered.compile) for lowered in lowerings.values()]
+    program = mpmdc.compile(step, _common.four_meshes()).lower(*args).program("stablehlo")
+    fragments = [e for e in program.jaxpr.jaxpr.eqns if e.primitive.name == "fragment"]
+    sharing: dict = {}
+    for eqn in fragments:
+        sharing.setdefault(fragment_key(eqn), []).append(eqn)
+    modules = []
+    for name, key in program.module_keys:
+        first = sharing[key][0]
+        where = "microbatch loop" if first.params["microbatch"] is not None else "outside the loop"
+        modules.append({"fragment": name, "mesh": first.params["mesh"], "calls per step": len(sharing[key]),
+                        "where": where, "equations": len(first.params["jaxpr"].jaxpr.eqns),
+                        "XLA compile s": _common.seconds(program.lowerings[key].compile)})
+    each = [m["XLA compile s"] for m in modules]
     jit_lowered = jax.jit(step).lower(*args)
-    return [
+    summary = [
         {"modules": f"mpmdc, {len(each)} distinct fragment modules", "XLA compile s": sum(each),
          "smallest s": min(each), "largest s": max(each)},
         {"modules": "jax.jit, 1 module", "XLA compile s": _common.seconds(jit_lowered.compile),
          "smallest s": float("nan"), "largest s": float("nan")},
     ]
+    return summary, modules
 
 
 def xla_module_size(layer_counts) -> list[dict]:
@@ -187,8 +201,9 @@ def main():
     plot(rows, _common.RESULTS / "compile_time.png")
     warm = warm_cache(8)
     _common.report("compile_warm_cache", warm, list(warm[0]))
-    split = xla_split(8)
+    split, modules = xla_split(8)
     _common.report("compile_xla_split", split, list(split[0]))
+    _common.report("compile_xla_modules", modules, list(modules[0]))
     sizes = xla_module_size([1, 2, 4, 8, 16])
     _common.report("compile_xla_module_size", sizes, list(sizes[0]))
 
