@@ -52,11 +52,14 @@ def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b"
     return step_function(layers, microbatches, schedule, stages), (params, adam_init(params), tokens)
 
 
-def warm_up() -> None:
-    """Trace and compile a 1-layer step with ``jax.jit``: JAX's own first-use costs
-    (rules, caches) are paid before anything is timed."""
+def warm_up(meshes=None) -> None:
+    """Run a 1-layer step with ``jax.jit`` and with mpmdc (on ``meshes``, default
+    :func:`four_meshes`): first-use costs (JAX's rules and caches, mpmdc's too) are
+    paid before anything is timed."""
     step, args = transformer_setup(1, microbatches=2)
     jax.block_until_ready(jax.jit(step)(*args))
+    out = mpmdc.compile(step_function(1, microbatches=2), meshes or four_meshes())(*args)
+    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(out) if x.addressable_shards])
 
 
 def first_call(fn, args) -> float:

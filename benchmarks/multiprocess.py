@@ -80,7 +80,7 @@ def worker():
     """One of 4 processes: first calls and step times, then process 0 -> 1 transfers."""
     here = jax.process_index()
     meshes = mpmdc.make_meshes(4, {"data": 1})
-    _common.warm_up()
+    _common.warm_up(meshes)
     mpmdc.distributed.barrier("bench-warm")
     compile_s, jit_compile_s = first_calls(meshes)
     client = mpmdc._jax_compat.distributed_client()
@@ -121,7 +121,7 @@ def worker():
 
 def in_one_process():
     meshes = mpmdc.make_meshes(4, {"data": 1})
-    _common.warm_up()
+    _common.warm_up(meshes)
     compile_s, jit_compile_s = first_calls(meshes)
     step, args = step_setup()
     compiled = mpmdc.compile(step, meshes)

@@ -1,6 +1,7 @@
 """The pass runner: stage names, verification after every pass, internal errors that name
 the pass and the program it got."""
 
+import gc
 import re
 from pathlib import Path
 
@@ -56,6 +57,20 @@ def test_a_pass_that_raises_is_an_internal_error_naming_it(meshes2):
     assert "mpmdc dump FILE.py:TARGET --stage all" in str(err)
     assert isinstance(err.__cause__, KeyError)
     assert "stage[stage=1" in err.program.as_text()
+
+
+def test_the_cyclic_collector_waits_for_lower_and_runs_again_after_it(meshes2):
+    seen = []
+
+    def traced(x):
+        seen.append(gc.isenabled())
+        return two_stage(x)
+
+    mpmdc.compile(traced, meshes2).lower(jnp.ones(4))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(errors.InternalError):  # also when a pass fails
+        mpmdc.compile(two_stage, meshes2, passes=passes_with(CRASHING, after="dce")).lower(jnp.ones(4))
+    assert gc.isenabled()
 
 
 def test_verification_failure_names_the_pass_whose_output_failed(meshes2):

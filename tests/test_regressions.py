@@ -333,3 +333,23 @@ def test_a_body_with_xla_metadata_is_keyed_by_the_metadata_not_its_identity():
     assert tagged("a").jaxpr.eqns[0].ctx.xla_metadata == {"tag": "a"}
     assert body_key(tagged("a")) == body_key(tagged("a"))
     assert body_key(tagged("a")) != body_key(tagged("b"))
+
+
+def test_a_body_parameter_is_keyed_by_its_type_and_bits():
+    """``body_key`` compared scalar parameters by Python equality, under which 0.0 and
+    -0.0 (and 1, 1.0 and True) are equal: bodies differing only there could have shared
+    one executable."""
+    from jax.extend.core import Primitive
+
+    from mpmdc.ir.program import body_key
+
+    scaled = Primitive("scaled_for_test")
+    scaled.def_abstract_eval(lambda x, *, factor: x)
+
+    def body(factor):
+        return jax.make_jaxpr(lambda x: scaled.bind(x, factor=factor))(1.0)
+
+    assert body_key(body(0.0)) == body_key(body(0.0))
+    assert body_key(body(np.float32(2.0))) == body_key(body(np.float32(2.0)))
+    keys = [body_key(body(f)) for f in (0.0, -0.0, 1, 1.0, True, np.float32(1.0), np.float32(-0.0))]
+    assert len(set(keys)) == len(keys)

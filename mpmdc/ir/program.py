@@ -278,8 +278,8 @@ def _scalar_bits(value) -> tuple:
     return (host.dtype.str, host.tobytes())
 
 
-# Parameter types compared by equality as they are (no jaxpr inside, always hashable).
-_PLAIN_PARAMS = frozenset({int, float, bool, str, type(None), np.dtype})
+# Parameter types compared by equality, with their type (no jaxpr inside, always hashable).
+_PLAIN_PARAMS = frozenset({int, bool, str, type(None), np.dtype})
 
 
 def _param_key(value, out: list) -> None:
@@ -288,7 +288,9 @@ def _param_key(value, out: list) -> None:
     hashable, else by identity (callbacks, arrays)."""
     kind = type(value)
     if kind in _PLAIN_PARAMS:  # (most parameters: checked first, by exact type)
-        out.append(value)
+        out.append((kind, value))  # (with its type: 1, 1.0 and True are equal in Python)
+    elif kind is float or isinstance(value, np.generic):
+        out.append(_scalar_bits(value))  # (by its bits: 0.0 and -0.0 are equal in Python)
     elif isinstance(value, jcore.ClosedJaxpr):
         out.append(("consts", tuple(id(c) for c in value.consts)))
         _jaxpr_key(value.jaxpr, out)
