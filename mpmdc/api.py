@@ -190,7 +190,7 @@ class Lowered:
     def _last_split(self, unlowered: bool = False) -> Program:
         for name in reversed(self._order):
             program = self._dumps[name]
-            if program.is_split and not (unlowered and program.modules is not None):
+            if program.is_split and not (unlowered and program.module_keys is not None):
                 return program
         raise PassError(
             f"this pipeline never split the program (stages: {', '.join(self._order)}); "
@@ -203,7 +203,7 @@ class Lowered:
 
         last = self._last_split()
         key = platform or last.backend
-        if last.modules is not None and last.backend == key:
+        if last.module_keys is not None and last.backend == key:
             return last
         if key not in self._by_backend:
             self._by_backend[key] = lower(self._last_split(unlowered=True), backend=key)

@@ -38,6 +38,20 @@ def test_second_call_does_not_retrace(meshes4):
     assert len(traces) == 2
 
 
+def test_the_call_path_never_prints_a_module(meshes4, monkeypatch):
+    printed = []
+    as_text = jax.stages.Lowered.as_text
+
+    def counted(self, *args, **kwargs):
+        printed.append(1)
+        return as_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "as_text", counted)
+    assert_same_as_jit(jax.grad(mlp_loss), meshes4, WS, X)
+    assert printed == []
+    assert mpmdc.compile(jax.grad(mlp_loss), meshes4).lower(WS, X).stablehlo() and printed  # (when asked)
+
+
 def test_as_text_is_identical_across_compilations(meshes4):
     a = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)
     b = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)

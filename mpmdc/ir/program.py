@@ -122,7 +122,7 @@ class Program:
     # per output, the mesh the caller asked for (``compile(out_shardings=...)``) or None
     wanted_out_meshes: tuple[int | None, ...] | None = None
     # (first fragment's name, ``fragment_key``) per distinct module, once lowered for ``backend``
-    module_keys: tuple[tuple[str, tuple], ...] | None = None
+    module_keys: tuple[tuple[str, tuple], ...] | None = dataclasses.field(default=None, repr=False)
     schedule: Schedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
     microbatches: int | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
@@ -279,7 +279,7 @@ def _scalar_bits(value) -> tuple:
 
 
 # Parameter types compared by equality, with their type (no jaxpr inside, always hashable).
-_PLAIN_PARAMS = frozenset({int, bool, str, type(None), np.dtype})
+_PLAIN_PARAMS = frozenset({int, bool, str, type(None)})
 
 
 def _param_key(value, out: list) -> None:
@@ -426,7 +426,7 @@ def format_program(program: Program) -> str:
         where = f" @mesh{program.out_meshes[i]}" if program.out_meshes is not None else ""
         name = compat.pp_var(v, ctx) if is_var(v) else str(v)
         lines.append(f"  {name}{where} {_spec_text(program.out_specs[i])}  # {program.out_paths[i]}")
-    if program.modules is not None:
+    if program.module_keys is not None:
         lines.append(format_modules(program).rstrip("\n"))
     # Equations without operands print with a trailing blank; golden files should not.
     return "\n".join(line.rstrip() for line in "\n".join(lines).split("\n")) + "\n"
