@@ -75,7 +75,7 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
 def in_program_transfers(program: Program) -> Program:
     """Replace every fragment-to-fragment transfer of a split program by send/recv pairs."""
     eqns = list(program.jaxpr.jaxpr.eqns)
-    producer, readers = def_use(eqns)
+    producer, readers, _ = def_use(eqns)
     program_outputs = {v for v in program.jaxpr.jaxpr.outvars if is_var(v)}
 
     sends = {i: [] for i in range(len(eqns))}

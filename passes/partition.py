@@ -87,10 +87,10 @@ _EXPANDING = frozenset(
 )
 
 
-def _is_cheap(eqn, from_literals) -> bool:
+def _is_cheap(eqn, operands, from_literals) -> bool:
     """Cloned next to each user: computed from literals alone (``from_literals`` holds
-    such values), or a shape/type change of a small value; no effects or bodies."""
-    operands = vars_of(eqn.invars)
+    such values), or a shape/type change of a small value; no effects or bodies.
+    ``operands``: the variables ``eqn`` reads."""
     candidate = all(a in from_literals for a in operands) or (
         eqn.primitive in _EXPANDING and all(a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands)
     )
@@ -102,10 +102,10 @@ def _is_cheap(eqn, from_literals) -> bool:
     )
 
 
-def _transpose_counts(eqns, producer, users):
+def _transpose_counts(eqns, reads, producer, users):
     counts = []
     for i, eqn in enumerate(eqns):
-        t = max((counts[producer[a]] for a in vars_of(eqn.invars) if a in producer), default=0)
+        t = max((counts[producer[a]] for a in reads[i] if a in producer), default=0)
         if is_marker(eqn):
             t = max(t, eqn.params["transpose"])
         counts.append(t)
@@ -159,8 +159,8 @@ class _Placer:
     cheap equations, which are cloned later); ``transpose[i]`` its transpose count.
     """
 
-    def __init__(self, program, eqns, producer, users, cheap, transpose, microbatch, seeds):
-        self.program, self.eqns = program, eqns
+    def __init__(self, program, eqns, reads, producer, users, cheap, transpose, microbatch, seeds):
+        self.program, self.eqns, self.reads = program, eqns, reads
         self.producer, self.users, self.cheap = producer, users, cheap
         self.transpose, self.microbatch = transpose, microbatch
         self.stage = [e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)]
@@ -210,7 +210,7 @@ class _Placer:
         (a clone reads its own operands where it runs); program inputs and constants
         only if ``inputs``."""
         out = []
-        for a in vars_of(self.eqns[i].invars):
+        for a in self.reads[i]:
             j = self.producer.get(a)
             if j in self.cheap:
                 out += self.operands(j, inputs)
@@ -300,7 +300,7 @@ class _Placer:
         its inputs, such as an embedding lookup)."""
         depends = set()
         for i, eqn in enumerate(self.eqns):
-            if is_marker(eqn) or any(self.producer.get(a) in depends for a in vars_of(eqn.invars)):
+            if is_marker(eqn) or any(self.producer.get(a) in depends for a in self.reads[i]):
                 depends.add(i)
         prepares = set()
         for i in reversed(range(len(self.eqns))):
@@ -366,14 +366,14 @@ class _Placer:
         return self.stage
 
 
-def _infer_microbatches(eqns, producer, users, cheap):
+def _infer_microbatches(eqns, reads, producer, users, cheap):
     """Microbatch per equation index (``None`` outside an ``accumulate`` loop and for cheap ones)."""
     microbatch: list[int | None] = [None] * len(eqns)
     for i, eqn in enumerate(eqns):
         if is_microbatch_marker(eqn):
             microbatch[i] = eqn.params["index"]
         else:  # cheap equations too, so values flow through them (their clones go with their users)
-            found = [microbatch[producer[a]] for a in vars_of(eqn.invars) if a in producer]
+            found = [microbatch[producer[a]] for a in reads[i] if a in producer]
             microbatch[i] = max((m for m in found if m is not None), default=None)
     for i in reversed(range(len(eqns))):
         if microbatch[i] is None and i not in cheap and not is_microbatch_marker(eqns[i]):
@@ -390,27 +390,27 @@ def _infer_microbatches(eqns, producer, users, cheap):
     return microbatch
 
 
-def _cheap_equations(eqns) -> set[int]:
+def _cheap_equations(eqns, reads) -> set[int]:
     """Indices of the equations cheap enough to clone next to each user (``_is_cheap``)."""
     cheap, from_literals = set(), set()
     for i, eqn in enumerate(eqns):
-        if _is_cheap(eqn, from_literals):
+        if _is_cheap(eqn, reads[i], from_literals):
             cheap.add(i)
-            if all(a in from_literals for a in vars_of(eqn.invars)):
+            if all(a in from_literals for a in reads[i]):
                 from_literals.update(eqn.outvars)
     return cheap
 
 
-def _place(program, eqns, producer, users, cheap) -> dict[int, Placement]:
+def _place(program, eqns, reads, producer, users, cheap) -> dict[int, Placement]:
     """Rules 1-5: a placement for every equation that is not cheap."""
     for eqn in eqns:
         if is_marker(eqn):
             program.mesh_of_stage(eqn.params["stage"], eqn)  # a stage without a mesh fails here
-    transpose = _transpose_counts(eqns, producer, users)
+    transpose = _transpose_counts(eqns, reads, producer, users)
     candidates = _shard_map_stages(program, eqns)
     seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
-    microbatch = _infer_microbatches(eqns, producer, users, cheap)
-    stage = _Placer(program, eqns, producer, users, cheap, transpose, microbatch, seeds).run()
+    microbatch = _infer_microbatches(eqns, reads, producer, users, cheap)
+    stage = _Placer(program, eqns, reads, producer, users, cheap, transpose, microbatch, seeds).run()
     _pin_shard_maps(stage, candidates, eqns, producer, users)
     return {i: Placement(stage[i], transpose[i], microbatch[i]) for i in range(len(eqns)) if i not in cheap}
 
@@ -431,21 +431,20 @@ def _output_placements(outvars, eqns, producer, cheap, placement, default) -> li
     return [max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default for v in outvars]
 
 
-def _with_clones(eqns, outvars, producer, cheap, placement, out_placement):
+def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement):
     """Rule 6: ``(equations, outputs)`` with every equation placed and each cheap one
     cloned once per placement among its (transitive) users."""
     cheap_vars = {v for i in cheap for v in eqns[i].outvars}
     needed: dict[int, set[Placement]] = {i: set() for i in cheap}
-    for i, eqn in enumerate(eqns):
-        if i in placement:
-            for a in vars_of(eqn.invars):
-                if a in cheap_vars:
-                    needed[producer[a]].add(placement[i])
+    for i in placement:
+        for a in reads[i]:
+            if a in cheap_vars:
+                needed[producer[a]].add(placement[i])
     for v, p in zip(outvars, out_placement):
         if is_var(v) and v in cheap_vars:
             needed[producer[v]].add(p)
     for i in sorted(cheap, reverse=True):
-        for a in vars_of(eqns[i].invars):
+        for a in reads[i]:
             if a in cheap_vars:
                 needed[producer[a]] |= needed[i]
 
@@ -497,12 +496,12 @@ def partition(program: Program) -> Program:
     program = dce(program)
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
-    producer, users = def_use(eqns)
-    cheap = _cheap_equations(eqns)
-    placement = _place(program, eqns, producer, users, cheap)
+    producer, users, reads = def_use(eqns)
+    cheap = _cheap_equations(eqns, reads)
+    placement = _place(program, eqns, reads, producer, users, cheap)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
     out_placement = _output_placements(jaxpr.outvars, eqns, producer, cheap, placement, default)
-    new_eqns, outvars = _with_clones(eqns, jaxpr.outvars, producer, cheap, placement, out_placement)
+    new_eqns, outvars = _with_clones(eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement)
     in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
     closed = make_closed_jaxpr(jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info)
     return program.replace(jaxpr=closed, in_meshes=tuple(in_meshes), out_meshes=tuple(out_meshes))

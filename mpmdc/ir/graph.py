@@ -16,23 +16,27 @@ from mpmdc.ir.program import is_var, vars_of
 class DefUse(NamedTuple):
     """``producer[v]``: index of the equation defining ``v`` (program inputs and
     constants have none); ``readers[v]``: indices of the equations reading ``v``,
-    ascending, each once."""
+    ascending, each once; ``reads[i]``: the variables equation ``i`` reads, in operand
+    order (literals left out)."""
 
     producer: dict
     readers: dict
+    reads: list
 
 
 def def_use(eqns: Sequence) -> DefUse:
-    """Producer and readers of every variable of ``eqns``."""
+    """Producer and readers of every variable of ``eqns``, and each one's operands."""
     producer: dict = {}
     readers: dict = {}
+    reads: list = []
     for i, eqn in enumerate(eqns):
-        for a in vars_of(eqn.invars):
+        reads.append(vars_of(eqn.invars))
+        for a in reads[-1]:
             seen = readers.setdefault(a, [])
             if not seen or seen[-1] != i:
                 seen.append(i)
         producer.update((v, i) for v in eqn.outvars if is_var(v))
-    return DefUse(producer, readers)
+    return DefUse(producer, readers, reads)
 
 
 def release_plan(jaxpr) -> list[list]:
