@@ -247,8 +247,10 @@ class _Placer:
         """Add the stages of the placed equations ``js`` to ``candidates``; on equal
         costs a higher ``rank`` wins, then the latest in pipeline order."""
         for j in js:
-            key = (rank, *self.key(self.stage[j], self.transpose[j]))
-            candidates[self.stage[j]] = max(candidates.get(self.stage[j], key), key)
+            stage = self.stage[j]
+            key = (rank, *self.key(stage, self.transpose[j]))
+            if stage not in candidates or key > candidates[stage]:
+                candidates[stage] = key
 
     def from_operands(self, i, through_boundaries: bool):
         """Rule 2: a stage for ``i`` from its placed operands, or ``None``. Before
