@@ -57,9 +57,8 @@ def warm_up(meshes=None) -> None:
     :func:`four_meshes`): first-use costs (JAX's rules and caches, mpmdc's too) are
     paid before anything is timed."""
     step, args = transformer_setup(1, microbatches=2)
-    jax.block_until_ready(jax.jit(step)(*args))
-    out = mpmdc.compile(step_function(1, microbatches=2), meshes or four_meshes())(*args)
-    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(out) if x.addressable_shards])
+    first_call(jax.jit(step), args)
+    first_call(mpmdc.compile(step_function(1, microbatches=2), meshes or four_meshes()), args)
 
 
 def first_call(fn, args) -> float:
