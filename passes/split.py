@@ -28,7 +28,6 @@ import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
-from mpmdc.ir.graph import def_use
 from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
 from mpmdc.ir.program import (
     Placement,
@@ -36,7 +35,6 @@ from mpmdc.ir.program import (
     fresh_like,
     is_var,
     make_closed_jaxpr,
-    placed,
     sub_jaxpr,
     substituted,
     vars_of,
@@ -46,30 +44,40 @@ from mpmdc.ir.spec_rules import propagate_specs
 from mpmdc.passes.base import register
 
 
-def _parts(eqns, placements):
-    """Part id per equation: acyclic, one part per placement where possible."""
-    producer = def_use(eqns).producer
+def _parts(eqns, reads, placements):
+    """``(part of each equation, graph of the parts, values read in another part than
+    their own, the distinct placements)``: a part is ``(index into the distinct
+    placements, level)``; the parts are acyclic, one per placement where possible.
+    ``reads[i]``: the variables equation ``i`` reads."""
+    ids: dict = {}
+    # (Small ints hash and compare much faster than placements.)
+    kind = [ids.setdefault(p, len(ids)) for p in placements]
+    producer: dict = {}
     level = []
     for i, eqn in enumerate(eqns):
         lvl = 0
-        for a in vars_of(eqn.invars):
+        for a in reads[i]:
             j = producer.get(a)
             if j is not None:
-                lvl = max(lvl, level[j] + (placements[j] != placements[i]))
+                lvl = max(lvl, level[j] + (kind[j] != kind[i]))
         level.append(lvl)
+        producer.update((v, i) for v in eqn.outvars)
 
-    part_of = [(placements[i], level[i]) for i in range(len(eqns))]
+    part_of = list(zip(kind, level))
     graph = nx.DiGraph()
     graph.add_nodes_from(dict.fromkeys(part_of))
-    for i, eqn in enumerate(eqns):
-        for a in vars_of(eqn.invars):
+    crossing = []
+    for i in range(len(eqns)):
+        for a in reads[i]:
             j = producer.get(a)
             if j is not None and part_of[j] != part_of[i]:
                 graph.add_edge(part_of[j], part_of[i])
+                crossing.append((a, j, i))
 
+    distinct = list(ids)
     merged_into = {}
-    by_placement: dict[Placement, list] = {}
-    for node in sorted(graph.nodes, key=lambda n: (n[0].order_key(), n[1])):
+    by_placement: dict[int, list] = {}
+    for node in sorted(graph.nodes, key=lambda n: (distinct[n[0]].order_key(), n[1])):
         by_placement.setdefault(node[0], []).append(node)
     for nodes in by_placement.values():
         current = nodes[0]
@@ -79,7 +87,10 @@ def _parts(eqns, placements):
                 merged_into[node] = current
             else:
                 current = node
-    return [merged_into.get(p, p) for p in part_of], graph
+    part_of = [merged_into.get(p, p) for p in part_of]
+    # (Merging only joins parts: what crosses now crossed before.)
+    crossing = {a for a, j, i in crossing if part_of[j] != part_of[i]}
+    return part_of, graph, crossing, distinct
 
 
 def _can_merge(graph, a, b) -> bool:
@@ -118,34 +129,23 @@ def _without_markers(jaxpr, placements):
         if is_marker(eqn) or is_microbatch_marker(eqn):
             env.update(zip(eqn.outvars, substituted(eqn.invars, env)))
         else:
-            # Fragment bodies carry no placements: JAX would lower them as attributes.
-            eqns.append(placed(eqn, None, invars=substituted(eqn.invars, env)))
+            reads_marker = any(is_var(a) and a in env for a in eqn.invars)
+            eqns.append(eqn.replace(invars=substituted(eqn.invars, env)) if reads_marker else eqn)
             kept.append(placement)
     return eqns, kept, env
 
 
-def _ordered_parts(eqns, placements):
-    """``(part of each equation, parts in a topological order, equation indices per part)``."""
-    part_of, graph = _parts(eqns, placements)
+def _ordered_parts(eqns, reads, placements, outvars):
+    """``(parts in a topological order, the equation indices of each, the values a part
+    defines and something outside it reads)``: a part is ``(placement, level)``, the
+    values are the fragments' results."""
+    part_of, graph, crossing, distinct = _parts(eqns, reads, placements)
     members: dict = {}
     for i, part in enumerate(part_of):
         members.setdefault(part, []).append(i)
     order = list(nx.lexicographical_topological_sort(graph, key=lambda p: members[p][0]))
-    return part_of, order, members
-
-
-def _crossing_values(eqns, part_of, order, members, outvars) -> set:
-    """The values a part defines and something outside it reads: the fragments' results."""
-    used_outside: set = set(v for v in outvars if is_var(v))
-    defined_in = {}
-    for part in order:
-        for i in members[part]:
-            defined_in.update((v, part) for v in eqns[i].outvars if is_var(v))
-    for i, eqn in enumerate(eqns):
-        for a in vars_of(eqn.invars):
-            if a in defined_in and defined_in[a] != part_of[i]:
-                used_outside.add(a)
-    return used_outside
+    used_outside = crossing | {v for v in outvars if is_var(v)}
+    return [(distinct[k], level) for k, level in order], [members[p] for p in order], used_outside
 
 
 def _fragment_names(order) -> list[str]:
@@ -251,11 +251,11 @@ def split(program: Program) -> Program:
     jaxpr = closed.jaxpr
     eqns, placements, env = _without_markers(jaxpr, program.placements)
     outvars = substituted(jaxpr.outvars, env)
-    part_of, order, members = _ordered_parts(eqns, placements)
-    used_outside = _crossing_values(eqns, part_of, order, members, outvars)
+    reads = [vars_of(e.invars) for e in eqns]
+    order, members, used_outside = _ordered_parts(eqns, reads, placements, outvars)
     emitter = _Emitter(program, dict(zip(jaxpr.constvars, closed.consts)), _what_values_carry(jaxpr, env), outvars)
-    for part, name in zip(order, _fragment_names(order)):
-        emitter.fragment(part[0], name, [eqns[i] for i in members[part]], used_outside)
+    for part, indices, name in zip(order, members, _fragment_names(order)):
+        emitter.fragment(part[0], name, [eqns[i] for i in indices], used_outside)
     final = emitter.outputs(outvars)
     new = make_closed_jaxpr(jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info)
     return program.replace(jaxpr=new, is_split=True)

@@ -201,11 +201,17 @@ def substituted(atoms: Sequence, env: dict) -> list:
     return [env.get(a, a) if type(a) is _Var or is_var(a) else a for a in atoms]
 
 
-def copy_eqn(eqn, env: dict, **changes):
-    """Copy ``eqn`` with inputs renamed through ``env`` and fresh outputs recorded in ``env``."""
+def _renaming(eqn, env: dict) -> dict:
+    """``eqn``'s inputs renamed through ``env`` and fresh outputs (recorded in ``env``),
+    as changes for ``eqn.replace``."""
     outvars = [fresh_like(v) for v in eqn.outvars]
     env.update({old: new for old, new in zip(eqn.outvars, outvars) if is_var(old)})
-    return eqn.replace(invars=substituted(eqn.invars, env), outvars=outvars, **changes)
+    return {"invars": substituted(eqn.invars, env), "outvars": outvars}
+
+
+def copy_eqn(eqn, env: dict, **changes):
+    """Copy ``eqn`` with inputs renamed through ``env`` and fresh outputs recorded in ``env``."""
+    return eqn.replace(**_renaming(eqn, env), **changes)
 
 
 def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None, name="fragment"):
@@ -230,17 +236,17 @@ def sub_jaxpr(eqns, outputs, const_values: dict, name: str):
 
     Its inputs are the variables ``eqns`` and ``outputs`` read but ``eqns`` do not
     define, in first-read order; those in ``const_values`` become bound constants.
-    Returns ``(inputs, closed_jaxpr)`` with ``inputs`` the outer variables to pass in.
+    Its equations carry no placements (JAX would lower them as attributes). Returns
+    ``(inputs, closed_jaxpr)`` with ``inputs`` the outer variables to pass in.
     """
     defined = {v for e in eqns for v in e.outvars if is_var(v)}
-    inputs, consts = [], []
+    inputs, consts = {}, {}  # (dicts as ordered sets)
     for a in [a for e in eqns for a in vars_of(e.invars)] + vars_of(outputs):
         if a not in defined:
-            target = consts if a in const_values else inputs
-            if a not in target:
-                target.append(a)
+            (consts if a in const_values else inputs)[a] = None
+    inputs, consts = list(inputs), list(consts)
     env = {v: fresh_like(v) for v in inputs + consts}
-    inner_eqns = [copy_eqn(e, env) for e in eqns]
+    inner_eqns = [placed(e, None, **_renaming(e, env)) for e in eqns]
     closed = make_closed_jaxpr(
         [env[c] for c in consts],
         [const_values[c] for c in consts],

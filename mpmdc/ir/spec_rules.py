@@ -191,11 +191,12 @@ def _spec_of(found: dict, v) -> Spec:
 
 
 def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
-    found = dict(zip(jaxpr.invars, in_specs))
+    """The sharded values' specs (a value left out is replicated)."""
+    found = {v: spec for v, spec in zip(jaxpr.invars, in_specs) if _is_sharded(spec)}
     for eqn in jaxpr.eqns:
-        specs = [_spec_of(found, a) for a in eqn.invars]
-        if not any(map(_is_sharded, specs)) and eqn.primitive not in _SPEC_SOURCES:
+        if eqn.primitive not in _SPEC_SOURCES and not any(is_var(a) and a in found for a in eqn.invars):
             continue
+        specs = [_spec_of(found, a) for a in eqn.invars]
         rule = spec_rules.get(eqn.primitive, _same_shape)
         for v, spec in zip(eqn.outvars, rule(eqn, specs)):
             if _is_sharded(spec):
@@ -207,4 +208,6 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     """``{variable: PartitionSpec}`` for the sharded top-level values of ``jaxpr`` (inputs
     included), given one spec (or ``None``) per input; values left out are replicated."""
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
-    return {v: PartitionSpec(*spec) for v, spec in _propagate(jaxpr, padded).items()}
+    found = dict(zip(jaxpr.invars, padded))
+    found.update(_propagate(jaxpr, padded))
+    return {v: PartitionSpec(*spec) for v, spec in found.items()}
