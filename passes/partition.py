@@ -300,16 +300,18 @@ class _Placer:
         """The equations that depend on a marker (the pipeline's own work), and those
         whose results reach a forward marker without depending on one (what prepares
         its inputs, such as an embedding lookup)."""
-        depends = set()
+        depends, depending = set(), set()  # (equations, and the values they define)
         for i, eqn in enumerate(self.eqns):
-            if is_marker(eqn) or any(self.producer.get(a) in depends for a in self.reads[i]):
+            if is_marker(eqn) or not depending.isdisjoint(self.reads[i]):
                 depends.add(i)
+                depending.update(eqn.outvars)
+        # (A forward marker, or an equation reaching one.)
+        reaching = {j for j, e in enumerate(self.eqns) if is_marker(e) and not is_transposed_marker(e)}
         prepares = set()
         for i in reversed(range(len(self.eqns))):
-            for v in self.eqns[i].outvars:
-                for j in self.users.get(v, ()):
-                    if (is_marker(self.eqns[j]) and not is_transposed_marker(self.eqns[j])) or j in prepares:
-                        prepares.add(i)
+            if any(j in reaching for v in self.eqns[i].outvars for j in self.users.get(v, ())):
+                prepares.add(i)
+                reaching.add(i)
         return depends - self.cheap, prepares - depends - self.cheap
 
     def place_by_cost(self, members) -> None:
@@ -469,11 +471,13 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
     """Each input lives on the mesh of its earliest user, each output where it is made
     (an input returned as is stays where it is), unless ``out_shardings`` says."""
     jaxpr = program.jaxpr.jaxpr
+    in_index = {v: k for k, v in enumerate(jaxpr.invars)}
     input_users: dict = {}
     for eqn in new_eqns:
-        for a in vars_of(eqn.invars):
-            input_users.setdefault(a, []).append(placement_of(eqn))
-    in_index = {v: k for k, v in enumerate(jaxpr.invars)}
+        if read := [a for a in vars_of(eqn.invars) if a in in_index]:
+            p = placement_of(eqn)
+            for a in read:
+                input_users.setdefault(a, []).append(p)
     for v, p in zip(jaxpr.outvars, out_placement):
         if is_var(v) and v in in_index and v not in input_users:
             input_users[v] = [p]
