@@ -108,7 +108,7 @@ def _what_values_carry(jaxpr, env):
     crossing = {}
     depends = set()
     for eqn in jaxpr.eqns:
-        if is_marker(eqn) or is_microbatch_marker(eqn) or any(a in depends for a in vars_of(eqn.invars)):
+        if is_marker(eqn) or is_microbatch_marker(eqn) or not depends.isdisjoint(vars_of(eqn.invars)):
             depends.update(eqn.outvars)
         if is_marker(eqn):
             kind = "cotangent" if eqn.params["transpose"] % 2 else "activation"
