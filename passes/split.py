@@ -51,7 +51,7 @@ def _parts(eqns, reads, placements):
     ``reads[i]``: the variables equation ``i`` reads."""
     ids: dict = {}
     # (Small ints hash and compare much faster than placements.)
-    kind = [ids.setdefault(p, len(ids)) for p in placements]
+    placement_id = [ids.setdefault(p, len(ids)) for p in placements]
     producer: dict = {}
     level = []
     for i, eqn in enumerate(eqns):
@@ -59,20 +59,20 @@ def _parts(eqns, reads, placements):
         for a in reads[i]:
             j = producer.get(a)
             if j is not None:
-                lvl = max(lvl, level[j] + (kind[j] != kind[i]))
+                lvl = max(lvl, level[j] + (placement_id[j] != placement_id[i]))
         level.append(lvl)
         producer.update((v, i) for v in eqn.outvars)
 
-    part_of = list(zip(kind, level))
+    part_of = list(zip(placement_id, level))
     graph = nx.DiGraph()
     graph.add_nodes_from(dict.fromkeys(part_of))
-    crossing = []
+    candidates = []  # (value, producer, reader) where parts differ before merging
     for i in range(len(eqns)):
         for a in reads[i]:
             j = producer.get(a)
             if j is not None and part_of[j] != part_of[i]:
                 graph.add_edge(part_of[j], part_of[i])
-                crossing.append((a, j, i))
+                candidates.append((a, j, i))
 
     distinct = list(ids)
     merged_into = {}
@@ -89,7 +89,7 @@ def _parts(eqns, reads, placements):
                 current = node
     part_of = [merged_into.get(p, p) for p in part_of]
     # (Merging only joins parts: what crosses now crossed before.)
-    crossing = {a for a, j, i in crossing if part_of[j] != part_of[i]}
+    crossing = {a for a, j, i in candidates if part_of[j] != part_of[i]}
     return part_of, graph, crossing, distinct
 
 

@@ -236,8 +236,9 @@ def sub_jaxpr(eqns, outputs, const_values: dict, name: str):
 
     Its inputs are the variables ``eqns`` and ``outputs`` read but ``eqns`` do not
     define, in first-read order; those in ``const_values`` become bound constants.
-    Its equations carry no placements (JAX would lower them as attributes). Returns
-    ``(inputs, closed_jaxpr)`` with ``inputs`` the outer variables to pass in.
+    Its equations carry no placements or remat marks (JAX would lower them as
+    attributes). Returns ``(inputs, closed_jaxpr)`` with ``inputs`` the outer
+    variables to pass in.
     """
     defined = {v for e in eqns for v in e.outvars if is_var(v)}
     inputs, consts = {}, {}  # (dicts as ordered sets)
