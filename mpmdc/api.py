@@ -33,6 +33,7 @@ from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Executable, Signature, leaf_type
 from mpmdc.runtime.meshes import check_meshes
+from mpmdc.runtime.transfers import is_here
 from mpmdc.schedules.accumulate import unrolled
 
 
@@ -319,9 +320,19 @@ class Compiled:
             backend.check_can_run(self.meshes)
             # XLA compiles each module while the `lower` pass lowers the next.
             with FragmentCompiler(backend) as compiler, handing_modules_to(compiler.offer):
-                exe = self.lower(*args, **kwargs)._compile_with(compiler)
+                with cycles_collected_after():
+                    lowered = self._lower(args, kwargs, self._passes_for_call())
+                exe = lowered._compile_with(compiler)
             self._cache[key] = exe
         return exe, leaves
+
+    def _passes_for_call(self):
+        """The passes, with ``lower`` emitting only the fragments of meshes this process
+        runs (all of them in one process: the passes as they are)."""
+        here = tuple(m for m, mesh in enumerate(self.meshes) if is_here(mesh))
+        if len(here) == len(self.meshes):
+            return self.passes
+        return [p.with_options(meshes=here) if p.name == "lower" else p for p in self.passes]
 
     def __call__(self, *args, **kwargs):
         """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""
@@ -341,9 +352,9 @@ class Compiled:
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
         with cycles_collected_after():  # (tracing too: see its docstring)
-            return self._lower(args, kwargs)
+            return self._lower(args, kwargs, self.passes)
 
-    def _lower(self, args, kwargs) -> Lowered:
+    def _lower(self, args, kwargs, passes) -> Lowered:
         static_values, dynamic, donate = self._split_args(args)
         static = dict(static_values)
         leaves, in_paths, in_tree = _flat_arguments(dynamic, kwargs)
@@ -366,7 +377,7 @@ class Compiled:
             microbatches=loop.microbatches if loop else None,
         )
         signature = Signature(in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree)
-        return _through_passes(program, self.passes, signature, started)
+        return _through_passes(program, passes, signature, started)
 
     def _trace(self, in_tree, static: dict, in_types):
         """``(closed jaxpr, accumulate loop or None, output treedef, output paths)`` of

@@ -13,6 +13,9 @@ Needs a split program, in its final order of calls. Three phases:
 The ``jax.stages.Lowered`` objects are attached to the program, in fragment order
 and with the backend they were lowered for: the runtime compiles exactly these, and
 the stage called ``stablehlo`` prints their text, so what it shows is what runs.
+With the option ``meshes`` (mesh indices) it lowers only those meshes' fragments: a
+process of a multi-process run compiles only its own meshes' fragments, so its call
+path lowers only those.
 Within :func:`handing_modules_to` each new module is also handed on as soon as it is
 lowered (the call path's compiler starts XLA on it while this pass lowers the next);
 the pass's result does not depend on it.
@@ -48,8 +51,9 @@ def handing_modules_to(sink):
 
 
 @register("lower", "emit StableHLO per fragment for the backend's platform")
-def lower(program: Program, *, backend: str | None = None) -> Program:
-    """Attach one StableHLO module per fragment, lowered for ``backend``'s platform."""
+def lower(program: Program, *, backend: str | None = None, meshes: tuple[int, ...] | None = None) -> Program:
+    """Attach one StableHLO module per fragment, lowered for ``backend``'s platform
+    (per fragment of ``meshes`` only, when given: indices into the program's meshes)."""
     if not program.is_split:
         raise PassError("the `lower` pass needs a split program; run `split` before it.")
     chosen = backends.get(backend or program.backend)
@@ -59,7 +63,7 @@ def lower(program: Program, *, backend: str | None = None) -> Program:
     sink = _module_sink.get()
     lowerings, module_keys = {}, []
     for eqn in program.jaxpr.jaxpr.eqns:
-        if eqn.primitive is fragment_p:
+        if eqn.primitive is fragment_p and (meshes is None or eqn.params["mesh"] in meshes):
             key = fragment_key(eqn)
             if key not in lowerings:
                 lowerings[key] = lower_fragment(program, eqn, chosen)

@@ -51,6 +51,27 @@ def test_one_module_per_distinct_fragment(meshes2):
     assert "// ----- fragment s1_fwd @mesh1 (cpu)\n" in out.as_text()
 
 
+def test_lower_emits_only_the_fragments_of_the_meshes_asked_for(meshes2):
+    # (A process of a multi-process run lowers only its own meshes' fragments.)
+    def step(ws, x):
+        return mpmdc.accumulate(lambda xb: jax.grad(mlp_loss)(ws, xb), x, microbatches=4)
+
+    program = scheduled(step, meshes2, [W, W], X)
+    out = lower(program, meshes=(1,))
+    assert [name for name, _ in out.modules] == ["s1_fwd", "s1_fwd_mb0"]
+    assert len(out.lowerings) == 2
+    assert lower(program, meshes=(0, 1)).modules == lower(program).modules
+
+
+def test_the_call_path_of_a_process_lowers_only_its_meshes(meshes2, monkeypatch):
+    compiled = mpmdc.compile(mlp_loss, meshes2)
+    assert compiled._passes_for_call() is compiled.passes  # one process: every mesh
+    monkeypatch.setattr(mpmdc.api, "is_here", lambda mesh: mesh is meshes2[1])
+    passes = compiled._passes_for_call()
+    assert [str(p) for p in passes][-1] == "lower{meshes=(1,)}"
+    assert [p.name for p in passes] == [p.name for p in compiled.passes]
+
+
 def test_lower_needs_a_split_program(meshes2):
     placed = partition(inline(input_program(mlp_loss, meshes2, [W, W], X)))
     with pytest.raises(PassError, match="the `lower` pass needs a split program; run `split` before it"):
