@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mpmdc._text import split_top_level
 from mpmdc.errors import PassError
 from mpmdc.ir.program import Program
 
@@ -83,7 +84,12 @@ def pass_from_text(text: str) -> FunctionPass:
     if name not in PASSES:
         raise PassError(f"unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}.")
     options = {}
-    for item in filter(None, (s.strip() for s in (options_text or "").split(","))):
+    # (Commas inside parentheses stay: ``lower{meshes=(0,2)}``.)
+    try:
+        items = split_top_level(options_text or "", "()")
+    except ValueError:
+        raise PassError(f"unbalanced parentheses in the options of pass `{name}`: {options_text!r}.") from None
+    for item in filter(None, (s.strip() for s in items)):
         key, sep, value = item.partition("=")
         if not sep:
             raise PassError(f"option {item!r} of pass `{name}` needs a value: {key.strip()}=VALUE.")

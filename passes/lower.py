@@ -13,9 +13,9 @@ Needs a split program, in its final order of calls. Three phases:
 The ``jax.stages.Lowered`` objects are attached to the program, in fragment order
 and with the backend they were lowered for: the runtime compiles exactly these, and
 the stage called ``stablehlo`` prints their text, so what it shows is what runs.
-With the option ``meshes`` (mesh indices) it lowers only those meshes' fragments: a
-process of a multi-process run compiles only its own meshes' fragments, so its call
-path lowers only those.
+With the option ``meshes`` (mesh indices, ``lower{meshes=(0,2)}`` in a pass list) it
+lowers only those meshes' fragments: a process of a multi-process run compiles only
+its own meshes' fragments, so its call path lowers only those.
 Within :func:`handing_modules_to` each new module is also handed on as soon as it is
 lowered (the call path's compiler starts XLA on it while this pass lowers the next);
 the pass's result does not depend on it.

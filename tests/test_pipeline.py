@@ -153,10 +153,15 @@ def test_pass_options_are_set_by_name(meshes2):
     assert lowered.stages == ("input", "after-inline", "after-partition", "after-dce", "after-split", "stablehlo")
     assert lowered.program("stablehlo").backend == "tpu"
     assert lowered.stablehlo("tpu") == dict(lowered.program("stablehlo").modules)
+    # A tuple option keeps its commas, and prints as it parses.
+    (_, lower) = resolve("dce,lower{backend=cpu, meshes=(0,1)}")
+    assert lower.options == (("backend", "cpu"), ("meshes", (0, 1)))
+    assert resolve(str(lower))[0] == lower
 
 
 @pytest.mark.parametrize("text, says", [
-    ("lower{platform=tpu}", "pass `lower` has no option platform; its options: backend"),
+    ("lower{platform=tpu}", "pass `lower` has no option platform; its options: backend, meshes"),
+    ("lower{meshes=(0,1}", "unbalanced parentheses in the options of pass `lower`"),
     ("lower{backend}", "needs a value: backend=VALUE"),
     ("lower{backend=tpu", "unbalanced braces"),
     ("Lower", "is not a pass"),
