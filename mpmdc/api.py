@@ -320,9 +320,7 @@ class Compiled:
             backend.check_can_run(self.meshes)
             # XLA compiles each module while the `lower` pass lowers the next.
             with FragmentCompiler(backend) as compiler, handing_modules_to(compiler.offer):
-                with cycles_collected_after():
-                    lowered = self._lower(args, kwargs, self._passes_for_call())
-                exe = lowered._compile_with(compiler)
+                exe = self._lower(args, kwargs, self._passes_for_call())._compile_with(compiler)
             self._cache[key] = exe
         return exe, leaves
 
@@ -351,9 +349,9 @@ class Compiled:
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
-        with cycles_collected_after():  # (tracing too: see its docstring)
-            return self._lower(args, kwargs, self.passes)
+        return self._lower(args, kwargs, self.passes)
 
+    @cycles_collected_after()  # (tracing too: see its docstring)
     def _lower(self, args, kwargs, passes) -> Lowered:
         static_values, dynamic, donate = self._split_args(args)
         static = dict(static_values)

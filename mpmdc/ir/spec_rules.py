@@ -205,8 +205,9 @@ def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
 
 
 def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
-    """``{variable: PartitionSpec}`` for the sharded top-level values of ``jaxpr`` (inputs
-    included), given one spec (or ``None``) per input; values left out are replicated."""
+    """``{variable: PartitionSpec}`` for every input of ``jaxpr`` and every sharded
+    top-level value, given one spec (or ``None``) per input; values left out are
+    replicated."""
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
     found = dict(zip(jaxpr.invars, padded))
     found.update(_propagate(jaxpr, padded))
