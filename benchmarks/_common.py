@@ -39,7 +39,9 @@ def step_function(layers: int, microbatches: int = 8, schedule: str = "1f1b", st
     config = transformer_config(layers, stages)
 
     def step(params, state, tokens):
-        return transformer_step(params, state, tokens, config, microbatches=microbatches, schedule=schedule)
+        return transformer_step(
+            params, state, tokens, config, microbatches=microbatches, schedule=schedule
+        )
 
     return step
 
@@ -49,7 +51,11 @@ def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b"
     config = transformer_config(layers, stages)
     params = init_transformer(jax.random.key(0), config)
     tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, config.vocab)
-    return step_function(layers, microbatches, schedule, stages), (params, adam_init(params), tokens)
+    return step_function(layers, microbatches, schedule, stages), (
+        params,
+        adam_init(params),
+        tokens,
+    )
 
 
 def warm_up(meshes=None) -> None:

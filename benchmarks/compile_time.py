@@ -40,7 +40,14 @@ from mpmdc import backends
 from mpmdc.cli.models import init_transformer, transformer_loss
 from mpmdc.ir.program import fragment_key
 
-PASSES = ("after-inline", "after-partition", "after-dce", "after-vma-typecheck", "after-split", "after-schedule")
+PASSES = (
+    "after-inline",
+    "after-partition",
+    "after-dce",
+    "after-vma-typecheck",
+    "after-split",
+    "after-schedule",
+)
 COUNTS = {"compiled": 0, "loaded": 0}
 REPEAT = 3  # lowerings and first calls of each, taking turns (median)
 
@@ -66,7 +73,9 @@ def measure(layers: int) -> dict:
         lowered = mpmdc.compile(_common.step_function(layers), _common.four_meshes()).lower(*args)
         lowers.append(time.perf_counter() - start)
         phases.append(lowered.seconds)
-        jit_lowers.append(_common.seconds(lambda: jax.jit(_common.step_function(layers)).lower(*args)))
+        jit_lowers.append(
+            _common.seconds(lambda: jax.jit(_common.step_function(layers)).lower(*args))
+        )
     lower_s, jit_lower_s = statistics.median(lowers), statistics.median(jit_lowers)
     COUNTS.update(compiled=0, loaded=0)
     start = time.perf_counter()
@@ -76,7 +85,11 @@ def measure(layers: int) -> dict:
     jit_s = _common.seconds(lambda: jax.jit(_common.step_function(layers)).lower(*args).compile())
     firsts, jit_firsts = [], []
     for _ in range(REPEAT):  # taking turns, so that load on the machine falls on both alike
-        firsts.append(_common.first_call(mpmdc.compile(_common.step_function(layers), _common.four_meshes()), args))
+        firsts.append(
+            _common.first_call(
+                mpmdc.compile(_common.step_function(layers), _common.four_meshes()), args
+            )
+        )
         jit_firsts.append(_common.first_call(jax.jit(_common.step_function(layers)), args))
     first_s, jit_first_s = statistics.median(firsts), statistics.median(jit_firsts)
     seconds = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
@@ -109,13 +122,28 @@ def warm_cache(layers: int) -> list[dict]:
     first fills it, the second finds every module there."""
     rows = []
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        env = {
+            **os.environ,
+            "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        }
         for run in ("cold (fills the cache)", "warm"):
             command = [sys.executable, __file__, "--first-calls", str(layers)]
-            found = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-            rows.append({"layers": layers, "cache": run, "mpmdc first call s": found[0],
-                         "jax.jit first call s": found[1], "ratio": found[0] / found[1]})
+            found = json.loads(
+                subprocess.run(
+                    command, env=env, capture_output=True, text=True, check=True
+                ).stdout.splitlines()[-1]
+            )
+            rows.append(
+                {
+                    "layers": layers,
+                    "cache": run,
+                    "mpmdc first call s": found[0],
+                    "jax.jit first call s": found[1],
+                    "ratio": found[0] / found[1],
+                }
+            )
     return rows
 
 
@@ -123,7 +151,9 @@ def first_calls(layers: int) -> None:
     """Print ``[mpmdc's first call s, jax.jit's]`` for the step (after a warm-up)."""
     _common.warm_up()
     args = _common.transformer_setup(layers)[1]
-    mpmdc_s = _common.first_call(mpmdc.compile(_common.step_function(layers), _common.four_meshes()), args)
+    mpmdc_s = _common.first_call(
+        mpmdc.compile(_common.step_function(layers), _common.four_meshes()), args
+    )
     print(json.dumps([mpmdc_s, _common.first_call(jax.jit(_common.step_function(layers)), args)]))
 
 
@@ -140,16 +170,31 @@ def xla_split(layers: int) -> tuple[list[dict], list[dict]]:
     for name, key in program.module_keys:
         first = sharing[key][0]
         where = "microbatch loop" if first.params["microbatch"] is not None else "outside the loop"
-        modules.append({"fragment": name, "mesh": first.params["mesh"], "calls per step": len(sharing[key]),
-                        "where": where, "equations": len(first.params["jaxpr"].jaxpr.eqns),
-                        "XLA compile s": _common.seconds(program.lowerings[key].compile)})
+        modules.append(
+            {
+                "fragment": name,
+                "mesh": first.params["mesh"],
+                "calls per step": len(sharing[key]),
+                "where": where,
+                "equations": len(first.params["jaxpr"].jaxpr.eqns),
+                "XLA compile s": _common.seconds(program.lowerings[key].compile),
+            }
+        )
     each = [m["XLA compile s"] for m in modules]
     jit_lowered = jax.jit(step).lower(*args)
     summary = [
-        {"modules": f"mpmdc, {len(each)} distinct fragment modules", "XLA compile s": sum(each),
-         "smallest s": min(each), "largest s": max(each)},
-        {"modules": "jax.jit, 1 module", "XLA compile s": _common.seconds(jit_lowered.compile),
-         "smallest s": float("nan"), "largest s": float("nan")},
+        {
+            "modules": f"mpmdc, {len(each)} distinct fragment modules",
+            "XLA compile s": sum(each),
+            "smallest s": min(each),
+            "largest s": max(each),
+        },
+        {
+            "modules": "jax.jit, 1 module",
+            "XLA compile s": _common.seconds(jit_lowered.compile),
+            "smallest s": float("nan"),
+            "largest s": float("nan"),
+        },
     ]
     return summary, modules
 
@@ -162,11 +207,19 @@ def xla_module_size(layer_counts) -> list[dict]:
         config = _common.transformer_config(layers, stages=1)
         params = init_transformer(jax.random.key(0), config)
         tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, config.vocab)
-        lowered = jax.jit(jax.value_and_grad(lambda p, t: transformer_loss(p, t, config))).lower(params, tokens)
+        lowered = jax.jit(
+            jax.value_and_grad(lambda p, t, config=config: transformer_loss(p, t, config))
+        ).lower(params, tokens)
         lines = lowered.as_text().count("\n")
         seconds = _common.seconds(lowered.compile)
-        rows.append({"layers": layers, "StableHLO lines": lines, "XLA compile s": seconds,
-                     "ms per line": seconds / lines * 1e3})
+        rows.append(
+            {
+                "layers": layers,
+                "StableHLO lines": lines,
+                "XLA compile s": seconds,
+                "ms per line": seconds / lines * 1e3,
+            }
+        )
     return rows
 
 
@@ -182,7 +235,12 @@ def plot(rows, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(layers, [r["mpmdc total s"] for r in rows], "o-", label="mpmdc lower() + compile()")
     ax.plot(layers, [r["passes s"] for r in rows], "o-", label="mpmdc passes alone")
-    ax.plot(layers, [r["jax.jit total s"] for r in rows], "o-", label="jax.jit lower + compile (1 device)")
+    ax.plot(
+        layers,
+        [r["jax.jit total s"] for r in rows],
+        "o-",
+        label="jax.jit lower + compile (1 device)",
+    )
     ax.set_xlabel("transformer layers (8 microbatches, 1F1B, 4 meshes)")
     ax.set_ylabel("seconds")
     ax.set_xscale("log", base=2)

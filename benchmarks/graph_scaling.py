@@ -47,8 +47,13 @@ def measure(size: int) -> dict:
     eqns = len(lowered.program("input").jaxpr.jaxpr.eqns)
     per_pass = {p: lowered.seconds[f"after-{p}"] for p in PASSES}
     total = sum(per_pass.values())
-    return {"equations": eqns, "trace s": lowered.seconds["input"], "passes s": total,
-            "us/eqn": total / eqns * 1e6, **{f"{p} s": t for p, t in per_pass.items()}}
+    return {
+        "equations": eqns,
+        "trace s": lowered.seconds["input"],
+        "passes s": total,
+        "us/eqn": total / eqns * 1e6,
+        **{f"{p} s": t for p, t in per_pass.items()},
+    }
 
 
 def main():
@@ -57,7 +62,14 @@ def main():
     rows = [measure(n) for n in parser.parse_args().sizes]
     for r in rows:
         r["vs smallest"] = r["us/eqn"] / rows[0]["us/eqn"]
-    columns = ["equations", "trace s", "passes s", "us/eqn", "vs smallest", *(f"{p} s" for p in PASSES)]
+    columns = [
+        "equations",
+        "trace s",
+        "passes s",
+        "us/eqn",
+        "vs smallest",
+        *(f"{p} s" for p in PASSES),
+    ]
     _common.report("graph_scaling", rows, columns)
 
 

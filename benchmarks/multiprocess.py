@@ -87,12 +87,17 @@ def worker():
     client.key_value_set(f"mpmdc/bench/first-call/{here}", json.dumps([compile_s, jit_compile_s]))
     step, args = step_setup()
     compiled = mpmdc.compile(step, meshes)
-    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(compiled(*args)) if x.addressable_shards])
+    jax.block_until_ready(
+        [x for x in jax.tree_util.tree_leaves(compiled(*args)) if x.addressable_shards]
+    )
     mpmdc.distributed.barrier("bench-step")
     step_s = time_steps(compiled, args, feed)
     transfers = {}
     first = {d.process_index: d for d in reversed(jax.devices())}
-    src, dst = jax.sharding.SingleDeviceSharding(first[0]), jax.sharding.SingleDeviceSharding(first[1])
+    src, dst = (
+        jax.sharding.SingleDeviceSharding(first[0]),
+        jax.sharding.SingleDeviceSharding(first[1]),
+    )
     for size in SIZES:
         shape = (size // 4,)
         if here == 0:
@@ -115,8 +120,15 @@ def worker():
         client.key_value_set(key, json.dumps(transfers))
     if here == 0:
         received = json.loads(client.blocking_key_value_get(key, 60_000))
-        firsts = [json.loads(client.blocking_key_value_get(f"mpmdc/bench/first-call/{i}", 60_000)) for i in range(4)]
-        print("RESULT " + json.dumps({"step_s": step_s, "first_calls": firsts, "transfers": received}), flush=True)
+        firsts = [
+            json.loads(client.blocking_key_value_get(f"mpmdc/bench/first-call/{i}", 60_000))
+            for i in range(4)
+        ]
+        print(
+            "RESULT "
+            + json.dumps({"step_s": step_s, "first_calls": firsts, "transfers": received}),
+            flush=True,
+        )
 
 
 def in_one_process():
@@ -133,17 +145,39 @@ def in_one_process():
     for size in SIZES:
         x = jax.device_put(np.ones((size // 4,), np.float32), devices[0])
         jax.block_until_ready(x)
-        transfers[size] = _common.seconds(lambda: jax.block_until_ready(jax.device_put(x, devices[1])), repeat=REPEAT)
-    return {"step_s": step_s, "jit_s": jit_s, "first_call": [compile_s, jit_compile_s], "transfers": transfers}
+        transfers[size] = _common.seconds(
+            lambda x=x: jax.block_until_ready(jax.device_put(x, devices[1])), repeat=REPEAT
+        )
+    return {
+        "step_s": step_s,
+        "jit_s": jit_s,
+        "first_call": [compile_s, jit_compile_s],
+        "transfers": transfers,
+    }
 
 
 def launched():
-    command = [sys.executable, "-m", "mpmdc", "launch", "-n", "4", "--timeout", "600", "--", sys.executable, __file__, "--worker"]
+    command = [
+        sys.executable,
+        "-m",
+        "mpmdc",
+        "launch",
+        "-n",
+        "4",
+        "--timeout",
+        "600",
+        "--",
+        sys.executable,
+        __file__,
+        "--worker",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=660)
     for line in result.stdout.splitlines():
         if line.startswith("[0] RESULT "):
             return json.loads(line[len("[0] RESULT ") :])
-    raise SystemExit(f"the launched run printed no result (status {result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-2000:]}")
+    raise SystemExit(
+        f"the launched run printed no result (status {result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-2000:]}"
+    )
 
 
 def main():
@@ -151,30 +185,66 @@ def main():
     one = in_one_process()
     steps = [
         {"run": "jax.jit, 1 device", "step ms": one["jit_s"] * 1e3, "vs jit": 1.0},
-        {"run": "mpmdc, 1 process, 4 meshes x 1", "step ms": one["step_s"] * 1e3, "vs jit": one["step_s"] / one["jit_s"]},
-        {"run": "mpmdc, 4 processes x 1 device", "step ms": many["step_s"] * 1e3, "vs jit": many["step_s"] / one["jit_s"]},
+        {
+            "run": "mpmdc, 1 process, 4 meshes x 1",
+            "step ms": one["step_s"] * 1e3,
+            "vs jit": one["step_s"] / one["jit_s"],
+        },
+        {
+            "run": "mpmdc, 4 processes x 1 device",
+            "step ms": many["step_s"] * 1e3,
+            "vs jit": many["step_s"] / one["jit_s"],
+        },
     ]
-    _common.report("multiprocess-step", steps, ["run", "step ms", "vs jit"],
-                   f"{LAYERS}-layer transformer + Adam, 4 stages, 8 microbatches, 1F1B (process 0's view)")
+    _common.report(
+        "multiprocess-step",
+        steps,
+        ["run", "step ms", "vs jit"],
+        f"{LAYERS}-layer transformer + Adam, 4 stages, 8 microbatches, 1F1B (process 0's view)",
+    )
     rows = []
     for size in SIZES:
         cross, local = many["transfers"][str(size)], one["transfers"][size]
-        rows.append({
-            "bytes": size, "between processes ms": cross * 1e3, "MB/s": size / cross / 1e6,
-            "in one process ms": local * 1e3, "in-process MB/s": size / local / 1e6, "ratio": cross / local,
-        })
-    _common.report("multiprocess-transfers", rows,
-                   ["bytes", "between processes ms", "MB/s", "in one process ms", "in-process MB/s", "ratio"],
-                   "one array, process 0's device -> process 1's device, receiver waits; median of 10")
-    compiles = [{"run": "1 process, every mesh's fragments", "mpmdc s": one["first_call"][0],
-                 "jax.jit s": one["first_call"][1], "ratio": one["first_call"][0] / one["first_call"][1]}]
+        rows.append(
+            {
+                "bytes": size,
+                "between processes ms": cross * 1e3,
+                "MB/s": size / cross / 1e6,
+                "in one process ms": local * 1e3,
+                "in-process MB/s": size / local / 1e6,
+                "ratio": cross / local,
+            }
+        )
+    _common.report(
+        "multiprocess-transfers",
+        rows,
+        ["bytes", "between processes ms", "MB/s", "in one process ms", "in-process MB/s", "ratio"],
+        "one array, process 0's device -> process 1's device, receiver waits; median of 10",
+    )
+    compiles = [
+        {
+            "run": "1 process, every mesh's fragments",
+            "mpmdc s": one["first_call"][0],
+            "jax.jit s": one["first_call"][1],
+            "ratio": one["first_call"][0] / one["first_call"][1],
+        }
+    ]
     compiles += [
-        {"run": f"4 processes at once: process {i}, its own mesh's", "mpmdc s": m, "jax.jit s": j, "ratio": m / j}
+        {
+            "run": f"4 processes at once: process {i}, its own mesh's",
+            "mpmdc s": m,
+            "jax.jit s": j,
+            "ratio": m / j,
+        }
         for i, (m, j) in enumerate(many["first_calls"])
     ]
-    _common.report("multiprocess-compile", compiles, ["run", "mpmdc s", "jax.jit s", "ratio"],
-                   "first call (trace, passes, compile, one step) of mpmdc, then of jax.jit in the same "
-                   "process; in the 4-process run all processes do each at once on 2 cores")
+    _common.report(
+        "multiprocess-compile",
+        compiles,
+        ["run", "mpmdc s", "jax.jit s", "ratio"],
+        "first call (trace, passes, compile, one step) of mpmdc, then of jax.jit in the same "
+        "process; in the 4-process run all processes do each at once on 2 cores",
+    )
 
 
 if __name__ == "__main__":

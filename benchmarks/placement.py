@@ -13,14 +13,16 @@ per step: bytes moved against the activation + cotangent floor; step time agains
 import importlib.util
 import math
 
-import _common  # noqa: F401  (8 CPU devices before JAX starts)
+import _common
 import jax
 from flax import nnx
 
 import mpmdc
 from mpmdc.ir.primitives import transfer_p
 
-_spec = importlib.util.spec_from_file_location("nnx_gpt", _common.Path(__file__).parents[1] / "examples" / "nnx_gpt.py")
+_spec = importlib.util.spec_from_file_location(
+    "nnx_gpt", _common.Path(__file__).parents[1] / "examples" / "nnx_gpt.py"
+)
 nnx_gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(nnx_gpt)
 
@@ -39,7 +41,9 @@ def stage_of_path(path: str):
 
 def main():
     meshes = _common.four_meshes()
-    graphdef, params = nnx.split(nnx_gpt.GPT(layers=LAYERS, stages=STAGES, rngs=nnx.Rngs(0)), nnx.Param)
+    graphdef, params = nnx.split(
+        nnx_gpt.GPT(layers=LAYERS, stages=STAGES, rngs=nnx.Rngs(0)), nnx.Param
+    )
     optimizer = nnx_gpt.default_optimizer()
     opt_state = optimizer.init(params)
     tokens = jax.random.randint(jax.random.key(1), (BATCH, LENGTH + 1), 0, 64)
@@ -52,7 +56,9 @@ def main():
         own[stage_of_path(jax.tree_util.keystr(path))] += leaf.nbytes
     state_leaves = len(jax.tree_util.tree_leaves((params, opt_state)))
     held_in, held_out = [0] * len(meshes), [0] * len(meshes)
-    for v, m_in, m_out in zip(program.jaxpr.jaxpr.invars[:state_leaves], program.in_meshes, program.out_meshes):
+    for v, m_in, m_out in zip(
+        program.jaxpr.jaxpr.invars[:state_leaves], program.in_meshes, program.out_meshes
+    ):
         held_in[m_in] += math.prod(v.aval.shape) * v.aval.dtype.itemsize
         held_out[m_out] += math.prod(v.aval.shape) * v.aval.dtype.itemsize
 
@@ -62,17 +68,28 @@ def main():
         if e.primitive is transfer_p
         for v in e.invars
     )
-    floor = 2 * (STAGES - 1) * BATCH * LENGTH * WIDTH * 4  # one activation and cotangent per boundary
+    floor = (
+        2 * (STAGES - 1) * BATCH * LENGTH * WIDTH * 4
+    )  # one activation and cotangent per boundary
 
     exe = lowered.compile()
     reference = jax.jit(step)
     args = (params, opt_state, tokens)
     exe_s, jit_s = _common.interleaved(
-        [lambda: jax.block_until_ready(exe(*args)), lambda: jax.block_until_ready(reference(*args))], repeat=15
+        [
+            lambda: jax.block_until_ready(exe(*args)),
+            lambda: jax.block_until_ready(reference(*args)),
+        ],
+        repeat=15,
     )
     rows = [
-        {"mesh": m, "held in B": held_in[m], "held out B": held_out[m], "own params x3 B": 3 * own[m],
-         "ratio": held_in[m] / (3 * own[m])}
+        {
+            "mesh": m,
+            "held in B": held_in[m],
+            "held out B": held_out[m],
+            "own params x3 B": 3 * own[m],
+            "ratio": held_in[m] / (3 * own[m]),
+        }
         for m in range(len(meshes))
     ]
     _common.report(

@@ -33,7 +33,10 @@ def data_parallel(args, devices):
     """``args`` (parameter-like leaves, then the batch) placed for data parallelism over
     ``devices``: the batch sharded on its leading axis, everything else replicated."""
     mesh = jax.sharding.Mesh(devices, ("data",))
-    replicated, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    replicated, batch = (
+        NamedSharding(mesh, PartitionSpec()),
+        NamedSharding(mesh, PartitionSpec("data")),
+    )
     *rest, tokens = args
     return (*jax.device_put(rest, replicated), jax.device_put(tokens, batch))
 
@@ -50,13 +53,26 @@ def step_times(steps: int) -> list[dict]:
     batch_sharded = (None, None, PartitionSpec("data"))
     runs = {}
     for name, fn, fn_args in (
-        ("mpmdc, 4 meshes x 2 devices, batch sharded",
-         *pipelined(step, args, _common.four_meshes(), in_specs=batch_sharded)),
-        ("mpmdc, 4 meshes x 2 devices, batch replicated", *pipelined(step, args, _common.four_meshes())),
+        (
+            "mpmdc, 4 meshes x 2 devices, batch sharded",
+            *pipelined(step, args, _common.four_meshes(), in_specs=batch_sharded),
+        ),
+        (
+            "mpmdc, 4 meshes x 2 devices, batch replicated",
+            *pipelined(step, args, _common.four_meshes()),
+        ),
         ("mpmdc, 4 meshes x 1 device", *pipelined(step, args, mpmdc.make_meshes(4, {"data": 1}))),
         ("jax.jit, 1 device", jax.jit(step), args),
-        ("jax.jit, data-parallel over 2 devices", jax.jit(step), data_parallel(args, jax.devices()[:2])),
-        ("jax.jit, data-parallel over 8 devices", jax.jit(step), data_parallel(args, jax.devices())),
+        (
+            "jax.jit, data-parallel over 2 devices",
+            jax.jit(step),
+            data_parallel(args, jax.devices()[:2]),
+        ),
+        (
+            "jax.jit, data-parallel over 8 devices",
+            jax.jit(step),
+            data_parallel(args, jax.devices()),
+        ),
     ):
         runs[name] = blocked(fn, *fn_args)
         runs[name](), runs[name]()
@@ -82,7 +98,9 @@ def splitting_work(steps: int) -> list[dict]:
         two = blocked(grad, *data_parallel((params, tokens), jax.devices()[:2]))
         one(), two()
         t1, t2 = (t * 1e3 for t in _common.interleaved([one, two], repeat=steps))
-        rows.append({"sequences": sequences, "1 device ms": t1, "2 devices ms": t2, "ratio": t2 / t1})
+        rows.append(
+            {"sequences": sequences, "1 device ms": t1, "2 devices ms": t2, "ratio": t2 / t1}
+        )
     return rows
 
 
@@ -112,9 +130,15 @@ def dispatch(fragments: int, calls: int) -> list[dict]:
         return jax.block_until_ready(z)
 
     run(), bare_chain()
-    per_fragment, bare_per_call = (t / fragments for t in _common.interleaved([run, bare_chain], repeat=calls))
+    per_fragment, bare_per_call = (
+        t / fragments for t in _common.interleaved([run, bare_chain], repeat=calls)
+    )
     return [
-        {"call": "mpmdc fragment (in a chain)", "us per call": per_fragment * 1e6, "ratio": per_fragment / bare_per_call},
+        {
+            "call": "mpmdc fragment (in a chain)",
+            "us per call": per_fragment * 1e6,
+            "ratio": per_fragment / bare_per_call,
+        },
         {"call": "bare jitted call (in a chain)", "us per call": bare_per_call * 1e6, "ratio": 1.0},
     ]
 
@@ -124,9 +148,19 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fragments", type=int, default=64)
     args = parser.parse_args()
-    _common.report("runtime_step", step_times(args.steps), ["step", "median ms", "vs 1-device jit", "vs 2-device DP jit"])
-    _common.report("runtime_splitting", splitting_work(args.steps), ["sequences", "1 device ms", "2 devices ms", "ratio"])
-    _common.report("runtime_dispatch", dispatch(args.fragments, 100), ["call", "us per call", "ratio"])
+    _common.report(
+        "runtime_step",
+        step_times(args.steps),
+        ["step", "median ms", "vs 1-device jit", "vs 2-device DP jit"],
+    )
+    _common.report(
+        "runtime_splitting",
+        splitting_work(args.steps),
+        ["sequences", "1 device ms", "2 devices ms", "ratio"],
+    )
+    _common.report(
+        "runtime_dispatch", dispatch(args.fragments, 100), ["call", "us per call", "ratio"]
+    )
 
 
 if __name__ == "__main__":

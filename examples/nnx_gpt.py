@@ -20,12 +20,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
 
-import mpmdc  # noqa: E402
+import mpmdc
 
 
 class Block(nnx.Module):
@@ -33,7 +33,9 @@ class Block(nnx.Module):
 
     def __init__(self, width, heads, hidden, *, dtype, rngs):
         self.norm1 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, width, dtype=dtype, use_bias=False, decode=False, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            heads, width, dtype=dtype, use_bias=False, decode=False, rngs=rngs
+        )
         self.norm2 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
         self.up = nnx.Linear(width, hidden, dtype=dtype, rngs=rngs)
         self.down = nnx.Linear(hidden, width, dtype=dtype, rngs=rngs)
@@ -49,9 +51,13 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """Decoder-only transformer; block ``i`` runs in pipeline stage ``i * stages // layers``."""
 
-    def __init__(self, vocab=64, width=32, heads=4, hidden=64, layers=8, stages=4, *, dtype=None, rngs):
+    def __init__(
+        self, vocab=64, width=32, heads=4, hidden=64, layers=8, stages=4, *, dtype=None, rngs
+    ):
         self.embed = nnx.Embed(vocab, width, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(width, heads, hidden, dtype=dtype, rngs=rngs) for _ in range(layers)])
+        self.blocks = nnx.List(
+            [Block(width, heads, hidden, dtype=dtype, rngs=rngs) for _ in range(layers)]
+        )
         self.norm = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
         self.stages = stages
 
@@ -78,7 +84,10 @@ def make_step(graphdef, optimizer, microbatches=4, schedule="1f1b", dropout=Fals
         batch = (tokens, keys) if dropout else (tokens,)
         loss, grads = mpmdc.accumulate(
             lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
-            batch, microbatches=microbatches, schedule=schedule, reduce="mean",
+            batch,
+            microbatches=microbatches,
+            schedule=schedule,
+            reduce="mean",
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
@@ -117,7 +126,7 @@ def main(steps=5, batch=16, length=32, seed=0):
 
     per_mesh: dict[int, int] = {}
     for tree in (params, opt_state):
-        for path, mesh in where_leaves_live(tree, meshes).items():
+        for mesh in where_leaves_live(tree, meshes).values():
             per_mesh[mesh] = per_mesh.get(mesh, 0) + 1
     print("parameter and optimizer-state leaves per mesh:", dict(sorted(per_mesh.items())))
     for path, mesh in where_leaves_live(params, meshes).items():

@@ -46,7 +46,10 @@ recv_p.def_effectful_abstract_eval(lambda *, aval, **_: (aval, {peer_transfer_ef
 
 def _attributes(op, src: int, dst: int) -> None:
     op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
-        {"mpmdc.src_mesh": ir.StringAttr.get(str(src)), "mpmdc.dst_mesh": ir.StringAttr.get(str(dst))}
+        {
+            "mpmdc.src_mesh": ir.StringAttr.get(str(src)),
+            "mpmdc.dst_mesh": ir.StringAttr.get(str(dst)),
+        }
     )
 
 

@@ -60,7 +60,9 @@ def _fragment_jit(eqn, program: Program):
     """
     mesh = program.meshes[eqn.params["mesh"]]
     args = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=named(mesh, spec), weak_type=v.aval.weak_type)
+        jax.ShapeDtypeStruct(
+            v.aval.shape, v.aval.dtype, sharding=named(mesh, spec), weak_type=v.aval.weak_type
+        )
         for v, spec in zip(eqn.invars, eqn.params["in_specs"])
     ]
     jitted = jax.jit(

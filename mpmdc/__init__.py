@@ -27,7 +27,9 @@ from mpmdc.schedules.accumulate import accumulate
 # An equation's source line should be the user's call of mpmdc.stage or
 # mpmdc.accumulate, not the line inside mpmdc that binds the primitive.
 for _package in (_jax_compat, lowering, passes):
-    _jax_compat.exclude_from_source_lines(_os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep)
+    _jax_compat.exclude_from_source_lines(
+        _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
+    )
 
 __all__ = [
     "Compiled",

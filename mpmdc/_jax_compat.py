@@ -124,7 +124,9 @@ def load_on_devices(compiled, devices):
             return super().persistent_load(pid)
 
     executable, args_info, no_kwargs = Moving(io.BytesIO(payload), client, list(devices)).load()
-    return _stages.Compiled(executable.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs)
+    return _stages.Compiled(
+        executable.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
+    )
 
 
 def replay_in_trace(closed, *args):
@@ -152,10 +154,17 @@ def replay_in_trace(closed, *args):
     for eqn in jaxpr.eqns:
         ins = [read(a, eqn.source_info) for a in eqn.invars]
         effects = {
-            e.replace(env[e.input].val) if isinstance(e, _effects.JaxprInputEffect) else e for e in eqn.effects
+            e.replace(env[e.input].val) if isinstance(e, _effects.JaxprInputEffect) else e
+            for e in eqn.effects
         }
         outs = trace.emit_eqn(
-            ins, [v.aval for v in eqn.outvars], eqn.primitive, eqn.params, effects, eqn.source_info, eqn.ctx
+            ins,
+            [v.aval for v in eqn.outvars],
+            eqn.primitive,
+            eqn.params,
+            effects,
+            eqn.source_info,
+            eqn.ctx,
         )
         env.update(zip(eqn.outvars, outs))
     return [read(a, _source_info_util.current()) for a in jaxpr.outvars]
@@ -180,9 +189,14 @@ def detect_cluster():
     Kubernetes, TPU pods), or ``None`` outside any cluster it knows."""
     from jax._src import clusters
 
-    if not any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types):
+    if not any(
+        not env.opt_in_only_method and env.is_env_present()
+        for env in clusters.ClusterEnv._cluster_types
+    ):
         return None
-    return clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 300)
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, 300
+    )
 
 
 def distributed_client():

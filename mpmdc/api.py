@@ -9,7 +9,8 @@ not retrace.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,7 +48,9 @@ def _normalize_argnums(argnums, what: str) -> tuple[int, ...]:
     try:
         out = tuple(int(a) for a in argnums)
     except TypeError:
-        raise ArgumentError(f"{what} must be an int or a sequence of ints, got {argnums!r}.") from None
+        raise ArgumentError(
+            f"{what} must be an int or a sequence of ints, got {argnums!r}."
+        ) from None
     return out
 
 
@@ -70,7 +73,9 @@ def _path_text(prefix: str, path) -> str:
 def _flat_arguments(dynamic, kwargs):
     """``(leaves, paths, tree)`` of the dynamic arguments ``[(index, value), ...]`` and
     ``kwargs``, each path as the user writes it (``args[2]['w']``)."""
-    leaves_with_path, tree = jax.tree_util.tree_flatten_with_path((tuple(a for _, a in dynamic), kwargs))
+    leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(
+        (tuple(a for _, a in dynamic), kwargs)
+    )
     paths = []
     for path, _ in leaves_with_path:
         head, index, rest = path[0].idx, path[1], path[2:]
@@ -101,7 +106,9 @@ def _committed_spec(leaf) -> PartitionSpec | None:
     """The ``PartitionSpec`` of a committed ``jax.Array``'s (or a ``ShapeDtypeStruct``'s)
     ``NamedSharding`` when it shards anything; cheap, as the call cache reads it per leaf."""
     sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or (isinstance(leaf, jax.Array) and not leaf.committed):
+    if not isinstance(sharding, NamedSharding) or (
+        isinstance(leaf, jax.Array) and not leaf.committed
+    ):
         return None
     return sharding.spec if any(sharding.spec) else None
 
@@ -186,7 +193,9 @@ class Lowered:
     def rerun(self, passes) -> Lowered:
         """The traced program (stage ``input``) taken through ``passes`` instead: names,
         ``name{option=value}`` texts, one comma-separated text, or pass objects."""
-        return _through_passes(self.program("input"), resolve(passes), self.signature, time.perf_counter())
+        return _through_passes(
+            self.program("input"), resolve(passes), self.signature, time.perf_counter()
+        )
 
     def _last_split(self, unlowered: bool = False) -> Program:
         for name in reversed(self._order):
@@ -276,7 +285,11 @@ class Compiled:
             stage_to_mesh = [stage_to_mesh[s] for s in range(len(stage_to_mesh))]
         out = []
         for s, m in enumerate(stage_to_mesh):
-            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m < len(self.meshes):
+            if (
+                isinstance(m, bool)
+                or not isinstance(m, (int, np.integer))
+                or not 0 <= m < len(self.meshes)
+            ):
                 raise StageError(
                     f"stage_to_mesh maps stage {s} to {m!r}, but there are only "
                     f"{len(self.meshes)} meshes (indices 0..{len(self.meshes) - 1})."
@@ -285,10 +298,20 @@ class Compiled:
         return tuple(out)
 
     def _split_args(self, args):
-        static = _check_argnums(self.static_argnums, len(args), "static_argnums") if self.static_argnums else ()
-        donate = _check_argnums(self.donate_argnums, len(args), "donate_argnums") if self.donate_argnums else ()
+        static = (
+            _check_argnums(self.static_argnums, len(args), "static_argnums")
+            if self.static_argnums
+            else ()
+        )
+        donate = (
+            _check_argnums(self.donate_argnums, len(args), "donate_argnums")
+            if self.donate_argnums
+            else ()
+        )
         if set(static) & set(donate):
-            raise ArgumentError(f"arguments {sorted(set(static) & set(donate))} are both static and donated.")
+            raise ArgumentError(
+                f"arguments {sorted(set(static) & set(donate))} are both static and donated."
+            )
         static_values = tuple((i, args[i]) for i in static)
         try:
             hash(static_values)
@@ -374,7 +397,9 @@ class Compiled:
             schedule=loop.schedule if loop else None,
             microbatches=loop.microbatches if loop else None,
         )
-        signature = Signature(in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree)
+        signature = Signature(
+            in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree
+        )
         return _through_passes(program, passes, signature, started)
 
     def _trace(self, in_tree, static: dict, in_types):
@@ -387,10 +412,14 @@ class Compiled:
             full = list(dyn)
             for i in sorted(static):
                 full.insert(i, static[i])
-            out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(self.fn(*full, **kw))
+            out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(
+                self.fn(*full, **kw)
+            )
             return out_leaves
 
-        leaf_types = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types]
+        leaf_types = [
+            jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types
+        ]
         with unrolled() as loops:
             closed = jax.make_jaxpr(flat_fn)(*leaf_types)
         if len(loops) > 1:
@@ -425,7 +454,9 @@ class Compiled:
         (prefix) of ``NamedSharding`` on one of the meshes, or ``None``."""
         try:
             flat = broadcast_prefix(
-                self.out_shardings, skeleton(out_tree), lambda s: s is None or isinstance(s, (jax.sharding.Sharding, PartitionSpec))
+                self.out_shardings,
+                skeleton(out_tree),
+                lambda s: s is None or isinstance(s, (jax.sharding.Sharding, PartitionSpec)),
             )
         except ValueError as err:
             raise SpecError(
@@ -438,7 +469,10 @@ class Compiled:
             if sharding is None:
                 meshes.append(None)
                 continue
-            if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.device_ids.flat) not in ids:
+            if (
+                not isinstance(sharding, NamedSharding)
+                or tuple(sharding.mesh.device_ids.flat) not in ids
+            ):
                 raise SpecError(
                     f"out_shardings for {path} is {sharding!r}, which is not a NamedSharding on one "
                     f"of the {len(self.meshes)} meshes; build it as NamedSharding(meshes[i], spec)."
@@ -455,7 +489,9 @@ class Compiled:
         else:
             per_arg = list(self.in_specs)
             dynamic = [i for i in range(len(args)) if i not in static]
-            if len(per_arg) == len(dynamic) < len(args):  # static ones left out, as jax.jit's in_shardings
+            if (
+                len(per_arg) == len(dynamic) < len(args)
+            ):  # static ones left out, as jax.jit's in_shardings
                 given = iter(per_arg)
                 per_arg = [None if i in static else next(given) for i in range(len(args))]
             elif len(per_arg) != len(args):

@@ -111,7 +111,9 @@ _entry_points_loaded = False
 def register(backend: Backend, *, replace: bool = False) -> Backend:
     """Add ``backend`` under its name; ``replace=True`` overrides an existing one."""
     if not isinstance(backend, Backend):
-        raise BackendError(f"register() takes an mpmdc.backends.Backend, got {type(backend).__name__}.")
+        raise BackendError(
+            f"register() takes an mpmdc.backends.Backend, got {type(backend).__name__}."
+        )
     if backend.name in _registry and not replace and _registry[backend.name] != backend:
         raise BackendError(
             f"a backend named {backend.name!r} is already registered; pass replace=True to override it."

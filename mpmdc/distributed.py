@@ -80,7 +80,9 @@ def initialize(
     # the argument, else MPMDC_FAULT_TIMEOUT, else the default
     timeout = float(fault_timeout) if fault_timeout is not None else fault_timeout_seconds()
     if not timeout > 0:
-        raise DistributedError(f"fault_timeout must be a positive number of seconds, got {timeout!r}.")
+        raise DistributedError(
+            f"fault_timeout must be a positive number of seconds, got {timeout!r}."
+        )
     if fault_timeout is not None:
         _fault_timeout = timeout
     if jax.distributed.is_initialized():
@@ -88,7 +90,11 @@ def initialize(
     coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
-    devices_per_process = devices_per_process if devices_per_process is not None else _int_env(ENV_DEVICES_PER_PROCESS)
+    devices_per_process = (
+        devices_per_process
+        if devices_per_process is not None
+        else _int_env(ENV_DEVICES_PER_PROCESS)
+    )
     local_device_ids = None
     if coordinator_address is None:
         found = compat.detect_cluster()
@@ -135,7 +141,9 @@ def _announcing(excepthook):
     def hook(kind, value, traceback):
         if not _failed:
             last = (str(value).strip().splitlines() or [""])[-1]
-            announce_failure(f"process {jax.process_index()} raised {kind.__name__}: {last}".rstrip(": "))
+            announce_failure(
+                f"process {jax.process_index()} raised {kind.__name__}: {last}".rstrip(": ")
+            )
         excepthook(kind, value, traceback)
 
     return hook
@@ -159,7 +167,10 @@ def _leave_together() -> None:
             time.sleep(1)
             return
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(client.get_live_nodes(list(range(jax.process_count())))) > 1:
+        while (
+            time.monotonic() < deadline
+            and len(client.get_live_nodes(list(range(jax.process_count())))) > 1
+        ):
             time.sleep(0.05)
     except Exception:  # leaving anyway; JAX's own shutdown follows
         pass
@@ -233,7 +244,9 @@ def _int_env(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise DistributedError(f"environment variable {name}={value!r} is not an integer.") from None
+        raise DistributedError(
+            f"environment variable {name}={value!r} is not an integer."
+        ) from None
 
 
 def _number(value: str, name: str) -> float:
@@ -246,7 +259,9 @@ def _number(value: str, name: str) -> float:
 def _client():
     client = compat.distributed_client()
     if client is None:
-        raise DistributedError("jax.distributed is not running; call mpmdc.distributed.initialize() first.")
+        raise DistributedError(
+            "jax.distributed is not running; call mpmdc.distributed.initialize() first."
+        )
     return client
 
 
@@ -259,7 +274,9 @@ def announce_failure(message: str) -> None:
     except Exception:  # the store itself may be gone: the peers then time out instead
         pass
     folder = os.environ.get(ENV_FAILURE_DIR)
-    if folder:  # for `mpmdc launch`, which blames the process that failed first, not the first to exit
+    if (
+        folder
+    ):  # for `mpmdc launch`, which blames the process that failed first, not the first to exit
         path = os.path.join(folder, str(jax.process_index()))
         with open(path + ".tmp", "w") as f:
             f.write(f"{time.time()!r}\n{message}")
@@ -361,7 +378,9 @@ def fetch(tree):
     global _fetches
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if jax.process_count() == 1 or not any(isinstance(x, jax.Array) for x in leaves):
-        return jax.tree_util.tree_unflatten(treedef, [np.asarray(jax.device_get(x)) for x in leaves])
+        return jax.tree_util.tree_unflatten(
+            treedef, [np.asarray(jax.device_get(x)) for x in leaves]
+        )
     _fetches += 1
     client = _client()
     topic = f"{_PREFIX}fetch/{_fetches}"
@@ -376,7 +395,11 @@ def fetch(tree):
         for shard in x.addressable_shards:
             key = f"{topic}/{k}/{_index_text(shard.index, x.shape)}"
             if key not in written:
-                client.key_value_set_bytes(key, np.ascontiguousarray(np.asarray(shard.data)).tobytes(), allow_overwrite=True)
+                client.key_value_set_bytes(
+                    key,
+                    np.ascontiguousarray(np.asarray(shard.data)).tobytes(),
+                    allow_overwrite=True,
+                )
                 written.append(key)
     out = []
     for k, x in enumerate(leaves):
@@ -384,7 +407,9 @@ def fetch(tree):
             out.append(np.asarray(jax.device_get(x)))
             continue
         value = np.empty(x.shape, x.dtype)
-        indices = {_index_text(i, x.shape): i for i in x.sharding.devices_indices_map(x.shape).values()}
+        indices = {
+            _index_text(i, x.shape): i for i in x.sharding.devices_indices_map(x.shape).values()
+        }
         for text, index in indices.items():
             try:
                 data = client.blocking_key_value_get_bytes(f"{topic}/{k}/{text}", timeout_ms)
@@ -406,7 +431,10 @@ def fetch(tree):
 
 def _index_text(index, shape) -> str:
     """A shard's index as text, the same on every process: ``0:4,0:8``."""
-    return ",".join(f"{s.start or 0}:{n if s.stop is None else s.stop}" for s, n in zip(index, shape)) or "scalar"
+    return (
+        ",".join(f"{s.start or 0}:{n if s.stop is None else s.stop}" for s, n in zip(index, shape))
+        or "scalar"
+    )
 
 
 def barrier(topic: str) -> None:
@@ -427,14 +455,20 @@ def merge_timelines(topic: str, timeline):
 
     client = _client()
     rows = [
-        [[str(s.action) if s.action is not None else None, s.start, s.end, s.name] for s in row] for row in timeline.meshes
+        [[str(s.action) if s.action is not None else None, s.start, s.end, s.name] for s in row]
+        for row in timeline.meshes
     ]
     client.key_value_set(f"{_PREFIX}timeline/{topic}/{jax.process_index()}", json.dumps(rows))
     merged = [[] for _ in rows]
     timeout_ms = int(fault_timeout_seconds() * 1000)
     for peer in range(jax.process_count()):
-        theirs = json.loads(client.blocking_key_value_get(f"{_PREFIX}timeline/{topic}/{peer}", timeout_ms))
+        theirs = json.loads(
+            client.blocking_key_value_get(f"{_PREFIX}timeline/{topic}/{peer}", timeout_ms)
+        )
         for m, row in enumerate(theirs):
             if row and not merged[m]:
-                merged[m] = [Slot(Action.parse(a) if a else None, start, end, name) for a, start, end, name in row]
+                merged[m] = [
+                    Slot(Action.parse(a) if a else None, start, end, name)
+                    for a, start, end, name in row
+                ]
     return Timeline(tuple(tuple(row) for row in merged))

@@ -10,7 +10,8 @@ import contextlib
 import contextvars
 import gc
 import os
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from mpmdc._text import split_top_level
 from mpmdc.errors import InternalError, MpmdcError, PassError
@@ -113,7 +114,9 @@ def run_pipeline(
                 try:
                     verify_program(result)
                 except MpmdcError as err:
-                    raise _internal(p, stage, program, f"its output fails verification: {_summary(err)}") from err
+                    raise _internal(
+                        p, stage, program, f"its output fails verification: {_summary(err)}"
+                    ) from err
             program, stage = result, stage_name(p.name)
             if callback is not None:
                 callback(stage, program)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mpmdc._text import split_top_level
 from mpmdc.errors import PassError
@@ -44,8 +45,15 @@ class FunctionPass:
         unknown = sorted(set(options) - set(self.option_names()))
         if unknown:
             known = ", ".join(self.option_names()) or "none"
-            raise PassError(f"pass `{self.name}` has no option {', '.join(unknown)}; its options: {known}.")
-        return FunctionPass(self.name, self.summary, self.body, tuple(sorted({**dict(self.options), **options}.items())))
+            raise PassError(
+                f"pass `{self.name}` has no option {', '.join(unknown)}; its options: {known}."
+            )
+        return FunctionPass(
+            self.name,
+            self.summary,
+            self.body,
+            tuple(sorted({**dict(self.options), **options}.items())),
+        )
 
     def __str__(self) -> str:
         options = ",".join(f"{k}={v}" for k, v in self.options)
@@ -60,7 +68,9 @@ def register(name: str, summary: str):
 
     def add(body: Callable[..., Program]) -> Callable[..., Program]:
         if name in PASSES:
-            raise PassError(f"a pass named `{name}` is already registered ({PASSES[name].body.__module__}).")
+            raise PassError(
+                f"a pass named `{name}` is already registered ({PASSES[name].body.__module__})."
+            )
         PASSES[name] = FunctionPass(name, summary, body)
         return body
 
@@ -79,7 +89,9 @@ def pass_from_text(text: str) -> FunctionPass:
     """The registered pass ``name`` or ``name{option=value,...}``."""
     match = _PASS_TEXT.match(text)
     if not match:
-        raise PassError(f"{text!r} is not a pass; write a name or name{{option=value,...}}, e.g. lower{{backend=tpu}}.")
+        raise PassError(
+            f"{text!r} is not a pass; write a name or name{{option=value,...}}, e.g. lower{{backend=tpu}}."
+        )
     name, options_text = match[1], match[2]
     if name not in PASSES:
         raise PassError(f"unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}.")
@@ -88,7 +100,9 @@ def pass_from_text(text: str) -> FunctionPass:
     try:
         items = split_top_level(options_text or "", "()")
     except ValueError:
-        raise PassError(f"unbalanced parentheses in the options of pass `{name}`: {options_text!r}.") from None
+        raise PassError(
+            f"unbalanced parentheses in the options of pass `{name}`: {options_text!r}."
+        ) from None
     for item in filter(None, (s.strip() for s in items)):
         key, sep, value = item.partition("=")
         if not sep:

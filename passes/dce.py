@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.interpreters import partial_eval as pe
+from mpmdc.passes.base import register
 
 from mpmdc.ir.program import Program
-from mpmdc.passes.base import register
 
 
 @register("dce", "remove equations, fragments and transfers nobody uses")

@@ -16,10 +16,6 @@ from __future__ import annotations
 import itertools
 
 from jax.extend import core as jcore
-
-from mpmdc.ir.graph import def_use
-from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.ir.program import Program, fresh_like, is_var, make_closed_jaxpr
 from mpmdc.lowering.send_recv import (
     FIRST_CHANNEL_ID,
     peer_transfer_effect,
@@ -28,6 +24,10 @@ from mpmdc.lowering.send_recv import (
 )
 from mpmdc.passes.base import register
 from mpmdc.passes.dce import dce
+
+from mpmdc.ir.graph import def_use
+from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.program import Program, fresh_like, is_var, make_closed_jaxpr
 
 
 def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
@@ -49,7 +49,9 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
             in_specs.append(spec)
         else:
             before.append(
-                jcore.new_jaxpr_eqn([], [inner], recv_p, params, {peer_transfer_effect}, eqn.source_info)
+                jcore.new_jaxpr_eqn(
+                    [], [inner], recv_p, params, {peer_transfer_effect}, eqn.source_info
+                )
             )
     received = {outer: inner for outer, inner in zip(eqn.invars, body.invars) if outer in forwards}
     passed_on = [(received[y], y_new, spec) for y, (y_new, spec) in forwards.items()]
@@ -71,7 +73,10 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
     return eqn.replace(invars=outer_invars, outvars=outvars, params=params, effects=inner.effects)
 
 
-@register("in-program-transfers", "replace fragment-to-fragment transfers by send/recv pairs with channel ids")
+@register(
+    "in-program-transfers",
+    "replace fragment-to-fragment transfers by send/recv pairs with channel ids",
+)
 def in_program_transfers(program: Program) -> Program:
     """Replace every fragment-to-fragment transfer of a split program by send/recv pairs."""
     eqns = list(program.jaxpr.jaxpr.eqns)
@@ -104,7 +109,9 @@ def in_program_transfers(program: Program) -> Program:
             k = eqns[f].outvars.index(x)
             body_out = eqns[f].params["jaxpr"].jaxpr.outvars[k]
             sends[f].append(
-                jcore.new_jaxpr_eqn([body_out], [], send_p, channel, {peer_transfer_effect}, eqn.source_info)
+                jcore.new_jaxpr_eqn(
+                    [body_out], [], send_p, channel, {peer_transfer_effect}, eqn.source_info
+                )
             )
             first, later = users[0], users[1:]
             recvs[first][y] = {**channel, "aval": y.aval}
@@ -123,7 +130,12 @@ def in_program_transfers(program: Program) -> Program:
 
     jaxpr = program.jaxpr.jaxpr
     closed = make_closed_jaxpr(
-        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, new_eqns, jaxpr.debug_info
+        jaxpr.constvars,
+        program.jaxpr.consts,
+        jaxpr.invars,
+        jaxpr.outvars,
+        new_eqns,
+        jaxpr.debug_info,
     )
     # Moved values are now dead transfer results (pruned by the transfer DCE rule), and
     # sent values nobody else reads are dead fragment outputs.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
+from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
@@ -26,7 +27,6 @@ from mpmdc.ir.program import (
     rematerialized,
     substituted,
 )
-from mpmdc.passes.base import register
 
 
 def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
@@ -81,7 +81,12 @@ def inline(program: Program) -> Program:
 
     def visit(body_eqns, env, remat: bool, top: bool = False):
         for eqn in body_eqns:
-            if remat and is_marker(eqn) and eqn.params["transpose"] == 0 and reuse_entering(eqn, env):
+            if (
+                remat
+                and is_marker(eqn)
+                and eqn.params["transpose"] == 0
+                and reuse_entering(eqn, env)
+            ):
                 continue
             body = call_body(eqn)
             if body is not None and _has_marker(body[0]):
@@ -102,7 +107,11 @@ def inline(program: Program) -> Program:
                     raise _marker_inside(eqn, marker)
             if top:  # (its variables are unique already: only renamed operands change)
                 invars = substituted(eqn.invars, env)
-                eqns.append(eqn if all(a is b for a, b in zip(invars, eqn.invars)) else eqn.replace(invars=invars))
+                eqns.append(
+                    eqn
+                    if all(a is b for a, b in zip(invars, eqn.invars))
+                    else eqn.replace(invars=invars)
+                )
             else:
                 eqns.append(rematerialized(copy_eqn(eqn, env), remat))
             if not remat and is_marker(eqn) and eqn.params["transpose"] == 0:

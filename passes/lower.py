@@ -26,14 +26,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from mpmdc.lowering import lower_fragment
+from mpmdc.passes.base import register
+from mpmdc.passes.in_program_transfers import in_program_transfers
+
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
-from mpmdc.lowering import lower_fragment
-from mpmdc.passes.base import register
-from mpmdc.passes.in_program_transfers import in_program_transfers
 
 _module_sink: ContextVar = ContextVar("mpmdc_module_sink", default=None)
 
@@ -51,7 +52,9 @@ def handing_modules_to(sink):
 
 
 @register("lower", "emit StableHLO per fragment for the backend's platform")
-def lower(program: Program, *, backend: str | None = None, meshes: tuple[int, ...] | None = None) -> Program:
+def lower(
+    program: Program, *, backend: str | None = None, meshes: tuple[int, ...] | None = None
+) -> Program:
     """Attach one StableHLO module per fragment, lowered for ``backend``'s platform
     (per fragment of ``meshes`` only, when given: indices into the program's meshes)."""
     if not program.is_split:

@@ -54,6 +54,8 @@ import math
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from jax.sharding import Mesh
+from mpmdc.passes.base import register
+from mpmdc.passes.dce import dce
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.graph import def_use
@@ -75,8 +77,6 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.passes.base import register
-from mpmdc.passes.dce import dce
 
 # A value of at most this many elements costs less to move than anything expanding it.
 _SMALL = 64
@@ -92,7 +92,8 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     such values), or a shape/type change of a small value; no effects or bodies.
     ``operands``: the variables ``eqn`` reads."""
     candidate = all(a in from_literals for a in operands) or (
-        eqn.primitive in _EXPANDING and all(a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands)
+        eqn.primitive in _EXPANDING
+        and all(a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands)
     )
     # (The structural tests last: few equations get past the first.)
     return (
@@ -114,7 +115,12 @@ def _transpose_counts(eqns, reads, producer, users):
     for i in reversed(range(len(eqns))):
         if is_rematerialized(eqns[i]) and not is_marker(eqns[i]):
             # (A marker's count is its own, not that of the work feeding it.)
-            later = [counts[j] for v in eqns[i].outvars for j in users.get(v, ()) if not is_marker(eqns[j])]
+            later = [
+                counts[j]
+                for v in eqns[i].outvars
+                for j in users.get(v, ())
+                if not is_marker(eqns[j])
+            ]
             if later:
                 counts[i] = max(counts[i], min(later))
     return counts
@@ -137,7 +143,11 @@ def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
     for i, eqn in enumerate(eqns):
         if eqn.primitive is compat.shard_map_p and isinstance(eqn.params["mesh"], Mesh):
             ids = eqn.params["mesh"].device_ids.tolist()
-            out[i] = [s for s in stages if program.meshes[program.mesh_of_stage(s)].device_ids.tolist() == ids]
+            out[i] = [
+                s
+                for s in stages
+                if program.meshes[program.mesh_of_stage(s)].device_ids.tolist() == ids
+            ]
     return out
 
 
@@ -163,7 +173,9 @@ class _Placer:
         self.program, self.eqns, self.reads = program, eqns, reads
         self.producer, self.users, self.cheap = producer, users, cheap
         self.transpose, self.microbatch = transpose, microbatch
-        self.stage = [e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)]
+        self.stage = [
+            e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)
+        ]
         self.default = min((e.params["stage"] for e in eqns if is_marker(e)), default=0)
         self.depends, self.prepares = self.pipeline_work()
 
@@ -226,7 +238,10 @@ class _Placer:
         if len(candidates) == 1:  # (most of the pipeline's work: nothing to weigh)
             return next(iter(candidates))
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
-        outputs = [(v, {self.mesh(self.stage[j]) for j in self.placed_users(v)}) for v in self.eqns[i].outvars]
+        outputs = [
+            (v, {self.mesh(self.stage[j]) for j in self.placed_users(v)})
+            for v in self.eqns[i].outvars
+        ]
         # Inside the microbatch loop a program input is moved once for every microbatch,
         # a result once per microbatch.
         shared = (self.program.microbatches or 1) if self.microbatch[i] is not None else 1
@@ -306,7 +321,9 @@ class _Placer:
                 depends.add(i)
                 depending.update(eqn.outvars)
         # (A forward marker, or an equation reaching one.)
-        reaching = {j for j, e in enumerate(self.eqns) if is_marker(e) and not is_transposed_marker(e)}
+        reaching = {
+            j for j, e in enumerate(self.eqns) if is_marker(e) and not is_transposed_marker(e)
+        }
         prepares = set()
         for i in reversed(range(len(self.eqns))):
             if any(j in reaching for v in self.eqns[i].outvars for j in self.users.get(v, ())):
@@ -332,7 +349,9 @@ class _Placer:
                     self.suggest(out, [j])
                 self.suggest(out, (k for k in self.placed_users(a) if k != i))
             # ...and other work to its users, like rule 3.
-            self.suggest(out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)), rank=1)
+            self.suggest(
+                out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)), rank=1
+            )
             return out
 
         changed = True
@@ -358,7 +377,11 @@ class _Placer:
     def run(self) -> list:
         """Stage per equation index."""
         for t in sorted(set(self.transpose)):
-            members = [i for i in sorted(self.depends | self.prepares) if self.stage[i] is None and self.transpose[i] == t]
+            members = [
+                i
+                for i in sorted(self.depends | self.prepares)
+                if self.stage[i] is None and self.transpose[i] == t
+            ]
             self.settle(members, through_boundaries=False)
             # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
             self.settle(members, through_boundaries=True)
@@ -414,9 +437,15 @@ def _place(program, eqns, reads, producer, users, cheap) -> dict[int, Placement]
     candidates = _shard_map_stages(program, eqns)
     seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
     microbatch = _infer_microbatches(eqns, reads, producer, users, cheap)
-    stage = _Placer(program, eqns, reads, producer, users, cheap, transpose, microbatch, seeds).run()
+    stage = _Placer(
+        program, eqns, reads, producer, users, cheap, transpose, microbatch, seeds
+    ).run()
     _pin_shard_maps(stage, candidates, eqns, producer, users)
-    return {i: Placement(stage[i], transpose[i], microbatch[i]) for i in range(len(eqns)) if i not in cheap}
+    return {
+        i: Placement(stage[i], transpose[i], microbatch[i])
+        for i in range(len(eqns))
+        if i not in cheap
+    }
 
 
 def _output_placements(outvars, eqns, producer, cheap, placement, default) -> list[Placement]:
@@ -432,7 +461,10 @@ def _output_placements(outvars, eqns, producer, cheap, placement, default) -> li
             return [placement[j]]
         return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
 
-    return [max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default for v in outvars]
+    return [
+        max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default
+        for v in outvars
+    ]
 
 
 def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement):
@@ -462,8 +494,12 @@ def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement
         else:
             p = placement[i]
             env = clone_env.get(p)
-            new_eqns.append(placed(eqn, p, **({"invars": substituted(eqn.invars, env)} if env else {})))
-    new_outvars = [substituted([v], clone_env.get(p, {}))[0] for v, p in zip(outvars, out_placement)]
+            new_eqns.append(
+                placed(eqn, p, **({"invars": substituted(eqn.invars, env)} if env else {}))
+            )
+    new_outvars = [
+        substituted([v], clone_env.get(p, {}))[0] for v, p in zip(outvars, out_placement)
+    ]
     return new_eqns, new_outvars
 
 
@@ -507,7 +543,11 @@ def partition(program: Program) -> Program:
     placement = _place(program, eqns, reads, producer, users, cheap)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
     out_placement = _output_placements(jaxpr.outvars, eqns, producer, cheap, placement, default)
-    new_eqns, outvars = _with_clones(eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement)
+    new_eqns, outvars = _with_clones(
+        eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
+    )
     in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
-    closed = make_closed_jaxpr(jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info)
+    closed = make_closed_jaxpr(
+        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
+    )
     return program.replace(jaxpr=closed, in_meshes=tuple(in_meshes), out_meshes=tuple(out_meshes))

@@ -31,6 +31,7 @@ import math
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
+from mpmdc.passes.base import register
 
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.primitives import ActionKind, fragment_p, transfer_p
@@ -42,7 +43,6 @@ from mpmdc.ir.program import (
     sub_jaxpr,
     vars_of,
 )
-from mpmdc.passes.base import register
 from mpmdc.schedules import Action, Layout, action_of, simulate
 
 
@@ -139,11 +139,13 @@ def split_backward(eqn, is_cotangent: list[bool]) -> list:
         name = _part_name(eqn.params["name"], kind)
         invars, params = _sub_fragment(eqn, members, outs, outer_in, name, kind)
         outvars = [o for o, c in zip(eqn.outvars, chosen) if c] + [bridge_outer[v] for v in extra]
-        params["out_specs"] = tuple(
-            s for s, c in zip(eqn.params["out_specs"], chosen) if c
-        ) + (PartitionSpec(),) * len(extra)
+        params["out_specs"] = tuple(s for s, c in zip(eqn.params["out_specs"], chosen) if c) + (
+            PartitionSpec(),
+        ) * len(extra)
         parts.append(
-            jcore.new_jaxpr_eqn(invars, outvars, fragment_p, params, params["jaxpr"].effects, eqn.source_info)
+            jcore.new_jaxpr_eqn(
+                invars, outvars, fragment_p, params, params["jaxpr"].effects, eqn.source_info
+            )
         )
     return parts
 
@@ -153,7 +155,11 @@ def _with_split_backwards(eqns, wanted: set[Action]):
     out = []
     for eqn in eqns:
         action = action_of(eqn)
-        if action is None or action.kind is not ActionKind.B or Action(action.stage, ActionKind.I, action.microbatch) not in wanted:
+        if (
+            action is None
+            or action.kind is not ActionKind.B
+            or Action(action.stage, ActionKind.I, action.microbatch) not in wanted
+        ):
             out.append(eqn)
             continue
         stage = eqn.params["stage"]
@@ -180,7 +186,9 @@ def _ordered(eqns, start: dict[Action, float]):
     return [eqns[i] for i in order]
 
 
-@register("schedule", "split backwards for zero-bubble schedules and order fragments by the schedule")
+@register(
+    "schedule", "split backwards for zero-bubble schedules and order fragments by the schedule"
+)
 def schedule(program: Program) -> Program:
     """Order the fragments of ``program``'s microbatch loop by its schedule."""
     if program.schedule is None:
@@ -192,6 +200,11 @@ def schedule(program: Program) -> Program:
     jaxpr = program.jaxpr.jaxpr
     eqns = _with_split_backwards(list(jaxpr.eqns), set(start))
     closed = make_closed_jaxpr(
-        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, _ordered(eqns, start), jaxpr.debug_info
+        jaxpr.constvars,
+        program.jaxpr.consts,
+        jaxpr.invars,
+        jaxpr.outvars,
+        _ordered(eqns, start),
+        jaxpr.debug_info,
     )
     return program.replace(jaxpr=closed)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
+from mpmdc.passes.base import register
 
 from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
 from mpmdc.ir.program import (
@@ -41,7 +42,6 @@ from mpmdc.ir.program import (
 )
 from mpmdc.ir.sharding import fit_spec
 from mpmdc.ir.spec_rules import propagate_specs
-from mpmdc.passes.base import register
 
 
 def _parts(eqns, reads, placements):
@@ -108,7 +108,11 @@ def _what_values_carry(jaxpr, env):
     crossing = {}
     depends = set()
     for eqn in jaxpr.eqns:
-        if is_marker(eqn) or is_microbatch_marker(eqn) or not depends.isdisjoint(vars_of(eqn.invars)):
+        if (
+            is_marker(eqn)
+            or is_microbatch_marker(eqn)
+            or not depends.isdisjoint(vars_of(eqn.invars))
+        ):
             depends.update(eqn.outvars)
         if is_marker(eqn):
             kind = "cotangent" if eqn.params["transpose"] % 2 else "activation"
@@ -173,11 +177,15 @@ class _Emitter:
         jaxpr = program.jaxpr.jaxpr
         self.program, self.const_values, self.carries = program, const_values, carries
         self.location = {v: program.in_meshes[k] for k, v in enumerate(jaxpr.invars)}
-        self.spec_of = {v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)}
+        self.spec_of = {
+            v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)
+        }
         # Program outputs have the caller's out_specs (replicated where none was given);
         # other values crossing fragments keep the batch sharding their inputs had.
         self.out_spec_of = {
-            (v, m): spec for v, m, spec in zip(outvars, program.out_meshes, program.out_specs) if is_var(v)
+            (v, m): spec
+            for v, m, spec in zip(outvars, program.out_meshes, program.out_specs)
+            if is_var(v)
         }
         self.propagated = propagate_specs(jaxpr, program.in_specs)
         self.copies: dict = {}
@@ -187,12 +195,18 @@ class _Emitter:
         """``values`` as variables living on ``mesh``, adding transfers as needed."""
         by_src: dict[int, list] = {}
         for v in values:
-            if is_var(v) and v not in self.const_values and self.location[v] != mesh and (v, mesh) not in self.copies:
+            if (
+                is_var(v)
+                and v not in self.const_values
+                and self.location[v] != mesh
+                and (v, mesh) not in self.copies
+            ):
                 by_src.setdefault(self.location[v], []).append(v)
         for src, vs in sorted(by_src.items()):
             src_specs = tuple(self.spec_of[v] for v in vs)
             dst_specs = tuple(
-                fit_spec(spec, self.program.meshes[mesh], v.aval.shape) for v, spec in zip(vs, src_specs)
+                fit_spec(spec, self.program.meshes[mesh], v.aval.shape)
+                for v, spec in zip(vs, src_specs)
             )
             outs = [fresh_like(v) for v in vs]
             params = dict(
@@ -217,7 +231,11 @@ class _Emitter:
         inputs, inner = sub_jaxpr(body, outputs, self.const_values, name)
         operands = self.bring(inputs, mesh)
         out_specs = tuple(
-            fit_spec(self.out_spec_of.get((v, mesh), self.propagated.get(v)), self.program.meshes[mesh], v.aval.shape)
+            fit_spec(
+                self.out_spec_of.get((v, mesh), self.propagated.get(v)),
+                self.program.meshes[mesh],
+                v.aval.shape,
+            )
             for v in outputs
         )
         params = dict(
@@ -253,9 +271,13 @@ def split(program: Program) -> Program:
     outvars = substituted(jaxpr.outvars, env)
     reads = [vars_of(e.invars) for e in eqns]
     order, members, used_outside = _ordered_parts(eqns, reads, placements, outvars)
-    emitter = _Emitter(program, dict(zip(jaxpr.constvars, closed.consts)), _what_values_carry(jaxpr, env), outvars)
+    emitter = _Emitter(
+        program, dict(zip(jaxpr.constvars, closed.consts)), _what_values_carry(jaxpr, env), outvars
+    )
     for part, indices, name in zip(order, members, _fragment_names(order)):
         emitter.fragment(part[0], name, [eqns[i] for i in indices], used_outside)
     final = emitter.outputs(outvars)
-    new = make_closed_jaxpr(jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info)
+    new = make_closed_jaxpr(
+        jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info
+    )
     return program.replace(jaxpr=new, is_split=True)

@@ -21,28 +21,41 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.sharding import Mesh
+from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
 from mpmdc.ir.primitives import fragment_p, transfer_p
 from mpmdc.ir.program import Program, find_eqns, is_var
 from mpmdc.ir.sharding import check_spec
-from mpmdc.passes.base import register
 
 
 def _check_specs(program: Program) -> None:
     jaxpr = program.jaxpr.jaxpr
-    for v, spec, mesh, path in zip(jaxpr.invars, program.in_specs, program.in_meshes, program.in_paths):
-        check_spec(spec, program.meshes[mesh], v.aval.shape, f"in_specs for argument {path} (on mesh{mesh})")
-    for v, spec, mesh, path in zip(jaxpr.outvars, program.out_specs, program.out_meshes, program.out_paths):
-        check_spec(spec, program.meshes[mesh], v.aval.shape, f"out_specs for output {path} (on mesh{mesh})")
+    for v, spec, mesh, path in zip(
+        jaxpr.invars, program.in_specs, program.in_meshes, program.in_paths
+    ):
+        check_spec(
+            spec,
+            program.meshes[mesh],
+            v.aval.shape,
+            f"in_specs for argument {path} (on mesh{mesh})",
+        )
+    for v, spec, mesh, path in zip(
+        jaxpr.outvars, program.out_specs, program.out_meshes, program.out_paths
+    ):
+        check_spec(
+            spec, program.meshes[mesh], v.aval.shape, f"out_specs for output {path} (on mesh{mesh})"
+        )
 
 
 def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
     for eqn in find_eqns(eqns, lambda e: e.primitive is compat.shard_map_p):
         inner = eqn.params["mesh"]
         same_shape = dict(inner.shape) == dict(mesh.shape)
-        same_devices = not isinstance(inner, Mesh) or inner.device_ids.tolist() == mesh.device_ids.tolist()
+        same_devices = (
+            not isinstance(inner, Mesh) or inner.device_ids.tolist() == mesh.device_ids.tolist()
+        )
         if not (same_shape and same_devices):
             other = f"{dict(inner.shape)}"
             if isinstance(inner, Mesh):
@@ -63,7 +76,9 @@ def _check_ordered_effects(eqns, mesh: Mesh, mesh_index: int, where: str) -> Non
     """XLA orders effects on one device only (``jax.jit`` refuses them on more, too)."""
     if mesh.devices.size == 1 or not any(_is_ordered(e) for e in eqns):
         return  # (an equation's effects include those of the bodies inside it)
-    for eqn in find_eqns(eqns, lambda e: _is_ordered(e) and not list(jcore.jaxprs_in_params(e.params))):
+    for eqn in find_eqns(
+        eqns, lambda e: _is_ordered(e) and not list(jcore.jaxprs_in_params(e.params))
+    ):
         raise TypeCheckError(
             f"`{eqn.primitive.name}` at {compat.source_line(eqn)} has an ordered effect and is "
             f"in {where}, which runs on mesh{mesh_index} of {mesh.devices.size} devices; XLA keeps "
@@ -80,7 +95,10 @@ def _check_locations(program: Program) -> None:
         if eqn.primitive is fragment_p:
             here, what = eqn.params["mesh"], f"fragment {eqn.params['name']}"
         elif eqn.primitive is transfer_p:
-            here, what = eqn.params["src"], f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}"
+            here, what = (
+                eqn.params["src"],
+                f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}",
+            )
         else:
             raise TypeCheckError(
                 f"after split only fragment and transfer equations may appear at the top "
@@ -96,7 +114,9 @@ def _check_locations(program: Program) -> None:
         location.update((v, dst) for v in eqn.outvars if is_var(v))
     for v, mesh, path in zip(jaxpr.outvars, program.out_meshes, program.out_paths):
         if is_var(v) and v not in consts and location[v] != mesh:
-            raise TypeCheckError(f"output {path} should live on mesh{mesh} but is on mesh{location[v]}.")
+            raise TypeCheckError(
+                f"output {path} should live on mesh{mesh} but is on mesh{location[v]}."
+            )
 
 
 def verify(program: Program) -> Program:

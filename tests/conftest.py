@@ -6,13 +6,13 @@ import os
 os.environ.setdefault("MPMDC_VERIFY", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import pytest  # noqa: E402
+import pytest
 
-import mpmdc  # noqa: E402
+import mpmdc
 
 
 def pytest_addoption(parser):

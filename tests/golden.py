@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
-UPDATE_HINT = "run `pytest --update-golden` to rewrite the golden files, then read and commit the diff"
+UPDATE_HINT = (
+    "run `pytest --update-golden` to rewrite the golden files, then read and commit the diff"
+)
 
 
 def check_golden(program: str, files: dict[str, str], update: bool) -> None:

@@ -27,7 +27,9 @@ def assert_same_array(got, want, rtol=2e-5, atol=1e-6):
     assert isinstance(got, jax.Array), type(got)
     got_type, want_type = jax.typeof(got), jax.typeof(want)
     assert (got_type.shape, got_type.dtype, got_type.weak_type) == (
-        want_type.shape, want_type.dtype, want_type.weak_type
+        want_type.shape,
+        want_type.dtype,
+        want_type.weak_type,
     ), (got_type, want_type)
     if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
         got, want = jax.random.key_data(got), jax.random.key_data(want)

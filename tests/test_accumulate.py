@@ -16,7 +16,9 @@ from mpmdc.errors import AccumulateError, ScheduleError
 
 def test_under_jit_it_is_the_per_microbatch_loop():
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
-    assert_trees_close(jax.jit(sgd_step)(params, *mlp_data()), jax.jit(hand_written_sgd_step)(params, *mlp_data()))
+    assert_trees_close(
+        jax.jit(sgd_step)(params, *mlp_data()), jax.jit(hand_written_sgd_step)(params, *mlp_data())
+    )
     jaxpr = str(jax.make_jaxpr(sgd_step)(params, *mlp_data()))
     assert "scan[" in jaxpr  # one loop body, not eight copies
 
@@ -55,12 +57,20 @@ def test_eager_call_works_too():
 @pytest.mark.parametrize(
     ("kwargs", "error", "says"),
     [
-        ({"microbatches": 5}, AccumulateError, "xs[0] has leading size 8, which 5 microbatches do not divide"),
+        (
+            {"microbatches": 5},
+            AccumulateError,
+            "xs[0] has leading size 8, which 5 microbatches do not divide",
+        ),
         ({"microbatches": 0}, AccumulateError, "microbatches must be a positive int, got 0"),
         ({"microbatches": True}, AccumulateError, "positive int, got True"),
         ({"microbatches": 2, "schedule": "2f2b"}, ScheduleError, "known schedules: gpipe, 1f1b"),
         ({"microbatches": 2, "reduce": "median"}, AccumulateError, "unknown reduction 'median'"),
-        ({"microbatches": 2, "reduce": ["sum", "sum", "sum"]}, AccumulateError, "does not match the structure"),
+        (
+            {"microbatches": 2, "reduce": ["sum", "sum", "sum"]},
+            AccumulateError,
+            "does not match the structure",
+        ),
         ({"microbatches": 2, "reduce": "concat"}, AccumulateError, "fn returned a scalar"),
     ],
 )

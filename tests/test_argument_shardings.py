@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_same_array
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mpmdc
 
@@ -31,7 +32,10 @@ def test_a_committed_arrays_sharding_is_its_default_in_spec(meshes2):
     typed = jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=NamedSharding(meshes2[1], P("data")))
     assert batch_spec(step.lower(W, typed)) == P("data")
     got = step(W, x)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(two_stage))(W, X))):
+    for g, w in zip(
+        jax.tree_util.tree_leaves(got),
+        jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(two_stage))(W, X)),
+    ):
         assert_same_array(g, w)
     # The call cache keys on the sharding: a replicated call compiles its own executable.
     (_, x_sharding) = step.input_shardings(W, x)[0]
@@ -43,14 +47,19 @@ def test_in_specs_override_the_arguments_sharding(meshes2):
     x = jax.device_put(X, NamedSharding(meshes2[0], P("data")))
     step = mpmdc.compile(two_stage, meshes2, in_specs=(None, P()))
     # None is "not given": the argument's own sharding stays the default...
-    assert batch_spec(mpmdc.compile(two_stage, meshes2, in_specs=(None, None)).lower(W, x)) == P("data")
+    assert batch_spec(mpmdc.compile(two_stage, meshes2, in_specs=(None, None)).lower(W, x)) == P(
+        "data"
+    )
     # ...an explicit spec wins.
     assert batch_spec(step.lower(W, x)) == P()
 
 
 def test_a_sharding_over_axes_some_mesh_lacks_is_no_default():
     devices = jax.devices()
-    meshes = [jax.sharding.Mesh(devices[:2], ("data",)), jax.sharding.Mesh(devices[2:4], ("model",))]
+    meshes = [
+        jax.sharding.Mesh(devices[:2], ("data",)),
+        jax.sharding.Mesh(devices[2:4], ("model",)),
+    ]
     x = jax.device_put(X, NamedSharding(meshes[0], P("data")))
     assert batch_spec(mpmdc.compile(two_stage, meshes).lower(W, x)) == P()
 
@@ -89,9 +98,17 @@ def test_out_shardings_say_where_results_live(meshes2):
 
 def test_out_shardings_off_the_meshes_are_named(meshes2):
     other = jax.sharding.Mesh(jax.devices()[4:6], ("data",))
-    with pytest.raises(mpmdc.errors.SpecError, match=r"out_shardings for out\[1\].*not a NamedSharding on one of the 2 meshes"):
-        mpmdc.compile(lambda x: (x, x * 2), meshes2, out_shardings=(None, NamedSharding(other, P()))).lower(X)
-    with pytest.raises(mpmdc.errors.SpecError, match=r"out_shardings for out is P\(\), which is not a NamedSharding"):
+    with pytest.raises(
+        mpmdc.errors.SpecError,
+        match=r"out_shardings for out\[1\].*not a NamedSharding on one of the 2 meshes",
+    ):
+        mpmdc.compile(
+            lambda x: (x, x * 2), meshes2, out_shardings=(None, NamedSharding(other, P()))
+        ).lower(X)
+    with pytest.raises(
+        mpmdc.errors.SpecError,
+        match=r"out_shardings for out is P\(\), which is not a NamedSharding",
+    ):
         mpmdc.compile(lambda x: x * 2, meshes2, out_shardings=P()).lower(X)
 
 
@@ -104,7 +121,10 @@ def test_in_specs_may_leave_static_arguments_out_as_jax_jit_does(meshes2):
     assert with_static.lower(W, 2.0, X).program("after-split").in_specs[1] == P("data")
     assert without.lower(W, 2.0, X).program("after-split").in_specs[1] == P("data")
     assert_same_array(without(W, 2.0, X), jax.jit(scaled, static_argnums=1)(W, 2.0, X))
-    with pytest.raises(mpmdc.errors.SpecError, match=r"one entry per argument \(or one per non-static argument, 2\)"):
+    with pytest.raises(
+        mpmdc.errors.SpecError,
+        match=r"one entry per argument \(or one per non-static argument, 2\)",
+    ):
         mpmdc.compile(scaled, meshes2, static_argnums=1, in_specs=(P("data"),)).lower(W, 2.0, X)
     # The executable from lower() has its static arguments fixed: passing one again is named.
     executable = without.lower(W, 2.0, X).compile()

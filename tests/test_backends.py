@@ -30,7 +30,9 @@ def two_stage(ws, x):
 
 def args():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    return [jax.random.normal(k1, (8, 8)), jax.random.normal(k2, (8, 8))], jax.random.normal(k3, (4, 8))
+    return [jax.random.normal(k1, (8, 8)), jax.random.normal(k2, (8, 8))], jax.random.normal(
+        k3, (4, 8)
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -50,14 +52,16 @@ def test_built_ins_say_platform_transfers_and_how_they_run():
 
 
 def test_register_rules():
-    custom = Backend("test-cpu-fast", "cpu", compiler_options=(("xla_embed_ir_in_executable", True),))
+    custom = Backend(
+        "test-cpu-fast", "cpu", compiler_options=(("xla_embed_ir_in_executable", True),)
+    )
     assert backends.register(custom) is custom
     assert backends.register(custom) is custom  # registering the same backend again is harmless
     with pytest.raises(errors.BackendError, match="already registered; pass replace=True"):
         backends.register(Backend("test-cpu-fast", "tpu"))
     backends.register(Backend("test-cpu-fast", "cpu"), replace=True)
     assert backends.get("test-cpu-fast").compiler_options == ()
-    with pytest.raises(errors.BackendError, match="takes an mpmdc.backends.Backend, got str"):
+    with pytest.raises(errors.BackendError, match=r"takes an mpmdc\.backends\.Backend, got str"):
         backends.register("cpu")
 
 
@@ -66,7 +70,10 @@ def test_register_rules():
     [
         ({"transfers": "pigeon"}, "transfers='pigeon' is not one of"),
         ({"platform": "cpu", "transfers": "in-program"}, "only cuda, rocm have"),
-        ({"platform": "tpu", "transfers": "in-program"}, "use transfers='device_put' for platform 'tpu'"),
+        (
+            {"platform": "tpu", "transfers": "in-program"},
+            "use transfers='device_put' for platform 'tpu'",
+        ),
     ],
 )
 def test_bad_backend_definitions(kwargs, says):
@@ -76,7 +83,8 @@ def test_bad_backend_definitions(kwargs, says):
 
 def test_compiler_options_reach_xla(meshes2):
     backends.register(
-        Backend("test-cpu-options", "cpu", compiler_options=(("xla_no_such_flag", True),)), replace=True
+        Backend("test-cpu-options", "cpu", compiler_options=(("xla_no_such_flag", True),)),
+        replace=True,
     )
     step = mpmdc.compile(two_stage, meshes2, backend="test-cpu-options")
     with pytest.raises(Exception, match="xla_no_such_flag"):
@@ -113,8 +121,12 @@ def _plugin_dist(root: Path) -> None:
     )
     info = root / "mpmdc_counting_backend-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mpmdc-counting-backend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[mpmdc.backends]\ncounting = mpmdc_counting_backend:make\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: mpmdc-counting-backend\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[mpmdc.backends]\ncounting = mpmdc_counting_backend:make\n"
+    )
 
 
 PLUGIN_USER = """
@@ -145,7 +157,11 @@ def test_backend_from_an_entry_point_of_another_package(tmp_path):
     assert "available: counting-cpu,cpu,cuda,rocm,tpu" in result.stdout
     assert "compiled fragments: 2" in result.stdout
     listing = subprocess.run(
-        [sys.executable, "-m", "mpmdc", "backends"], env=env, capture_output=True, text=True, cwd=tmp_path
+        [sys.executable, "-m", "mpmdc", "backends"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert "counting-cpu: lowers for cpu" in listing.stdout
 
@@ -154,7 +170,9 @@ def test_a_broken_plugin_is_named(monkeypatch):
     broken = metadata.EntryPoint("broken", "no_such_module_xyz:make", "mpmdc.backends")
     monkeypatch.setattr(backends.metadata, "entry_points", lambda group: [broken])
     monkeypatch.setattr(backends, "_entry_points_loaded", False)
-    with pytest.raises(errors.BackendError, match=r"plugin 'broken' \(no_such_module_xyz:make\).*failed to load"):
+    with pytest.raises(
+        errors.BackendError, match=r"plugin 'broken' \(no_such_module_xyz:make\).*failed to load"
+    ):
         backends.get("cpu")
 
 
@@ -204,13 +222,19 @@ def test_send_recv_channels_do_not_collide_with_collectives(meshes2):
         x = mpmdc.stage(x, 1)
         total = jax.shard_map(
             lambda v: jax.lax.psum(v.sum(0, keepdims=True), "data"),
-            mesh=meshes2[1], in_specs=P("data"), out_specs=P(),
+            mesh=meshes2[1],
+            in_specs=P("data"),
+            out_specs=P(),
         )(x)
         return jnp.sum(total**2)
 
-    lowered = mpmdc.compile(jax.value_and_grad(loss), meshes2).lower(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    lowered = mpmdc.compile(jax.value_and_grad(loss), meshes2).lower(
+        jnp.ones((8, 8)), jnp.ones((8, 8))
+    )
     modules = lowered.stablehlo("test-cuda-p2p")
-    collective = set(re.findall(r"all_reduce.*?channel_handle<handle = (\d+)", "".join(modules.values())))
+    collective = set(
+        re.findall(r"all_reduce.*?channel_handle<handle = (\d+)", "".join(modules.values()))
+    )
     assert collective
     assert collective.isdisjoint(str(c) for _, c in channel_ops(lowered, "test-cuda-p2p"))
 

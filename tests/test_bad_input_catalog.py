@@ -8,19 +8,19 @@ drift from the code; ``pytest --update-golden`` rewrites it).
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_pipeline import CRASHING, passes_with
 
 import mpmdc
 from golden import check_golden
-from test_pipeline import CRASHING, passes_with
 from mpmdc import backends, errors
 from mpmdc.cli.main import main as cli_main
 from mpmdc.schedules import ActionLists
@@ -48,7 +48,7 @@ def _no_negatives(v):
 def rejecting_negatives(w, x):
     h = mpmdc.stage(jnp.tanh(x @ w), 1)
     jax.debug.callback(_no_negatives, h)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 @dataclass
@@ -95,123 +95,370 @@ def cli_fails(world, *argv, status):
 
 MISTAKES = [
     # meshes and stages
-    Mistake("two meshes share a device", errors.MeshError, r"meshes\[0\] and meshes\[1\] share device",
-            lambda w: mpmdc.compile(two_stage, [w.meshes[0], w.meshes[0]])),
-    Mistake("an empty list of meshes", errors.MeshError, "non-empty sequence of jax.sharding.Mesh",
-            lambda w: mpmdc.compile(two_stage, [])),
-    Mistake("something that is no Mesh among the meshes", errors.MeshError, r"meshes\[1\] is a object, not a jax.sharding.Mesh",
-            lambda w: mpmdc.compile(two_stage, [w.meshes[0], object()])),
-    Mistake("meshes on two platforms", errors.MeshError, r"mix platforms: cpu \(meshes\[0\]\), tpu \(meshes\[1\]\)",
-            lambda w: mpmdc.compile(two_stage, [w.meshes[0], jax.sharding.Mesh(np.array([_TpuDevice(100), _TpuDevice(101)]), ("data",))])),
-    Mistake("a negative stage index", errors.StageError, "non-negative, got -1",
-            lambda w: mpmdc.stage(w.x, -1)),
-    Mistake("a stage index that is no int", errors.StageError, "stage index must be a non-negative int, got float 1.5",
-            lambda w: mpmdc.stage(w.x, 1.5)),
-    Mistake("a stage index that is a traced value", errors.StageError, "depends on a traced value",
-            lambda w: jax.jit(lambda x: mpmdc.stage(x, jnp.int32(0) + x.shape[0] * 0))(w.x)),
-    Mistake("stage_to_mesh shorter than the stages", errors.StageError, r"stage 1 .*no entry in stage_to_mesh=\[0\]",
-            lambda w: lower(two_stage, w, stage_to_mesh=(0,))),
-    Mistake("stage_to_mesh naming a mesh that does not exist", errors.StageError, "only 2 meshes",
-            lambda w: mpmdc.compile(two_stage, w.meshes, stage_to_mesh=(0, 5))),
-    Mistake("a stage marker inside a scan body", errors.PlacementError, r"runs inside `(scan|while)` \(at .*Python loop over the stages",
-            lambda w: lower(marker_in_scan, w)),
+    Mistake(
+        "two meshes share a device",
+        errors.MeshError,
+        r"meshes\[0\] and meshes\[1\] share device",
+        lambda w: mpmdc.compile(two_stage, [w.meshes[0], w.meshes[0]]),
+    ),
+    Mistake(
+        "an empty list of meshes",
+        errors.MeshError,
+        "non-empty sequence of jax.sharding.Mesh",
+        lambda w: mpmdc.compile(two_stage, []),
+    ),
+    Mistake(
+        "something that is no Mesh among the meshes",
+        errors.MeshError,
+        r"meshes\[1\] is a object, not a jax.sharding.Mesh",
+        lambda w: mpmdc.compile(two_stage, [w.meshes[0], object()]),
+    ),
+    Mistake(
+        "meshes on two platforms",
+        errors.MeshError,
+        r"mix platforms: cpu \(meshes\[0\]\), tpu \(meshes\[1\]\)",
+        lambda w: mpmdc.compile(
+            two_stage,
+            [
+                w.meshes[0],
+                jax.sharding.Mesh(np.array([_TpuDevice(100), _TpuDevice(101)]), ("data",)),
+            ],
+        ),
+    ),
+    Mistake(
+        "a negative stage index",
+        errors.StageError,
+        "non-negative, got -1",
+        lambda w: mpmdc.stage(w.x, -1),
+    ),
+    Mistake(
+        "a stage index that is no int",
+        errors.StageError,
+        "stage index must be a non-negative int, got float 1.5",
+        lambda w: mpmdc.stage(w.x, 1.5),
+    ),
+    Mistake(
+        "a stage index that is a traced value",
+        errors.StageError,
+        "depends on a traced value",
+        lambda w: jax.jit(lambda x: mpmdc.stage(x, jnp.int32(0) + x.shape[0] * 0))(w.x),
+    ),
+    Mistake(
+        "stage_to_mesh shorter than the stages",
+        errors.StageError,
+        r"stage 1 .*no entry in stage_to_mesh=\[0\]",
+        lambda w: lower(two_stage, w, stage_to_mesh=(0,)),
+    ),
+    Mistake(
+        "stage_to_mesh naming a mesh that does not exist",
+        errors.StageError,
+        "only 2 meshes",
+        lambda w: mpmdc.compile(two_stage, w.meshes, stage_to_mesh=(0, 5)),
+    ),
+    Mistake(
+        "a stage marker inside a scan body",
+        errors.PlacementError,
+        r"runs inside `(scan|while)` \(at .*Python loop over the stages",
+        lambda w: lower(marker_in_scan, w),
+    ),
     # specs and arguments
-    Mistake("in_specs with the wrong pytree structure", errors.SpecError, r"in_specs\[0\] does not match",
-            lambda w: lower(two_stage, w, in_specs=([P(), P()], P()))),
-    Mistake("in_specs with the wrong number of entries", errors.SpecError, "one entry per argument",
-            lambda w: lower(two_stage, w, in_specs=(P(),))),
-    Mistake("in_specs naming an axis the mesh lacks", errors.SpecError, r"args\[1\].*names axis 'model'",
-            lambda w: lower(two_stage, w, in_specs=(P(), P("model")))),
-    Mistake("out_shardings given as a PartitionSpec", errors.SpecError, r"out_shardings for out is P\('data',\), which is not a NamedSharding",
-            lambda w: lower(two_stage, w, out_shardings=P("data"))),
-    Mistake("in_specs splitting a dimension the axis does not divide", errors.SpecError, "does not divide",
-            lambda w: lower(two_stage, w, jnp.ones((3, 3)), jnp.ones((3, 3)), in_specs=(P(), P("data")))),
-    Mistake("out_specs that do not match the outputs", errors.SpecError, "out_specs does not match",
-            lambda w: lower(two_stage, w, out_specs=[P(), P()])),
-    Mistake("donate_argnums out of range", errors.ArgumentError, r"donate_argnums contains 5",
-            lambda w: lower(two_stage, w, donate_argnums=5)),
-    Mistake("calling with a different shape", errors.ArgumentError, r"args\[1\] is float32\[4, 9\]",
-            lambda w: w.step.lower(w.w, w.x).compile()(w.w, jnp.ones((4, 9)))),
-    Mistake("calling with a different dtype", errors.ArgumentError, r"args\[0\] is int32",
-            lambda w: w.step.lower(w.w, w.x).compile()(w.w.astype(jnp.int32), w.x)),
-    Mistake("calling with a different pytree", errors.ArgumentError,
-            r"argument args\[0\] is a tuple of 1 entry, but the executable was lowered for an array",
-            lambda w: w.step.lower(w.w, w.x).compile()((w.w,), w.x)),
-    Mistake("calling with a dict missing a key", errors.ArgumentError,
-            r"argument args\[0\] is a dict of 1 entry \(missing \['b'\]\), but the .* lowered for a dict of 2 entries",
-            lambda w: mpmdc.compile(lambda p, x: two_stage(p["a"] + p["b"], x), w.meshes)
-            .lower({"a": w.w, "b": w.w}, w.x).compile()({"a": w.w}, w.x)),
-    Mistake("an argument that is no array", errors.ArgumentError, r"argument args\[1\]\['name'\] is a str",
-            lambda w: mpmdc.compile(lambda w_, x: two_stage(w_, x["x"]), w.meshes)(w.w, {"x": w.x, "name": "hi"})),
-    Mistake("returning something that is no array", errors.OutputError, r"output out\[1\] is a str \('done'\)",
-            lambda w: lower(lambda w_, x: (two_stage(w_, x), "done"), w)),
-    Mistake("a shard_map built for devices no mesh has", errors.TypeCheckError,
-            r"shard_map at .* mesh1 .* built for the mesh \{'data': 2\} on devices \[6, 7\]",
-            lambda w: lower(lambda a, x: mpmdc.stage(jax.shard_map(
-                lambda v: v * 2, mesh=jax.sharding.Mesh(jax.devices()[6:8], ("data",)),
-                in_specs=P("data"), out_specs=P("data"))(mpmdc.stage(x, 1)), 1).sum(), w)),
-    Mistake("a shard_map built for a mesh no stage of it runs on", errors.TypeCheckError,
-            r"shard_map at .* is in stage 1, which runs on mesh1 .* build it with that stage's mesh",
-            lambda w: lower(lambda a, x: jax.shard_map(
-                lambda v: v * 2, mesh=w.meshes[0], in_specs=P("data"), out_specs=P("data"))(mpmdc.stage(x, 1)).sum(),
-                w, stage_to_mesh=(1, 1))),
+    Mistake(
+        "in_specs with the wrong pytree structure",
+        errors.SpecError,
+        r"in_specs\[0\] does not match",
+        lambda w: lower(two_stage, w, in_specs=([P(), P()], P())),
+    ),
+    Mistake(
+        "in_specs with the wrong number of entries",
+        errors.SpecError,
+        "one entry per argument",
+        lambda w: lower(two_stage, w, in_specs=(P(),)),
+    ),
+    Mistake(
+        "in_specs naming an axis the mesh lacks",
+        errors.SpecError,
+        r"args\[1\].*names axis 'model'",
+        lambda w: lower(two_stage, w, in_specs=(P(), P("model"))),
+    ),
+    Mistake(
+        "out_shardings given as a PartitionSpec",
+        errors.SpecError,
+        r"out_shardings for out is P\('data',\), which is not a NamedSharding",
+        lambda w: lower(two_stage, w, out_shardings=P("data")),
+    ),
+    Mistake(
+        "in_specs splitting a dimension the axis does not divide",
+        errors.SpecError,
+        "does not divide",
+        lambda w: lower(
+            two_stage, w, jnp.ones((3, 3)), jnp.ones((3, 3)), in_specs=(P(), P("data"))
+        ),
+    ),
+    Mistake(
+        "out_specs that do not match the outputs",
+        errors.SpecError,
+        "out_specs does not match",
+        lambda w: lower(two_stage, w, out_specs=[P(), P()]),
+    ),
+    Mistake(
+        "donate_argnums out of range",
+        errors.ArgumentError,
+        r"donate_argnums contains 5",
+        lambda w: lower(two_stage, w, donate_argnums=5),
+    ),
+    Mistake(
+        "calling with a different shape",
+        errors.ArgumentError,
+        r"args\[1\] is float32\[4, 9\]",
+        lambda w: w.step.lower(w.w, w.x).compile()(w.w, jnp.ones((4, 9))),
+    ),
+    Mistake(
+        "calling with a different dtype",
+        errors.ArgumentError,
+        r"args\[0\] is int32",
+        lambda w: w.step.lower(w.w, w.x).compile()(w.w.astype(jnp.int32), w.x),
+    ),
+    Mistake(
+        "calling with a different pytree",
+        errors.ArgumentError,
+        r"argument args\[0\] is a tuple of 1 entry, but the executable was lowered for an array",
+        lambda w: w.step.lower(w.w, w.x).compile()((w.w,), w.x),
+    ),
+    Mistake(
+        "calling with a dict missing a key",
+        errors.ArgumentError,
+        r"argument args\[0\] is a dict of 1 entry \(missing \['b'\]\), but the .* lowered for a dict of 2 entries",
+        lambda w: (
+            mpmdc.compile(lambda p, x: two_stage(p["a"] + p["b"], x), w.meshes)
+            .lower({"a": w.w, "b": w.w}, w.x)
+            .compile()({"a": w.w}, w.x)
+        ),
+    ),
+    Mistake(
+        "an argument that is no array",
+        errors.ArgumentError,
+        r"argument args\[1\]\['name'\] is a str",
+        lambda w: mpmdc.compile(lambda w_, x: two_stage(w_, x["x"]), w.meshes)(
+            w.w, {"x": w.x, "name": "hi"}
+        ),
+    ),
+    Mistake(
+        "returning something that is no array",
+        errors.OutputError,
+        r"output out\[1\] is a str \('done'\)",
+        lambda w: lower(lambda w_, x: (two_stage(w_, x), "done"), w),
+    ),
+    Mistake(
+        "a shard_map built for devices no mesh has",
+        errors.TypeCheckError,
+        r"shard_map at .* mesh1 .* built for the mesh \{'data': 2\} on devices \[6, 7\]",
+        lambda w: lower(
+            lambda a, x: mpmdc.stage(
+                jax.shard_map(
+                    lambda v: v * 2,
+                    mesh=jax.sharding.Mesh(jax.devices()[6:8], ("data",)),
+                    in_specs=P("data"),
+                    out_specs=P("data"),
+                )(mpmdc.stage(x, 1)),
+                1,
+            ).sum(),
+            w,
+        ),
+    ),
+    Mistake(
+        "a shard_map built for a mesh no stage of it runs on",
+        errors.TypeCheckError,
+        r"shard_map at .* is in stage 1, which runs on mesh1 .* build it with that stage's mesh",
+        lambda w: lower(
+            lambda a, x: jax.shard_map(
+                lambda v: v * 2, mesh=w.meshes[0], in_specs=P("data"), out_specs=P("data")
+            )(mpmdc.stage(x, 1)).sum(),
+            w,
+            stage_to_mesh=(1, 1),
+        ),
+    ),
     # names: passes, stages, backends
-    Mistake("an unknown pass", errors.PassError, "known passes: dce, in-program-transfers, inline, lower",
-            lambda w: lower(two_stage, w, passes=["inline", "fuse"])),
-    Mistake("a pass option the pass does not take", errors.PassError, r"pass `lower` has no option platform; its options: backend",
-            lambda w: lower(two_stage, w, passes="inline,partition,dce,split,lower{platform=tpu}")),
-    Mistake("a pass of one's own that raises", errors.InternalError, r"internal error in pass `crashing`",
-            lambda w: lower(two_stage, w, passes=passes_with(CRASHING, after="dce"))),
-    Mistake("an unknown dump stage", errors.PassError, "stages: input, after-inline",
-            lambda w: w.step.lower(w.w, w.x).as_text("after-fusion")),
-    Mistake("an unknown backend", errors.BackendError, r"unknown backend 'metal'; available backends: .*cpu",
-            lambda w: mpmdc.compile(two_stage, w.meshes, backend="metal")),
-    Mistake("running a TPU backend on CPU meshes", errors.BackendError, "compiles for tpu, but mesh 0 has cpu devices",
-            lambda w: mpmdc.compile(two_stage, w.meshes, backend="tpu")(w.w, w.x)),
-    Mistake("running an in-program-transfer backend", errors.BackendError, "multi-process runtime",
-            lambda w: mpmdc.compile(two_stage, w.meshes, backend="catalog-p2p")(w.w, w.x)),
-    Mistake("a host callback that raises at run time", errors.MpmdRuntimeError,
-            r"s1_fwd on mesh1 failed while running: ValueError: no negative inputs",
-            lambda w: mpmdc.compile(rejecting_negatives, w.meshes)(w.w, -w.x)),
-    Mistake("a fault timeout that is not positive", errors.DistributedError, "fault_timeout must be a positive number",
-            lambda w: mpmdc.distributed.initialize(fault_timeout=0)),
+    Mistake(
+        "an unknown pass",
+        errors.PassError,
+        "known passes: dce, in-program-transfers, inline, lower",
+        lambda w: lower(two_stage, w, passes=["inline", "fuse"]),
+    ),
+    Mistake(
+        "a pass option the pass does not take",
+        errors.PassError,
+        r"pass `lower` has no option platform; its options: backend",
+        lambda w: lower(two_stage, w, passes="inline,partition,dce,split,lower{platform=tpu}"),
+    ),
+    Mistake(
+        "a pass of one's own that raises",
+        errors.InternalError,
+        r"internal error in pass `crashing`",
+        lambda w: lower(two_stage, w, passes=passes_with(CRASHING, after="dce")),
+    ),
+    Mistake(
+        "an unknown dump stage",
+        errors.PassError,
+        "stages: input, after-inline",
+        lambda w: w.step.lower(w.w, w.x).as_text("after-fusion"),
+    ),
+    Mistake(
+        "an unknown backend",
+        errors.BackendError,
+        r"unknown backend 'metal'; available backends: .*cpu",
+        lambda w: mpmdc.compile(two_stage, w.meshes, backend="metal"),
+    ),
+    Mistake(
+        "running a TPU backend on CPU meshes",
+        errors.BackendError,
+        "compiles for tpu, but mesh 0 has cpu devices",
+        lambda w: mpmdc.compile(two_stage, w.meshes, backend="tpu")(w.w, w.x),
+    ),
+    Mistake(
+        "running an in-program-transfer backend",
+        errors.BackendError,
+        "multi-process runtime",
+        lambda w: mpmdc.compile(two_stage, w.meshes, backend="catalog-p2p")(w.w, w.x),
+    ),
+    Mistake(
+        "a host callback that raises at run time",
+        errors.MpmdRuntimeError,
+        r"s1_fwd on mesh1 failed while running: ValueError: no negative inputs",
+        lambda w: mpmdc.compile(rejecting_negatives, w.meshes)(w.w, -w.x),
+    ),
+    Mistake(
+        "a fault timeout that is not positive",
+        errors.DistributedError,
+        "fault_timeout must be a positive number",
+        lambda w: mpmdc.distributed.initialize(fault_timeout=0),
+    ),
     # accumulate
-    Mistake("microbatches that do not divide the batch", errors.AccumulateError, "5 microbatches do not divide",
-            lambda w: lower(lambda a, x: accumulating(a, x, microbatches=5), w)),
-    Mistake("zero microbatches", errors.AccumulateError, "positive int, got 0",
-            lambda w: lower(lambda a, x: accumulating(a, x, microbatches=0), w)),
-    Mistake("an unknown reduction", errors.AccumulateError, "unknown reduction 'median'",
-            lambda w: lower(lambda a, x: accumulating(a, x, reduce="median"), w)),
-    Mistake("a reduction pytree not matching the outputs", errors.AccumulateError, "does not match the structure",
-            lambda w: lower(lambda a, x: accumulating(a, x, reduce=["sum", "sum"]), w)),
-    Mistake("concat of scalar outputs", errors.AccumulateError, "needs outputs with a leading axis",
-            lambda w: lower(lambda a, x: accumulating(a, x, reduce="concat"), w)),
-    Mistake("a scalar leaf in the batch", errors.AccumulateError, r"xs\[1\] is a scalar",
-            lambda w: lower(lambda a, x: mpmdc.accumulate(lambda mb: mb[0].sum(), (x, 2.0), microbatches=2), w)),
-    Mistake("two accumulate loops in one function", errors.AccumulateError, "runs mpmdc.accumulate 2 times",
-            lambda w: lower(lambda a, x: accumulating(a, x) + accumulating(a, x), w)),
+    Mistake(
+        "microbatches that do not divide the batch",
+        errors.AccumulateError,
+        "5 microbatches do not divide",
+        lambda w: lower(lambda a, x: accumulating(a, x, microbatches=5), w),
+    ),
+    Mistake(
+        "zero microbatches",
+        errors.AccumulateError,
+        "positive int, got 0",
+        lambda w: lower(lambda a, x: accumulating(a, x, microbatches=0), w),
+    ),
+    Mistake(
+        "an unknown reduction",
+        errors.AccumulateError,
+        "unknown reduction 'median'",
+        lambda w: lower(lambda a, x: accumulating(a, x, reduce="median"), w),
+    ),
+    Mistake(
+        "a reduction pytree not matching the outputs",
+        errors.AccumulateError,
+        "does not match the structure",
+        lambda w: lower(lambda a, x: accumulating(a, x, reduce=["sum", "sum"]), w),
+    ),
+    Mistake(
+        "concat of scalar outputs",
+        errors.AccumulateError,
+        "needs outputs with a leading axis",
+        lambda w: lower(lambda a, x: accumulating(a, x, reduce="concat"), w),
+    ),
+    Mistake(
+        "a scalar leaf in the batch",
+        errors.AccumulateError,
+        r"xs\[1\] is a scalar",
+        lambda w: lower(
+            lambda a, x: mpmdc.accumulate(lambda mb: mb[0].sum(), (x, 2.0), microbatches=2), w
+        ),
+    ),
+    Mistake(
+        "two accumulate loops in one function",
+        errors.AccumulateError,
+        "runs mpmdc.accumulate 2 times",
+        lambda w: lower(lambda a, x: accumulating(a, x) + accumulating(a, x), w),
+    ),
     # schedules
-    Mistake("an unknown schedule name", errors.ScheduleError, "known schedules: gpipe, 1f1b",
-            lambda w: lower(lambda a, x: accumulating(a, x, schedule="pipedream"), w)),
-    Mistake("an action that is not <stage><F|B|I|W><microbatch>", errors.ScheduleError, "'0X1' is not an action",
-            lambda w: ActionLists(["0F0 0X1"])),
-    Mistake("action lists that deadlock", errors.ScheduleError, "the schedule deadlocks",
-            lambda w: lower(lambda a, x: accumulating(a, x, schedule=["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"]), w)),
-    Mistake("action lists that miss an action", errors.ScheduleError, "never runs 0F1",
-            lambda w: lower(lambda a, x: accumulating(a, x, schedule=["0F0 0B0", "1F0 1B0"]), w)),
-    Mistake("1F1B with two stages on one mesh", errors.ScheduleError, "use interleaved-1f1b",
-            lambda w: lower(lambda a, x: accumulating(a, x), w, stage_to_mesh=(0, 0))),
+    Mistake(
+        "an unknown schedule name",
+        errors.ScheduleError,
+        "known schedules: gpipe, 1f1b",
+        lambda w: lower(lambda a, x: accumulating(a, x, schedule="pipedream"), w),
+    ),
+    Mistake(
+        "an action that is not <stage><F|B|I|W><microbatch>",
+        errors.ScheduleError,
+        "'0X1' is not an action",
+        lambda w: ActionLists(["0F0 0X1"]),
+    ),
+    Mistake(
+        "action lists that deadlock",
+        errors.ScheduleError,
+        "the schedule deadlocks",
+        lambda w: lower(
+            lambda a, x: accumulating(a, x, schedule=["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"]), w
+        ),
+    ),
+    Mistake(
+        "action lists that miss an action",
+        errors.ScheduleError,
+        "never runs 0F1",
+        lambda w: lower(lambda a, x: accumulating(a, x, schedule=["0F0 0B0", "1F0 1B0"]), w),
+    ),
+    Mistake(
+        "1F1B with two stages on one mesh",
+        errors.ScheduleError,
+        "use interleaved-1f1b",
+        lambda w: lower(lambda a, x: accumulating(a, x), w, stage_to_mesh=(0, 0)),
+    ),
     # the command line (exit status 2: usage; 1: the program failed)
-    Mistake("`mpmdc dump` of a file that does not exist", errors.UsageError, "see stderr",
-            lambda w: cli_fails(w, "dump", str(w.tmp / "missing.py") + ":f", status=2)),
-    Mistake("`mpmdc dump --args` that is not a type list", errors.UsageError, "see stderr",
-            lambda w: cli_fails(w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[8,", status=2)),
-    Mistake("`mpmdc dump --dump-dir` into a folder with other files", errors.UsageError, "see stderr",
-            lambda w: cli_fails(w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[4,4], f32[4,4]",
-                                "--meshes", "2x(data=2)", "--dump-dir", str(w.tmp / "occupied"), status=2)),
-    Mistake("`mpmdc dump --args` that the function cannot take", errors.TargetError, "see stderr",
-            lambda w: cli_fails(w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[4,4], f32[4,5]",
-                                "--meshes", "2x(data=2)", "--dump-dir", str(w.tmp / "new"), status=1)),
+    Mistake(
+        "`mpmdc dump` of a file that does not exist",
+        errors.UsageError,
+        "see stderr",
+        lambda w: cli_fails(w, "dump", str(w.tmp / "missing.py") + ":f", status=2),
+    ),
+    Mistake(
+        "`mpmdc dump --args` that is not a type list",
+        errors.UsageError,
+        "see stderr",
+        lambda w: cli_fails(
+            w, "dump", str(w.tmp / "model.py") + ":f", "--args", "f32[8,", status=2
+        ),
+    ),
+    Mistake(
+        "`mpmdc dump --dump-dir` into a folder with other files",
+        errors.UsageError,
+        "see stderr",
+        lambda w: cli_fails(
+            w,
+            "dump",
+            str(w.tmp / "model.py") + ":f",
+            "--args",
+            "f32[4,4], f32[4,4]",
+            "--meshes",
+            "2x(data=2)",
+            "--dump-dir",
+            str(w.tmp / "occupied"),
+            status=2,
+        ),
+    ),
+    Mistake(
+        "`mpmdc dump --args` that the function cannot take",
+        errors.TargetError,
+        "see stderr",
+        lambda w: cli_fails(
+            w,
+            "dump",
+            str(w.tmp / "model.py") + ":f",
+            "--args",
+            "f32[4,4], f32[4,5]",
+            "--meshes",
+            "2x(data=2)",
+            "--dump-dir",
+            str(w.tmp / "new"),
+            status=1,
+        ),
+    ),
 ]
 
 
@@ -219,8 +466,7 @@ MISTAKES = [
 def world(meshes2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("catalog")
     (tmp / "model.py").write_text(
-        "import jax.numpy as jnp, mpmdc\n"
-        "def f(w, x):\n    return jnp.sum(mpmdc.stage(x @ w, 1))\n"
+        "import jax.numpy as jnp, mpmdc\ndef f(w, x):\n    return jnp.sum(mpmdc.stage(x @ w, 1))\n"
     )
     (tmp / "occupied").mkdir()
     (tmp / "occupied" / "notes.txt").write_text("mine\n")
@@ -234,7 +480,9 @@ def in_program_backend(monkeypatch):
     monkeypatch.setattr(logging.getLogger("jax._src.debugging"), "disabled", True)
     # The built-in backends only, whatever other tests registered: the catalog shows the list.
     builtin = ("cpu", "cuda", "rocm", "tpu")
-    monkeypatch.setattr(backends, "_registry", {k: v for k, v in backends._registry.items() if k in builtin})
+    monkeypatch.setattr(
+        backends, "_registry", {k: v for k, v in backends._registry.items() if k in builtin}
+    )
     backends.register(backends.Backend("catalog-p2p", "cuda", transfers="in-program"))
 
 
@@ -242,8 +490,11 @@ def test_every_error_a_user_can_cause_is_in_the_catalog():
     """Each ``MpmdcError`` subclass is shown by at least one mistake, and each mistake once."""
     assert len({m.what for m in MISTAKES}) == len(MISTAKES)
     user_errors = {
-        cls for cls in vars(errors).values()
-        if isinstance(cls, type) and issubclass(cls, errors.MpmdcError) and cls is not errors.MpmdcError
+        cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type)
+        and issubclass(cls, errors.MpmdcError)
+        and cls is not errors.MpmdcError
     }
     # Two processes holding different programs: tests/test_multiprocess.py makes that mistake.
     multiprocess_only = {errors.ProgramMismatchError}
@@ -260,7 +511,9 @@ def test_each_mistake_is_named_and_leaves_things_working(mistake, world):
     assert type(caught.value) is mistake.error, caught.value
     assert re.search(mistake.says, str(caught.value)), str(caught.value)
     # The compiled step made before the mistake still runs and still agrees with jax.jit.
-    np.testing.assert_allclose(np.asarray(world.step(world.w, world.x)), np.asarray(want), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(world.step(world.w, world.x)), np.asarray(want), rtol=1e-6
+    )
     # Nothing half-written: the occupied folder is untouched, no dump folder appeared.
     assert sorted(p.name for p in (world.tmp / "occupied").iterdir()) == ["notes.txt"]
     assert sorted(p.name for p in world.tmp.iterdir()) == ["model.py", "occupied"]
@@ -279,5 +532,7 @@ def _message(mistake, world, capsys) -> str:
 def test_catalog_document(world, capsys, update_golden):
     rows = ["| mistake | error | message |", "|---|---|---|"]
     for mistake in MISTAKES:
-        rows.append(f"| {mistake.what} | `{mistake.error.__name__}` | {_message(mistake, world, capsys)} |")
+        rows.append(
+            f"| {mistake.what} | `{mistake.error.__name__}` | {_message(mistake, world, capsys)} |"
+        )
     check_golden("error_catalog", {"catalog.md": "\n".join(rows) + "\n"}, update_golden)

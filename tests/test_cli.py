@@ -56,13 +56,17 @@ def test_one_stage_is_the_lowered_text(capsys, mlp2):
 def test_all_stages_each_under_a_header(capsys, mlp2):
     status, out, _ = run(capsys, "dump", MLP2, "--stage", "all")
     assert status == 0
-    headers = [line for line in out.splitlines() if line.startswith("// ----- ") and "fragment" not in line]
+    headers = [
+        line for line in out.splitlines() if line.startswith("// ----- ") and "fragment" not in line
+    ]
     assert headers == [f"// ----- {s}" for s in mlp2.stages]
     assert out.index("// ----- after-split") < out.index("// ----- stablehlo")
 
 
 def test_stablehlo_per_platform_names_fragment_and_mesh(capsys, mlp2):
-    status, out, _ = run(capsys, "dump", MLP2, "--stage", "stablehlo", "--platform", "tpu", "--platform", "rocm")
+    status, out, _ = run(
+        capsys, "dump", MLP2, "--stage", "stablehlo", "--platform", "tpu", "--platform", "rocm"
+    )
     assert status == 0
     for platform in ("tpu", "rocm"):
         for name, module in mlp2.stablehlo(platform).items():
@@ -72,7 +76,9 @@ def test_stablehlo_per_platform_names_fragment_and_mesh(capsys, mlp2):
 
 def test_dump_dir_writes_every_stage_and_module(capsys, tmp_path, mlp2):
     target = tmp_path / "out"
-    status, out, _ = run(capsys, "dump", MLP2, "--dump-dir", str(target), "--platform", "cpu", "--platform", "tpu")
+    status, out, _ = run(
+        capsys, "dump", MLP2, "--dump-dir", str(target), "--platform", "cpu", "--platform", "tpu"
+    )
     assert status == 0 and str(target) in out
     names = sorted(p.name for p in target.iterdir())
     stages = [f"{i:02d}.{s}.txt" for i, s in enumerate(mlp2.stages)]
@@ -141,7 +147,13 @@ def plain_file(tmp_path):
 
 def test_plain_function_with_args_and_meshes(capsys, plain_file):
     status, out, _ = run(
-        capsys, "dump", f"{plain_file}:loss", "--args", "f32[8,16], f32[4,8]", "--meshes", "2x(data=2)"
+        capsys,
+        "dump",
+        f"{plain_file}:loss",
+        "--args",
+        "f32[8,16], f32[4,8]",
+        "--meshes",
+        "2x(data=2)",
     )
     assert status == 0
     assert "name=s0_fwd" in out and "name=s1_fwd" in out and "transfer[" in out
@@ -151,13 +163,25 @@ def test_plain_function_with_args_and_meshes(capsys, plain_file):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["dump", MLP2, "--stage", "after-nothing"], ["'after-nothing'", "after-split", "stablehlo"]),
-        (["dump", MLP2, "--stage", "stablehlo", "--platform", "metal"], ["'metal'", "available backends: cpu, cuda, ", "tpu"]),
+        (
+            ["dump", MLP2, "--stage", "after-nothing"],
+            ["'after-nothing'", "after-split", "stablehlo"],
+        ),
+        (
+            ["dump", MLP2, "--stage", "stablehlo", "--platform", "metal"],
+            ["'metal'", "available backends: cpu, cuda, ", "tpu"],
+        ),
         (["dump", "tests/programs/missing.py:lowered"], "no such file: tests/programs/missing.py"),
         (["dump", "tests/programs/mlp2_grad.py:lowerd"], ["'lowerd'", "lowered"]),
         (["dump", "tests/programs/mlp2_grad.py"], "is not FILE.py:TARGET"),
-        (["dump", "{plain}:loss", "--args", "f32[8,16], q7[2]", "--meshes", "2x(data=2)"], ["--args", "'q7[2]'"]),
-        (["dump", "{plain}:loss", "--args", "f32[8,16]", "--meshes", "2x(data)"], ["--meshes", "4x(data=2)"]),
+        (
+            ["dump", "{plain}:loss", "--args", "f32[8,16], q7[2]", "--meshes", "2x(data=2)"],
+            ["--args", "'q7[2]'"],
+        ),
+        (
+            ["dump", "{plain}:loss", "--args", "f32[8,16]", "--meshes", "2x(data)"],
+            ["--meshes", "4x(data=2)"],
+        ),
         (["dump", "{plain}:loss", "--args", "f32[8,16], f32[4,8]"], "--args needs --meshes"),
         (["dump", "{plain}:loss"], ["takes arguments (w, x)", "--args"]),
         (["dump", "{plain}:not_lowered"], "returned int, not mpmdc.Lowered"),
@@ -187,7 +211,9 @@ def test_help_explains_with_examples(capsys):
         assert exit_info.value.code == 0
         out = capsys.readouterr().out
         assert "examples:" in out and "mpmdc dump" in out
-    assert "--dump-dir" in out and "--list-stages" in out and "--args" in out and "exit status" in out
+    assert (
+        "--dump-dir" in out and "--list-stages" in out and "--args" in out and "exit status" in out
+    )
 
 
 def test_backends_lists_the_built_ins(capsys):
@@ -199,8 +225,17 @@ def test_backends_lists_the_built_ins(capsys):
 
 def test_dump_text_has_no_addresses_or_source_locations(capsys):
     # Across processes and hash seeds the text is identical: tests/test_determinism.py.
-    status, out, err = run(capsys, "dump", "tests/programs/tied_embedding.py:lowered", "--stage", "all",
-                           "--platform", "cpu", "--platform", "tpu")
+    status, out, err = run(
+        capsys,
+        "dump",
+        "tests/programs/tied_embedding.py:lowered",
+        "--stage",
+        "all",
+        "--platform",
+        "cpu",
+        "--platform",
+        "tpu",
+    )
     assert status == 0, err
     assert not re.search(r" at 0x[0-9a-f]+", out)  # no object addresses
     assert str(ROOT) not in out and ".py:" not in out  # no source locations
@@ -218,8 +253,20 @@ def test_help_lists_each_command_once(capsys):
 def test_a_reader_that_leaves_early_gets_no_traceback():
     # `mpmdc schedule ... | head -1`: the pipe is closed before mpmdc writes.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mpmdc", "schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "mpmdc",
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     proc.stdout.close()
     _, err = proc.communicate(timeout=120)
@@ -227,9 +274,28 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
 
 
 def test_dump_with_passes_and_options(capsys, mlp2):
-    status, out, err = run(capsys, "dump", "tests/programs/mlp2_grad.py:lowered", "--list-stages",
-                           "--passes", "inline,partition,dce,split,lower{backend=tpu}")
+    status, out, err = run(
+        capsys,
+        "dump",
+        "tests/programs/mlp2_grad.py:lowered",
+        "--list-stages",
+        "--passes",
+        "inline,partition,dce,split,lower{backend=tpu}",
+    )
     assert status == 0, err
-    assert out.split() == ["input", "after-inline", "after-partition", "after-dce", "after-split", "stablehlo"]
-    assert_usage_error(capsys, "dump", "tests/programs/mlp2_grad.py:lowered", "--passes", "lower{x=1}",
-                       says="pass `lower` has no option x")
+    assert out.split() == [
+        "input",
+        "after-inline",
+        "after-partition",
+        "after-dce",
+        "after-split",
+        "stablehlo",
+    ]
+    assert_usage_error(
+        capsys,
+        "dump",
+        "tests/programs/mlp2_grad.py:lowered",
+        "--passes",
+        "lower{x=1}",
+        says="pass `lower` has no option x",
+    )

@@ -49,7 +49,9 @@ def test_the_call_path_never_prints_a_module(meshes4, monkeypatch):
     monkeypatch.setattr(jax.stages.Lowered, "as_text", counted)
     assert_same_as_jit(jax.grad(mlp_loss), meshes4, WS, X)
     assert printed == []
-    assert mpmdc.compile(jax.grad(mlp_loss), meshes4).lower(WS, X).stablehlo() and printed  # (when asked)
+    assert (
+        mpmdc.compile(jax.grad(mlp_loss), meshes4).lower(WS, X).stablehlo() and printed
+    )  # (when asked)
 
 
 def test_as_text_is_identical_across_compilations(meshes4):
@@ -74,7 +76,9 @@ def test_as_text_is_identical_across_compilations(meshes4):
 def test_donated_inputs_are_consumed(meshes2):
     step = mpmdc.compile(lambda w, x: mlp_loss([w, w], x), meshes2, donate_argnums=1)
     want = float(mlp_loss([WS[0], WS[0]], X))
-    x = jax.device_put(np.asarray(X), jax.sharding.NamedSharding(meshes2[0], jax.sharding.PartitionSpec()))
+    x = jax.device_put(
+        np.asarray(X), jax.sharding.NamedSharding(meshes2[0], jax.sharding.PartitionSpec())
+    )
     out = step(WS[0], x)
     np.testing.assert_allclose(float(out), want, rtol=2e-5)
     assert x.is_deleted()
@@ -102,7 +106,11 @@ def test_what_runs_is_what_lower_shows_also_when_donating(meshes2, monkeypatch):
     want = jax.jit(sgd)(ws, X)
     lowered = mpmdc.compile(sgd, meshes2, donate_argnums=0, backend="recording-cpu").lower(ws, X)
     modules = lowered.stablehlo()
-    donating = [name for name, text in modules.items() if "tf.aliasing_output" in text or "jax.buffer_donor" in text]
+    donating = [
+        name
+        for name, text in modules.items()
+        if "tf.aliasing_output" in text or "jax.buffer_donor" in text
+    ]
     assert donating, "no module donates an argument"
     assert re.search(r"donate_argnums=\(\d", lowered.as_text("stablehlo"))
     executable = lowered.compile()
@@ -166,7 +174,9 @@ def test_the_first_call_compiles_each_module_while_the_next_is_lowered(meshes4, 
     """On the call path XLA starts on a module as soon as ``lower`` has emitted it: the
     last module's lowering waits (up to 30 s) for the first compile to begin, which
     happens only if compiles start before lowering ends. The result is jax.jit's."""
-    lower_pass = importlib.import_module("mpmdc.passes.lower")  # (the package exports the pass by that name)
+    lower_pass = importlib.import_module(
+        "mpmdc.passes.lower"
+    )  # (the package exports the pass by that name)
     compiled = _recording_backends(monkeypatch)
     started = threading.Event()
     lowered_names, waited = [], []
@@ -242,11 +252,19 @@ def test_the_persistent_compilation_cache_serves_every_fragment(tmp_path):
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", CACHED_PROGRAM], env=env, capture_output=True, text=True, timeout=100)
+        done = subprocess.run(
+            [sys.executable, "-c", CACHED_PROGRAM],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         requests, hits, loss = done.stdout.split()
         runs.append((int(requests), int(hits), loss))
@@ -285,7 +303,9 @@ def test_demo_matches_jit():
     lines = []
     assert run(lines.append, schedule="gpipe") <= 2e-5
     assert any("layer 3 updated" in line and "on mesh3" in line for line in lines)
-    assert any(line.startswith("  mesh0: 8, ") for line in lines)  # GPipe: every microbatch's activations on the first mesh
+    assert any(
+        line.startswith("  mesh0: 8, ") for line in lines
+    )  # GPipe: every microbatch's activations on the first mesh
     assert sum(1 for line in lines if line.startswith("  mesh") and "|" in line) == 4
 
 

@@ -21,7 +21,12 @@ for program in test_golden.PROGRAMS:
 def _render_in_subprocess(seed: str) -> list[str]:
     env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
     out = subprocess.run(
-        [sys.executable, "-c", RENDER_ALL], cwd=TESTS, env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", RENDER_ALL],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.splitlines()
 

@@ -23,7 +23,11 @@ PYTHON_PROTOCOL = {"NotImplementedError", "StopIteration", "KeyboardInterrupt", 
 # validators must raise ValueError (the CLI turns it into a UsageError), and prefix
 # broadcasting's ValueError becomes the SpecError or AccumulateError of its caller, and
 # an unbalanced bracket in option text the PassError or UsageError of its caller.
-CAUGHT_BY_CALLER = {("parsing.py", "ValueError"), ("pytrees.py", "ValueError"), ("_text.py", "ValueError")}
+CAUGHT_BY_CALLER = {
+    ("parsing.py", "ValueError"),
+    ("pytrees.py", "ValueError"),
+    ("_text.py", "ValueError"),
+}
 
 
 def raised_names(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -38,7 +38,16 @@ MICROBATCHES = 2
 
 
 def small_gpt(dtype=None, stages=STAGES):
-    model = nnx_gpt.GPT(vocab=32, width=16, heads=2, hidden=32, layers=stages, stages=stages, dtype=dtype, rngs=nnx.Rngs(0))
+    model = nnx_gpt.GPT(
+        vocab=32,
+        width=16,
+        heads=2,
+        hidden=32,
+        layers=stages,
+        stages=stages,
+        dtype=dtype,
+        rngs=nnx.Rngs(0),
+    )
     return nnx.split(model, nnx.Param)
 
 
@@ -111,7 +120,9 @@ def test_nnx_gpt_with_dropout_keys_per_microbatch_in_bfloat16(meshes2):
     for p, g, w in zip(*(jax.tree_util.tree_leaves(t) for t in (params, got[0], want[0]))):
         step_got, step_want = np.asarray(g) - np.asarray(p), np.asarray(w) - np.asarray(p)
         assert np.max(np.abs(step_got - step_want)) <= 0.1 * np.max(np.abs(step_want))
-    dropped = jax.jit(nnx_gpt.make_step(graphdef, optimizer, microbatches=MICROBATCHES))(params, opt_state, tokens())
+    dropped = jax.jit(nnx_gpt.make_step(graphdef, optimizer, microbatches=MICROBATCHES))(
+        params, opt_state, tokens()
+    )
     assert largest_difference(got, dropped) > 1e-3  # the keys did drop something
     for path, leaf in jax.tree_util.tree_leaves_with_path(got[0]):
         block = jax.tree_util.keystr(path)
@@ -137,7 +148,9 @@ def test_optax_optimizers_keep_their_state_with_its_parameter(meshes2, name):
     opt_state = optimizer.init(params)
     step = training_step(optimizer, microbatches=2)
     want = train(jax.jit(step), params, opt_state, *batch(), steps=2)
-    got = train(mpmdc.compile(step, meshes2, donate_argnums=(0, 1)), params, opt_state, *batch(), steps=2)
+    got = train(
+        mpmdc.compile(step, meshes2, donate_argnums=(0, 1)), params, opt_state, *batch(), steps=2
+    )
     assert largest_difference(got, want) <= 1e-5
     for tree in got[:2]:
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):

@@ -11,7 +11,9 @@ import mpmdc
 
 def params_and_data():
     k = jax.random.split(jax.random.key(3), 3)
-    return [jax.random.normal(kk, (8, 8)) * 0.3 for kk in k], jax.random.normal(jax.random.key(4), (4, 8))
+    return [jax.random.normal(kk, (8, 8)) * 0.3 for kk in k], jax.random.normal(
+        jax.random.key(4), (4, 8)
+    )
 
 
 def control_flow_loss(ws, x):
@@ -28,7 +30,7 @@ def control_flow_loss(ws, x):
 
 def test_control_flow_remat_and_custom_vjp(meshes4):
     ws, x = params_and_data()
-    loss, grads = assert_same_as_jit(jax.value_and_grad(control_flow_loss), meshes4, ws, x)
+    _loss, grads = assert_same_as_jit(jax.value_and_grad(control_flow_loss), meshes4, ws, x)
     assert [mesh_index(g, meshes4) for g in grads] == [0, 1, 2]
 
 
@@ -86,10 +88,14 @@ def test_a_shard_map_runs_on_the_mesh_it_was_built_for(meshes2):
 
     def shard_map_on_mesh0(x):
         x = mpmdc.stage(x, 1)
-        return jax.shard_map(lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data"))(x)
+        return jax.shard_map(
+            lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data")
+        )(x)
 
     compiled = mpmdc.compile(shard_map_on_mesh0, meshes2)
     program = compiled.lower(x).program("after-partition")
-    (placement,) = [p for e, p in zip(program.jaxpr.eqns, program.placements) if e.primitive.name == "shard_map"]
+    (placement,) = [
+        p for e, p in zip(program.jaxpr.eqns, program.placements) if e.primitive.name == "shard_map"
+    ]
     assert placement.stage == 0
     np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(x) * 2)

@@ -44,8 +44,11 @@ def _modules() -> dict[str, pathlib.Path]:
     """Every module of the installed package, by dotted name (passes/ and lowering/
     are installed as mpmdc.passes and mpmdc.lowering)."""
     found = {}
-    for package, folder in [("mpmdc", ROOT), ("mpmdc.passes", pathlib.Path(mpmdc.passes.__file__).parent),
-                            ("mpmdc.lowering", pathlib.Path(mpmdc.lowering.__file__).parent)]:
+    for package, folder in [
+        ("mpmdc", ROOT),
+        ("mpmdc.passes", pathlib.Path(mpmdc.passes.__file__).parent),
+        ("mpmdc.lowering", pathlib.Path(mpmdc.lowering.__file__).parent),
+    ]:
         for path in folder.rglob("*.py"):
             parts = path.relative_to(folder).with_suffix("").parts
             if parts[-1] == "__init__":
@@ -57,7 +60,10 @@ def _modules() -> dict[str, pathlib.Path]:
 def _type_checking_only(tree) -> set[int]:
     lines = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
             for inner in node.body:
                 lines.update(range(inner.lineno, inner.end_lineno + 1))
     return lines
@@ -97,6 +103,8 @@ def test_no_import_from_a_layer_above(module):
 
 def test_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from mpmdc.api import compile\nif TYPE_CHECKING:\n    from mpmdc.cli import main\n")
+    bad.write_text(
+        "from mpmdc.api import compile\nif TYPE_CHECKING:\n    from mpmdc.cli import main\n"
+    )
     assert imported(bad) == [(1, "mpmdc.api")]
     assert layer_of("mpmdc.api") > layer_of("mpmdc.ir.program")

@@ -43,7 +43,7 @@ def test_in_specs_show_as_sdy_sharding(meshes2):
     batch_sharded = '#sdy.sharding<@mesh, [{"data"}, {}]>'
     assert batch_sharded in modules["s0_fwd"]  # x on mesh 0
     assert batch_sharded in modules["s1_fwd"]  # y on mesh 1
-    loss, grads = assert_same_as_jit(
+    _loss, _grads = assert_same_as_jit(
         jax.value_and_grad(two_stage), meshes2, *args(), compile_kwargs={"in_specs": in_specs}
     )
 
@@ -64,13 +64,20 @@ def test_meshes_of_different_shapes():
     big = Mesh(np.array(devices[2:6]).reshape(2, 2), ("data", "model"))
     params, x, y = args()
     in_specs = ([P(), P(None, "model")], P("data"), P("data"))
-    loss, grads = assert_same_as_jit(
-        jax.value_and_grad(two_stage), [small, big], params, x, y, compile_kwargs={"in_specs": in_specs}
+    _loss, grads = assert_same_as_jit(
+        jax.value_and_grad(two_stage),
+        [small, big],
+        params,
+        x,
+        y,
+        compile_kwargs={"in_specs": in_specs},
     )
     assert mesh_index(grads[1], [small, big]) == 1
-    modules = mpmdc.compile(jax.value_and_grad(two_stage), [small, big], in_specs=in_specs).lower(
-        params, x, y
-    ).stablehlo()
+    modules = (
+        mpmdc.compile(jax.value_and_grad(two_stage), [small, big], in_specs=in_specs)
+        .lower(params, x, y)
+        .stablehlo()
+    )
     assert 'sdy.mesh @mesh = <["data"=2]>' in modules["s0_fwd"]
     assert 'sdy.mesh @mesh = <["data"=2, "model"=2]>' in modules["s1_fwd"]
     assert '[{}, {"model"}]' in modules["s1_fwd"]

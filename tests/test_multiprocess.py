@@ -62,7 +62,9 @@ def run_launch(*argv: str, limit: int = LIMIT) -> tuple[int, str]:
 
 
 def process_lines(output: str, index: int) -> list[str]:
-    return [line[len(f"[{index}] ") :] for line in output.splitlines() if line.startswith(f"[{index}] ")]
+    return [
+        line[len(f"[{index}] ") :] for line in output.splitlines() if line.startswith(f"[{index}] ")
+    ]
 
 
 def single_process_results(case: str):
@@ -88,12 +90,20 @@ def check_training(tmp_path, cases, output, bitwise):
         saved = np.load(tmp_path / f"{case.replace(':', '-')}.npz")
         for step, leaves in enumerate(single_process_results(case)):
             for k, want in enumerate(leaves):
-                np.testing.assert_array_equal(saved[f"{step}/{k}"], want, err_msg=f"{case} step {step} leaf {k}")
+                np.testing.assert_array_equal(
+                    saved[f"{step}/{k}"], want, err_msg=f"{case} step {step} leaf {k}"
+                )
 
 
 def test_four_processes_of_one_device_train_like_jit(tmp_path):
     status, output = run_launch(
-        "-n", "4", "--", sys.executable, str(SCRIPTS / "train.py"), str(tmp_path), *FOUR_BY_ONE,
+        "-n",
+        "4",
+        "--",
+        sys.executable,
+        str(SCRIPTS / "train.py"),
+        str(tmp_path),
+        *FOUR_BY_ONE,
         limit=LIMIT * (4 if FULL else 1),
     )
     assert status == 0, output[-3000:]
@@ -103,8 +113,16 @@ def test_four_processes_of_one_device_train_like_jit(tmp_path):
 
 def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):
     status, output = run_launch(
-        "-n", "2", "--devices-per-process", "2", "--", sys.executable, str(SCRIPTS / "train.py"), str(tmp_path),
-        *TWO_BY_TWO, limit=LIMIT * (4 if FULL else 1),
+        "-n",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--",
+        sys.executable,
+        str(SCRIPTS / "train.py"),
+        str(tmp_path),
+        *TWO_BY_TWO,
+        limit=LIMIT * (4 if FULL else 1),
     )
     assert status == 0, output[-3000:]
     assert "meshes on processes [[0], [0], [1], [1]]" in process_lines(output, 0)
@@ -113,7 +131,16 @@ def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):
 
 def faults(mode: str) -> tuple[int, str]:
     return run_launch(
-        "-n", "2", "--fault-timeout", "10", "--grace", "15", "--", sys.executable, str(SCRIPTS / "faults.py"), mode,
+        "-n",
+        "2",
+        "--fault-timeout",
+        "10",
+        "--grace",
+        "15",
+        "--",
+        sys.executable,
+        str(SCRIPTS / "faults.py"),
+        mode,
         limit=60,
     )
 
@@ -140,25 +167,35 @@ def test_a_process_killed_mid_step_fails_the_others_quickly():
 def test_a_process_that_raises_fails_the_others_naming_it():
     status, output = faults("raise")
     assert status == 3, output[-3000:]
-    assert re.search(r"mpmdc launch: process 1 failed first: process 1: s1_fwd_mb0 .* failed on purpose.*; it exited with status 3", output)
+    assert re.search(
+        r"mpmdc launch: process 1 failed first: process 1: s1_fwd_mb0 .* failed on purpose.*; it exited with status 3",
+        output,
+    )
     _, own = caught(output, 1)
     assert "s1_fwd_mb0 on mesh1 (stage 1, microbatch 0)" in own and "failed on purpose" in own
     seconds, message = caught(output, 0)
     assert seconds < 10 + 2, message
-    assert "process 0 stopped waiting for transfer mesh1->mesh0 on mesh0 (sent by process 1)" in message
+    assert (
+        "process 0 stopped waiting for transfer mesh1->mesh0 on mesh0 (sent by process 1)"
+        in message
+    )
     assert "process 1 failed: " in message and "failed on purpose" in message
 
 
 def test_an_uncaught_error_in_one_script_fails_the_others_naming_it():
-    status, output = faults("uncaught")
+    _status, output = faults("uncaught")
     # Process 0 may exit before process 1 (it is told at once); the launcher still
     # blames process 1, whose announcement came first.
     assert re.search(
         r"mpmdc launch: process 1 failed first: process 1 raised ValueError: a mistake in the training loop; "
-        r"it exited with status 1", output), output[-3000:]
+        r"it exited with status 1",
+        output,
+    ), output[-3000:]
     seconds, message = caught(output, 0)
     assert seconds < 10 + 2, message
-    assert "process 1 failed: process 1 raised ValueError: a mistake in the training loop" in message
+    assert (
+        "process 1 failed: process 1 raised ValueError: a mistake in the training loop" in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -170,7 +207,10 @@ def test_processes_that_traced_different_programs_fail_at_the_first_call(mode, d
     assert status == 3
     for index in range(2):
         _, message = caught(output, index)
-        assert message.startswith("ProgramMismatchError: processes") and f"first at {differ}" in message
+        assert (
+            message.startswith("ProgramMismatchError: processes")
+            and f"first at {differ}" in message
+        )
 
 
 def test_the_demo_runs_in_four_processes():
@@ -178,7 +218,9 @@ def test_the_demo_runs_in_four_processes():
     assert status == 0, output[-3000:]
     report = process_lines(output, 0)
     assert any("in 4 processes" in line for line in report), output[-3000:]
-    assert any(line.startswith("max |mpmdc - jax.jit| = ") for line in report)  # the status says it was small
+    assert any(
+        line.startswith("max |mpmdc - jax.jit| = ") for line in report
+    )  # the status says it was small
     for index in range(1, 4):
         assert any(
             line.startswith(f"process {index} ran mesh(es) [{index}]; max |mpmdc - jax.jit| = ")
@@ -205,7 +247,9 @@ def test_launch_times_out(capsys):
 
 
 def test_meshes_spanning_processes_run_their_fragments_as_spmd():
-    status, output = run_launch("-n", "4", "--", sys.executable, str(SCRIPTS / "spanning.py"), limit=90)
+    status, output = run_launch(
+        "-n", "4", "--", sys.executable, str(SCRIPTS / "spanning.py"), limit=90
+    )
     assert status == 0, output[-3000:]
     for index in range(4):
         assert "ok [[0, 1], [2, 3]]" in process_lines(output, index), output[-3000:]

@@ -13,11 +13,11 @@ is dead and must disappear.
 import jax
 import jax.numpy as jnp
 from helpers import input_program
+from mpmdc.passes import dce, inline, partition, split
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
 from mpmdc.ir.program import make_closed_jaxpr
-from mpmdc.passes import dce, inline, partition, split
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 Y = jnp.ones((4, 8))
@@ -31,7 +31,9 @@ def keeping_outputs(program, keep):
     """``program`` returning only its outputs ``keep`` (indices): what fed the others is dead."""
     jaxpr = program.jaxpr.jaxpr
     outvars = [jaxpr.outvars[k] for k in keep]
-    closed = make_closed_jaxpr(jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, jaxpr.eqns, jaxpr.debug_info)
+    closed = make_closed_jaxpr(
+        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, jaxpr.eqns, jaxpr.debug_info
+    )
 
     def pick(values):
         return None if values is None else tuple(values[k] for k in keep)

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from helpers import input_program
 from jax.sharding import NamedSharding
+from mpmdc.passes import in_program_transfers, inline, partition, split
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.passes import in_program_transfers, inline, partition, split
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 W = jnp.eye(8) * 0.5
@@ -50,7 +50,13 @@ def back_and_forth(w, x):
 def test_fragment_to_fragment_transfers_become_send_recv_pairs_with_one_channel_each(meshes2):
     program = split_program(back_and_forth, meshes2, W, X)
     assert [e.params.get("name", "transfer") for e in program.jaxpr.jaxpr.eqns] == [
-        "s0_fwd_0", "transfer", "s1_fwd_0", "transfer", "s0_fwd_1", "transfer", "s1_fwd_1",
+        "s0_fwd_0",
+        "transfer",
+        "s1_fwd_0",
+        "transfer",
+        "s0_fwd_1",
+        "transfer",
+        "s1_fwd_1",
     ]
     out = in_program_transfers(program)
     f = by_name(out)
@@ -74,7 +80,9 @@ def test_a_value_read_by_two_fragments_on_one_mesh_is_received_once(meshes2):
     f = by_name(out)
     first, second = f["s1_fwd_0"], f["s1_fwd_1"]
     # s1_fwd_0 receives a and passes it on as an extra result; s1_fwd_1 reads that.
-    received = [e.outvars[0] for e in first.params["jaxpr"].jaxpr.eqns if e.primitive.name == "recv"]
+    received = [
+        e.outvars[0] for e in first.params["jaxpr"].jaxpr.eqns if e.primitive.name == "recv"
+    ]
     assert first.params["jaxpr"].jaxpr.outvars == received
     assert first.outvars[0] in second.invars
     assert len(first.params["out_specs"]) == 1
@@ -103,4 +111,6 @@ def test_a_value_that_is_a_program_output_keeps_its_transfer(meshes2):
     (kept,) = [e for e in out.jaxpr.jaxpr.eqns if e.primitive is transfer_p]
     assert kept.outvars == [out.jaxpr.jaxpr.outvars[1]]
     f = by_name(out)
-    assert body_ops(f["s0_fwd"], "send") == [(2, 0, 1)] and body_ops(f["s1_fwd"], "recv") == [(2, 0, 1)]
+    assert body_ops(f["s0_fwd"], "send") == [(2, 0, 1)] and body_ops(f["s1_fwd"], "recv") == [
+        (2, 0, 1)
+    ]

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from helpers import input_program
 from jax.extend import core as jcore
+from mpmdc.passes import inline
 
 import mpmdc
 from mpmdc.errors import PlacementError
 from mpmdc.ir.program import is_rematerialized
-from mpmdc.passes import inline
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 W = jnp.eye(8) * 0.5
@@ -34,7 +34,11 @@ def prims(program):
 
 def markers(program):
     """``(stage, transpose)`` of each top-level stage marker, in order."""
-    return [(e.params["stage"], e.params["transpose"]) for e in program.jaxpr.jaxpr.eqns if e.primitive.name == "stage"]
+    return [
+        (e.params["stage"], e.params["transpose"])
+        for e in program.jaxpr.jaxpr.eqns
+        if e.primitive.name == "stage"
+    ]
 
 
 def evaluated(program, *args):
@@ -58,7 +62,16 @@ def test_a_jitted_call_holding_a_marker_is_flattened(meshes2):
 
     out = inline(program)
     # The helper's body (marker, matmul, tanh) now sits at the top level, in place.
-    assert prims(out) == ["stage", "sin", "stage", "dot_general", "tanh", "jit", "add", "reduce_sum"]
+    assert prims(out) == [
+        "stage",
+        "sin",
+        "stage",
+        "dot_general",
+        "tanh",
+        "jit",
+        "add",
+        "reduce_sum",
+    ]
     assert markers(out) == [(0, 0), (1, 0)]
     # Same inputs, same numbers.
     assert len(out.jaxpr.jaxpr.invars) == len(program.jaxpr.jaxpr.invars)
@@ -123,17 +136,42 @@ def stage1_checkpointed(w, x):
 def test_checkpoint_bodies_are_marked_rematerialized(meshes2):
     program = input_program(jax.grad(stage1_checkpointed), meshes2, W, X)
     # Under grad the checkpoint is one remat2 call holding the recomputation and the backward.
-    assert prims(program) == ["stage", "dot_general", "sin", "stage", "tanh", "reduce_sum", "broadcast_in_dim", "remat2"]
+    assert prims(program) == [
+        "stage",
+        "dot_general",
+        "sin",
+        "stage",
+        "tanh",
+        "reduce_sum",
+        "broadcast_in_dim",
+        "remat2",
+    ]
 
     out = inline(program)
     tagged = [(e.primitive.name, is_rematerialized(e)) for e in out.jaxpr.jaxpr.eqns]
     forward = [
-        ("stage", False), ("dot_general", False), ("sin", False), ("stage", False),
-        ("tanh", False), ("reduce_sum", False), ("broadcast_in_dim", False),
+        ("stage", False),
+        ("dot_general", False),
+        ("sin", False),
+        ("stage", False),
+        ("tanh", False),
+        ("reduce_sum", False),
+        ("broadcast_in_dim", False),
     ]
     # The body, inlined and tagged; its recomputed stage-1 marker is gone (next test).
     body = [
-        "dot_general", "sin", "cos", "tanh", "sub", "mul", "mul", "add_any", "stage", "mul", "dot_general", "transpose",
+        "dot_general",
+        "sin",
+        "cos",
+        "tanh",
+        "sub",
+        "mul",
+        "mul",
+        "add_any",
+        "stage",
+        "mul",
+        "dot_general",
+        "transpose",
     ]
     assert tagged == forward + [(name, True) for name in body]
     np.testing.assert_allclose(evaluated(out, W, X)[0], evaluated(program, W, X)[0], rtol=1e-6)
@@ -143,7 +181,9 @@ def test_a_recomputed_marker_reads_the_value_that_entered_the_stage(meshes2):
     out = inline(input_program(jax.grad(stage1_checkpointed), meshes2, W, X))
     eqns = out.jaxpr.jaxpr.eqns
     assert markers(out) == [(0, 0), (1, 0), (1, 1)]
-    (entering,) = [e for e in eqns if e.primitive.name == "stage" and e.params == {"stage": 1, "transpose": 0}]
+    (entering,) = [
+        e for e in eqns if e.primitive.name == "stage" and e.params == {"stage": 1, "transpose": 0}
+    ]
     # The recomputed tanh reads what entered stage 1 in the forward, not a recomputation.
     (recomputed_tanh,) = [e for e in eqns if e.primitive.name == "tanh" and is_rematerialized(e)]
     assert recomputed_tanh.invars == entering.outvars

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import input_program, mlp_loss
+from mpmdc.passes import inline, lower, partition, schedule, split
 
 import mpmdc
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.passes import inline, lower, partition, schedule, split
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
@@ -42,12 +42,21 @@ def test_one_module_per_distinct_fragment(meshes2):
     assert len(fragments(program)) == 14  # 2 before the loop, 3 per microbatch
     out = lower(program)
     assert out.backend == "cpu"
-    assert [name for name, _ in out.modules] == ["s0_fwd", "s1_fwd", "s0_fwd_mb0", "s1_fwd_mb0", "s0_bwd_mb0"]
+    assert [name for name, _ in out.modules] == [
+        "s0_fwd",
+        "s1_fwd",
+        "s0_fwd_mb0",
+        "s1_fwd_mb0",
+        "s0_bwd_mb0",
+    ]
     assert len(out.lowerings) == 5
     for name, text in out.modules:
         assert text.startswith(f"module @jit_{name} ")
     # Each module says which fragments share it.
-    assert "// ----- fragment s0_bwd_mb0 @mesh0 (cpu), also s0_bwd_mb1, s0_bwd_mb2, s0_bwd_mb3\n" in out.as_text()
+    assert (
+        "// ----- fragment s0_bwd_mb0 @mesh0 (cpu), also s0_bwd_mb1, s0_bwd_mb2, s0_bwd_mb3\n"
+        in out.as_text()
+    )
     assert "// ----- fragment s1_fwd @mesh1 (cpu)\n" in out.as_text()
 
 
@@ -74,7 +83,9 @@ def test_the_call_path_of_a_process_lowers_only_its_meshes(meshes2, monkeypatch)
 
 def test_lower_needs_a_split_program(meshes2):
     placed = partition(inline(input_program(mlp_loss, meshes2, [W, W], X)))
-    with pytest.raises(PassError, match="the `lower` pass needs a split program; run `split` before it"):
+    with pytest.raises(
+        PassError, match="the `lower` pass needs a split program; run `split` before it"
+    ):
         lower(placed)
 
 
@@ -105,20 +116,31 @@ def test_a_donated_input_is_donated_by_its_last_reader_only(meshes2):
 def in_program_backend(monkeypatch):
     """A CUDA backend moving values by send/recv, registered for this test only."""
     monkeypatch.setattr(backends, "_registry", dict(backends._registry))
-    return backends.register(backends.Backend("test-pass-lower-p2p", "cuda", transfers="in-program")).name
+    return backends.register(
+        backends.Backend("test-pass-lower-p2p", "cuda", transfers="in-program")
+    ).name
 
 
 def channel_ops(text):
     """``(op, channel, src mesh, dst mesh)`` of every send and recv in a module's text."""
     found = re.findall(
-        r'"stablehlo\.(send|recv)".*?handle = (\d+),.*?mpmdc\.dst_mesh = "(\d+)", mpmdc\.src_mesh = "(\d+)"', text
+        r'"stablehlo\.(send|recv)".*?handle = (\d+),.*?mpmdc\.dst_mesh = "(\d+)", mpmdc\.src_mesh = "(\d+)"',
+        text,
     )
     return [(op, int(channel), int(src), int(dst)) for op, channel, dst, src in found]
 
 
-def test_an_in_program_backend_lowers_transfers_to_send_and_recv_with_matching_channels(meshes2, in_program_backend):
+def test_an_in_program_backend_lowers_transfers_to_send_and_recv_with_matching_channels(
+    meshes2, in_program_backend
+):
     program = scheduled(jax.grad(mlp_loss), meshes2, [W, W], X)
-    assert [e.primitive.name for e in program.jaxpr.jaxpr.eqns] == ["fragment", "transfer", "fragment", "transfer", "fragment"]
+    assert [e.primitive.name for e in program.jaxpr.jaxpr.eqns] == [
+        "fragment",
+        "transfer",
+        "fragment",
+        "transfer",
+        "fragment",
+    ]
     out = lower(program, backend=in_program_backend)
     assert out.backend == in_program_backend
     assert not [e for e in out.jaxpr.jaxpr.eqns if e.primitive is transfer_p]

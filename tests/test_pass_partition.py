@@ -12,11 +12,11 @@ earliest user and outputs where they are made.
 import jax
 import jax.numpy as jnp
 from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
+from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
 from mpmdc.ir.program import Placement
-from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 
 WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
 X = jnp.arange(32.0).reshape(4, 8) / 32
@@ -31,7 +31,9 @@ def placed(fn, meshes, *args, **kwargs):
 
 def labelled(program):
     """``(primitive, placement label)`` per top-level equation, in order."""
-    return [(e.primitive.name, p.label) for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements)]
+    return [
+        (e.primitive.name, p.label) for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements)
+    ]
 
 
 def test_markers_seed_stages_and_every_equation_is_placed(meshes2):
@@ -114,12 +116,18 @@ def test_gradients_from_several_meshes_sum_where_the_parameter_lives(meshes4):
     assert mesh_index(grad, meshes4) == 0
     program = placed(jax.value_and_grad(fn), meshes4, w, X)
     assert program.in_meshes[0] == 0
-    add_any = [p for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements) if e.primitive.name == "add_any"]
+    add_any = [
+        p
+        for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements)
+        if e.primitive.name == "add_any"
+    ]
     assert add_any[-1].stage == 0
     # Each other stage's contribution crosses once (summed on its way to stage 0), and
     # the weight once to each other stage: no more bytes than summing at stage 0.
     split = mpmdc.compile(jax.value_and_grad(fn), meshes4).lower(w, X).program("after-split")
-    moved = [v.aval.shape for e in split.jaxpr.jaxpr.eqns if e.primitive is transfer_p for v in e.invars]
+    moved = [
+        v.aval.shape for e in split.jaxpr.jaxpr.eqns if e.primitive is transfer_p for v in e.invars
+    ]
     assert sorted(moved).count(w.shape) == 4
 
 
@@ -134,7 +142,9 @@ def test_backward_runs_on_the_forward_stage_mesh(meshes4):
 
 def test_work_inside_an_accumulate_loop_gets_its_microbatch(meshes2):
     def fn(w, x):
-        return mpmdc.accumulate(lambda xb: jnp.sum(jnp.sin(mpmdc.stage(xb, 0) @ w)), x, microbatches=2)
+        return mpmdc.accumulate(
+            lambda xb: jnp.sum(jnp.sin(mpmdc.stage(xb, 0) @ w)), x, microbatches=2
+        )
 
     per_microbatch = [
         ("microbatch", "s0_fwd_mb{i}"),

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from helpers import mlp_loss
 from jax.extend import core as jcore
+from mpmdc.passes import dce, inline, partition, schedule, split
+from mpmdc.passes.schedule import layout_of
 
 import mpmdc
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.passes import dce, inline, partition, schedule, split
-from mpmdc.passes.schedule import layout_of
 from mpmdc.schedules import ActionLists, action_of
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
@@ -32,7 +32,9 @@ W = jnp.eye(8) * 0.5
 
 def grad_step(schedule_name):
     def step(ws, x):
-        return mpmdc.accumulate(lambda xb: jax.grad(mlp_loss)(ws, xb), x, microbatches=4, schedule=schedule_name)
+        return mpmdc.accumulate(
+            lambda xb: jax.grad(mlp_loss)(ws, xb), x, microbatches=4, schedule=schedule_name
+        )
 
     return step
 
@@ -66,7 +68,9 @@ def names_per_mesh(program):
         ),
     ],
 )
-def test_each_mesh_calls_its_fragments_in_the_schedules_order(meshes2, name, mesh0_actions, mesh0_fragments):
+def test_each_mesh_calls_its_fragments_in_the_schedules_order(
+    meshes2, name, mesh0_actions, mesh0_fragments
+):
     _, program = split_program(grad_step(name), meshes2, [W, W], X)
     out = schedule(program)
     wanted = out.schedule.actions(layout_of(out))
@@ -76,12 +80,18 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(meshes2, name, mes
     # Stage 1 is the last: its backward runs inside its forward fragment.
     assert mesh1 == ["s1_fwd", "s1_fwd_mb0", "s1_fwd_mb1", "s1_fwd_mb2", "s1_fwd_mb3"]
     for mesh, actions in enumerate(wanted):
-        ran = [action_of(e) for e in out.jaxpr.jaxpr.eqns if e.primitive is fragment_p and e.params["mesh"] == mesh]
+        ran = [
+            action_of(e)
+            for e in out.jaxpr.jaxpr.eqns
+            if e.primitive is fragment_p and e.params["mesh"] == mesh
+        ]
         ran = [a for a in ran if a is not None]
         assert ran == [a for a in actions if a in set(ran)]
     # Same equations, in another order (split leaves every forward before the backwards).
     assert sorted(map(str, out.jaxpr.jaxpr.eqns)) == sorted(map(str, program.jaxpr.jaxpr.eqns))
-    assert names_per_mesh(program)[0][:6] == ["s0_fwd"] + [f"s0_fwd_mb{i}" for i in range(4)] + ["s0_bwd_mb0"]
+    assert names_per_mesh(program)[0][:6] == ["s0_fwd"] + [f"s0_fwd_mb{i}" for i in range(4)] + [
+        "s0_bwd_mb0"
+    ]
 
 
 def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
@@ -92,20 +102,43 @@ def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
     mesh0, mesh1, mesh2 = names_per_mesh(out)
     # Stage 0 sends no cotangent anywhere: its backward is all weight gradient.
     assert mesh0 == [
-        "s0_fwd", "s0_fwd_mb0", "s0_fwd_mb1", "s0_fwd_mb2", "s0_wgrad_mb0",
-        "s0_fwd_mb3", "s0_wgrad_mb1", "s0_wgrad_mb2", "s0_wgrad_mb3",
+        "s0_fwd",
+        "s0_fwd_mb0",
+        "s0_fwd_mb1",
+        "s0_fwd_mb2",
+        "s0_wgrad_mb0",
+        "s0_fwd_mb3",
+        "s0_wgrad_mb1",
+        "s0_wgrad_mb2",
+        "s0_wgrad_mb3",
     ]
     # Mesh 1 runs ZB-H1's "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3".
     assert mesh1 == [
-        "s1_fwd", "s1_fwd_mb0", "s1_fwd_mb1", "s1_igrad_mb0", "s1_fwd_mb2", "s1_igrad_mb1", "s1_wgrad_mb0",
-        "s1_fwd_mb3", "s1_igrad_mb2", "s1_wgrad_mb1", "s1_igrad_mb3", "s1_wgrad_mb2", "s1_wgrad_mb3",
+        "s1_fwd",
+        "s1_fwd_mb0",
+        "s1_fwd_mb1",
+        "s1_igrad_mb0",
+        "s1_fwd_mb2",
+        "s1_igrad_mb1",
+        "s1_wgrad_mb0",
+        "s1_fwd_mb3",
+        "s1_igrad_mb2",
+        "s1_wgrad_mb1",
+        "s1_igrad_mb3",
+        "s1_wgrad_mb2",
+        "s1_wgrad_mb3",
     ]
     assert mesh2 == ["s2_fwd", "s2_fwd_mb0", "s2_fwd_mb1", "s2_fwd_mb2", "s2_fwd_mb3"]
     by_name = {e.params["name"]: e for e in out.jaxpr.jaxpr.eqns if e.primitive is fragment_p}
     igrad, wgrad = by_name["s1_igrad_mb2"], by_name["s1_wgrad_mb2"]
     assert (igrad.params["kind"], wgrad.params["kind"]) == ("I", "W")
     # The input-gradient part sends the cotangent to stage 0; the weight gradient stays.
-    sent = {v for e in out.jaxpr.jaxpr.eqns if e.primitive is transfer_p and e.params["dst"] == 0 for v in e.invars}
+    sent = {
+        v
+        for e in out.jaxpr.jaxpr.eqns
+        if e.primitive is transfer_p and e.params["dst"] == 0
+        for v in e.invars
+    }
     assert sent & set(igrad.outvars) and not sent & set(wgrad.outvars)
 
 
@@ -125,7 +158,9 @@ def test_the_scheduled_program_computes_the_same_numbers(name):
 def test_a_schedule_breaking_a_dependency_is_a_schedule_error(meshes2):
     _, program = split_program(grad_step("1f1b"), meshes2, [W, W], X)
     broken = ActionLists(["0B0 0F0 0F1 0F2 0F3 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
-    with pytest.raises(ScheduleError, match="mesh 0 runs 0B0 before 0F0, which 0B0 needs; put 0F0 first"):
+    with pytest.raises(
+        ScheduleError, match="mesh 0 runs 0B0 before 0F0, which 0B0 needs; put 0F0 first"
+    ):
         schedule(program.replace(schedule=broken))
     missing = ActionLists(["0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3"])
     with pytest.raises(ScheduleError, match="the schedule never runs 1B3"):
@@ -134,7 +169,14 @@ def test_a_schedule_breaking_a_dependency_is_a_schedule_error(meshes2):
     own = ActionLists(["0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
     mesh0, _ = names_per_mesh(schedule(program.replace(schedule=own)))
     assert mesh0[1:] == [
-        "s0_fwd_mb0", "s0_fwd_mb1", "s0_fwd_mb2", "s0_bwd_mb0", "s0_fwd_mb3", "s0_bwd_mb1", "s0_bwd_mb2", "s0_bwd_mb3",
+        "s0_fwd_mb0",
+        "s0_fwd_mb1",
+        "s0_fwd_mb2",
+        "s0_bwd_mb0",
+        "s0_fwd_mb3",
+        "s0_bwd_mb1",
+        "s0_bwd_mb2",
+        "s0_bwd_mb3",
     ]
 
 

@@ -16,10 +16,10 @@ from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from mpmdc.passes import inline, partition, split
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.passes import inline, partition, split
 
 WS = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
 X = jnp.arange(32.0).reshape(4, 8) / 32
@@ -63,7 +63,12 @@ def test_the_split_program_computes_what_the_input_program_computes(meshes2):
     program, out = split_of(jax.value_and_grad(two_stage_loss), meshes2, W, X)
     assert {e.primitive.name for e in out.jaxpr.jaxpr.eqns} == {"fragment", "transfer"}
     # Markers are dropped: no fragment body holds one.
-    assert not [e for f in fragments(out) for e in f.params["jaxpr"].jaxpr.eqns if e.primitive.name == "stage"]
+    assert not [
+        e
+        for f in fragments(out)
+        for e in f.params["jaxpr"].jaxpr.eqns
+        if e.primitive.name == "stage"
+    ]
     jcore.check_jaxpr(out.jaxpr.jaxpr)
     got = jcore.jaxpr_as_fun(out.jaxpr)(W, X)
     want = jcore.jaxpr_as_fun(program.jaxpr)(W, X)
@@ -76,14 +81,20 @@ def test_one_fragment_per_stage_transpose_and_microbatch(meshes2):
     _, out = split_of(jax.grad(two_stage_loss), meshes2, W, X)
     # The last stage's backward shares its forward's fragment (its transpose count is
     # that of the stage-1 marker's forward, and nothing separates them).
-    got = [(f.params["name"], f.params["stage"], f.params["transpose"], f.params["mesh"]) for f in fragments(out)]
+    got = [
+        (f.params["name"], f.params["stage"], f.params["transpose"], f.params["mesh"])
+        for f in fragments(out)
+    ]
     assert got == [("s0_fwd", 0, 0, 0), ("s1_fwd", 1, 0, 1), ("s0_bwd", 0, 1, 0)]
 
     def accumulated(ws, x):
         return mpmdc.accumulate(lambda xb: jax.grad(mlp_loss)(ws, xb), x, microbatches=2)
 
     _, out = split_of(accumulated, meshes2, [W, W], X)
-    got = [(f.params["name"], f.params["stage"], f.params["transpose"], f.params["microbatch"]) for f in fragments(out)]
+    got = [
+        (f.params["name"], f.params["stage"], f.params["transpose"], f.params["microbatch"])
+        for f in fragments(out)
+    ]
     assert sorted(got) == [
         ("s0_bwd_mb0", 0, 1, 0),
         ("s0_bwd_mb1", 0, 1, 1),
@@ -118,7 +129,13 @@ def test_a_value_used_by_two_fragments_on_another_mesh_crosses_once(meshes2):
 
     _, out = split_of(fn, meshes2, W, X)
     assert [e.params.get("name", "transfer") for e in out.jaxpr.jaxpr.eqns] == [
-        "s0_fwd_0", "transfer", "s1_fwd_0", "transfer", "s0_fwd_1", "transfer", "s1_fwd_1",
+        "s0_fwd_0",
+        "transfer",
+        "s1_fwd_0",
+        "transfer",
+        "s0_fwd_1",
+        "transfer",
+        "s1_fwd_1",
     ]
     moved = [(v, t.params["dst"]) for t in transfers(out) for v in t.invars]
     assert len(moved) == len(set(moved)) == 4  # a and w once each to mesh1, b back, c over
@@ -142,5 +159,8 @@ def test_transferred_values_keep_their_spec_where_the_destination_has_the_axes(m
     meshes = (Mesh(devices[:2], ("data",)), Mesh(devices[2:], ("model",)))
     _, out = split_of(jax.grad(two_stage_loss), meshes, W, X, in_specs=(None, P("data")))
     forward, backward = transfers(out)
-    assert forward.params["src_specs"] == (P("data"), P()) and forward.params["dst_specs"] == (P(), P())
+    assert forward.params["src_specs"] == (P("data"), P()) and forward.params["dst_specs"] == (
+        P(),
+        P(),
+    )
     assert backward.params["src_specs"] == (P(), P()) and backward.params["dst_specs"] == (P(), P())

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import pytest
 from helpers import input_program
 from jax.sharding import PartitionSpec as P
+from mpmdc.passes import inline, partition, split, vma_typecheck
+from mpmdc.passes.vma_typecheck import verify
 
 import mpmdc
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import SpecError, TypeCheckError
 from mpmdc.ir.primitives import transfer_p
 from mpmdc.ir.program import Placement, make_closed_jaxpr, placed
-from mpmdc.passes import inline, partition, split, vma_typecheck
-from mpmdc.passes.vma_typecheck import verify
 
 X = jnp.arange(32.0).reshape(4, 8) / 32
 
@@ -37,7 +37,9 @@ def placed_program(fn, meshes, *args):
 def with_eqns(program, eqns):
     """``program`` with its top-level equations replaced by ``eqns``."""
     jaxpr = program.jaxpr.jaxpr
-    closed = make_closed_jaxpr(jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info)
+    closed = make_closed_jaxpr(
+        jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
+    )
     return program.replace(jaxpr=closed)
 
 
@@ -48,7 +50,9 @@ def two_stages(x):
 def psum_in_stage_1(meshes):
     def fn(x):
         a = mpmdc.stage(jnp.sin(mpmdc.stage(x, 0)), 1)
-        total = jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=meshes[1], in_specs=P("data"), out_specs=P())(a)
+        total = jax.shard_map(
+            lambda v: jax.lax.psum(v, "data"), mesh=meshes[1], in_specs=P("data"), out_specs=P()
+        )(a)
         return total * 2
 
     return fn
@@ -56,7 +60,9 @@ def psum_in_stage_1(meshes):
 
 def test_a_well_typed_program_passes_unchanged(meshes2):
     program = placed_program(psum_in_stage_1(meshes2), meshes2, X)
-    labels = [(e.primitive.name, p.label) for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements)]
+    labels = [
+        (e.primitive.name, p.label) for e, p in zip(program.jaxpr.jaxpr.eqns, program.placements)
+    ]
     assert ("shard_map", "s1_fwd") in labels  # on mesh1, the mesh it was built for
     sharded = program.replace(in_specs=(P("data"),))  # dimension 0 (4) over data (2)
     assert vma_typecheck(sharded) is sharded
@@ -67,8 +73,14 @@ def test_a_well_typed_program_passes_unchanged(meshes2):
 @pytest.mark.parametrize(
     "where,message",
     [
-        ("in_specs", "in_specs for argument args[0] (on mesh0): P('model',) names axis 'model', which the mesh {'data': 2} does not have"),
-        ("out_specs", "out_specs for output out (on mesh1): P('model',) names axis 'model', which the mesh {'data': 2} does not have"),
+        (
+            "in_specs",
+            "in_specs for argument args[0] (on mesh0): P('model',) names axis 'model', which the mesh {'data': 2} does not have",
+        ),
+        (
+            "out_specs",
+            "out_specs for output out (on mesh1): P('model',) names axis 'model', which the mesh {'data': 2} does not have",
+        ),
     ],
 )
 def test_a_spec_naming_an_axis_the_mesh_lacks_is_a_spec_error(meshes2, where, message):
@@ -82,7 +94,9 @@ def test_a_spec_naming_an_axis_the_mesh_lacks_is_a_spec_error(meshes2, where, me
 def test_a_spec_that_does_not_divide_its_dimension_is_a_spec_error(meshes2):
     program = placed_program(two_stages, meshes2, jnp.ones((3, 8)))
     vma_typecheck(program.replace(in_specs=(P(None, "data"),)))  # 8 over 2 is fine
-    with pytest.raises(SpecError, match=r"P\('data',\) splits dimension 0 \(size 3\) over \('data',\) \(size 2\)"):
+    with pytest.raises(
+        SpecError, match=r"P\('data',\) splits dimension 0 \(size 3\) over \('data',\) \(size 2\)"
+    ):
         vma_typecheck(program.replace(in_specs=(P("data"),)))
 
 
@@ -103,17 +117,24 @@ def test_an_equation_without_a_placement_is_a_type_error(meshes2):
     eqns = list(program.jaxpr.jaxpr.eqns)
     assert [e.primitive.name for e in eqns] == ["stage", "sin", "stage", "tanh"]
     eqns[1] = placed(eqns[1], None)
-    with pytest.raises(TypeCheckError, match="`sin` at .* has no placement"):
+    with pytest.raises(TypeCheckError, match=r"`sin` at .* has no placement"):
         vma_typecheck(with_eqns(program, eqns))
 
 
 def test_after_split_a_value_read_off_its_mesh_is_a_type_error(meshes2):
     program = split(placed_program(two_stages, meshes2, X))
     s0, transfer, s1 = program.jaxpr.jaxpr.eqns
-    assert transfer.primitive is transfer_p and transfer.params["src"] == 0 and transfer.params["dst"] == 1
+    assert (
+        transfer.primitive is transfer_p
+        and transfer.params["src"] == 0
+        and transfer.params["dst"] == 1
+    )
     # s1_fwd reads sin(x) straight from mesh0, without the transfer.
     direct = s1.replace(invars=list(transfer.invars))
-    with pytest.raises(TypeCheckError, match=r"fragment s1_fwd on mesh1 reads a value living on mesh0 \(float32\[4,8\]\); a transfer is missing"):
+    with pytest.raises(
+        TypeCheckError,
+        match=r"fragment s1_fwd on mesh1 reads a value living on mesh0 \(float32\[4,8\]\); a transfer is missing",
+    ):
         vma_typecheck(with_eqns(program, [s0, direct]))
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from mpmdc.passes import PASSES, FunctionPass
 
 import mpmdc
 from mpmdc import cli, errors
 from mpmdc.ir.program import placed
-from mpmdc.passes import PASSES, FunctionPass
 from mpmdc.pipeline import (
     DEFAULT_PIPELINE,
     resolve,
@@ -34,17 +34,21 @@ def _crash(program):
 def _forget_placements(program):
     eqns = list(program.jaxpr.jaxpr.eqns)
     eqns[0] = placed(eqns[0], None)
-    return program.replace(jaxpr=program.jaxpr.replace(jaxpr=program.jaxpr.jaxpr.replace(eqns=eqns)))
+    return program.replace(
+        jaxpr=program.jaxpr.replace(jaxpr=program.jaxpr.jaxpr.replace(eqns=eqns))
+    )
 
 
 # Passes with a bug: one raises a plain Python error, one drops an equation's placement.
 CRASHING = FunctionPass("crashing", "raises KeyError", _crash)
-FORGETS_PLACEMENTS = FunctionPass("forgets-placements", "drops the first equation's placement", _forget_placements)
+FORGETS_PLACEMENTS = FunctionPass(
+    "forgets-placements", "drops the first equation's placement", _forget_placements
+)
 
 
 def passes_with(extra, after):
     names = list(DEFAULT_PIPELINE)
-    return names[: names.index(after) + 1] + [extra] + names[names.index(after) + 1 :]
+    return [*names[: names.index(after) + 1], extra, *names[names.index(after) + 1 :]]
 
 
 def test_a_pass_that_raises_is_an_internal_error_naming_it(meshes2):
@@ -53,7 +57,10 @@ def test_a_pass_that_raises_is_an_internal_error_naming_it(meshes2):
         compiled.lower(jnp.ones(4))
     err = caught.value
     assert (err.pass_name, err.stage) == ("crashing", "after-dce")
-    assert "internal error in pass `crashing`, run on the program 'after-dce': it raised KeyError" in str(err)
+    assert (
+        "internal error in pass `crashing`, run on the program 'after-dce': it raised KeyError"
+        in str(err)
+    )
     assert "mpmdc dump FILE.py:TARGET --stage all" in str(err)
     assert isinstance(err.__cause__, KeyError)
     assert "stage[stage=1" in err.program.as_text()
@@ -69,13 +76,18 @@ def test_the_cyclic_collector_waits_for_lower_and_runs_again_after_it(meshes2):
     mpmdc.compile(traced, meshes2).lower(jnp.ones(4))
     assert seen == [False] and gc.isenabled()
     with pytest.raises(errors.InternalError):  # also when a pass fails
-        mpmdc.compile(two_stage, meshes2, passes=passes_with(CRASHING, after="dce")).lower(jnp.ones(4))
+        mpmdc.compile(two_stage, meshes2, passes=passes_with(CRASHING, after="dce")).lower(
+            jnp.ones(4)
+        )
     assert gc.isenabled()
 
 
 def test_verification_failure_names_the_pass_whose_output_failed(meshes2):
     program = mpmdc.compile(two_stage, meshes2).lower(jnp.ones(4)).program("after-partition")
-    with pytest.raises(errors.InternalError, match=r"`forgets-placements`, run on the program 'input': its output fails verification: TypeCheckError: `sin` at .*has no placement"):
+    with pytest.raises(
+        errors.InternalError,
+        match=r"`forgets-placements`, run on the program 'input': its output fails verification: TypeCheckError: `sin` at .*has no placement",
+    ):
         run_pipeline(program, [FORGETS_PLACEMENTS], verify=True)
     run_pipeline(program, [FORGETS_PLACEMENTS], verify=False)  # unverified, nothing notices
 
@@ -98,7 +110,12 @@ def test_verification_runs_when_asked_and_only_then(meshes2, monkeypatch):
 def _dump_target(tmp_path, imports: str, *body: str):
     """A module for ``mpmdc dump`` whose ``lowered()`` runs ``body`` after ``imports``."""
     target = tmp_path / "model.py"
-    lines = ["import jax.numpy as jnp, mpmdc", imports, "def lowered():", *(f"    {line}" for line in body)]
+    lines = [
+        "import jax.numpy as jnp, mpmdc",
+        imports,
+        "def lowered():",
+        *(f"    {line}" for line in body),
+    ]
     target.write_text("\n".join(lines) + "\n")
     return target
 
@@ -111,9 +128,15 @@ def test_dump_verifies_every_pass(tmp_path, capsys, monkeypatch):
         "from test_pipeline import two_stage",
         "return mpmdc.compile(two_stage, mpmdc.make_meshes(2, {'data': 2})).lower(jnp.ones(4))",
     )
-    status = cli.main(["dump", f"{target}:lowered", "--passes", "inline,partition,forgets-placements"])
+    status = cli.main(
+        ["dump", f"{target}:lowered", "--passes", "inline,partition,forgets-placements"]
+    )
     _, err = capsys.readouterr()
-    assert status == 1 and "`forgets-placements`, run on the program 'after-partition': its output fails verification" in err
+    assert (
+        status == 1
+        and "`forgets-placements`, run on the program 'after-partition': its output fails verification"
+        in err
+    )
 
 
 def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
@@ -149,8 +172,17 @@ def test_pass_options_are_set_by_name(meshes2):
     (lower,) = resolve("lower{backend=tpu}")
     assert lower.options == (("backend", "tpu"),) and str(lower) == "lower{backend=tpu}"
     assert [p.name for p in resolve(" inline, partition ,dce")] == ["inline", "partition", "dce"]
-    lowered = mpmdc.compile(two_stage, meshes2, passes="inline,partition,dce,split,lower{backend=tpu}").lower(X)
-    assert lowered.stages == ("input", "after-inline", "after-partition", "after-dce", "after-split", "stablehlo")
+    lowered = mpmdc.compile(
+        two_stage, meshes2, passes="inline,partition,dce,split,lower{backend=tpu}"
+    ).lower(X)
+    assert lowered.stages == (
+        "input",
+        "after-inline",
+        "after-partition",
+        "after-dce",
+        "after-split",
+        "stablehlo",
+    )
     assert lowered.program("stablehlo").backend == "tpu"
     assert lowered.stablehlo("tpu") == dict(lowered.program("stablehlo").modules)
     # A tuple option keeps its commas, and prints as it parses.
@@ -159,14 +191,20 @@ def test_pass_options_are_set_by_name(meshes2):
     assert resolve(str(lower))[0] == lower
 
 
-@pytest.mark.parametrize("text, says", [
-    ("lower{platform=tpu}", "pass `lower` has no option platform; its options: backend, meshes"),
-    ("lower{meshes=(0,1}", "unbalanced parentheses in the options of pass `lower`"),
-    ("lower{backend}", "needs a value: backend=VALUE"),
-    ("lower{backend=tpu", "unbalanced braces"),
-    ("Lower", "is not a pass"),
-    ("dce{x=1}", "pass `dce` has no option x; its options: none"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (
+            "lower{platform=tpu}",
+            "pass `lower` has no option platform; its options: backend, meshes",
+        ),
+        ("lower{meshes=(0,1}", "unbalanced parentheses in the options of pass `lower`"),
+        ("lower{backend}", "needs a value: backend=VALUE"),
+        ("lower{backend=tpu", "unbalanced braces"),
+        ("Lower", "is not a pass"),
+        ("dce{x=1}", "pass `dce` has no option x; its options: none"),
+    ],
+)
 def test_a_wrong_pass_text_names_what_is_wrong(text, says):
     with pytest.raises(errors.PassError, match=re.escape(says)):
         resolve(text)

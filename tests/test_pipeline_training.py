@@ -1,5 +1,6 @@
 """Pipeline training under each schedule: numerics, fragment order, memory, timelines, errors."""
 
+import itertools
 import json
 import re
 
@@ -18,8 +19,8 @@ from training import (
 
 import mpmdc
 from mpmdc.cli.demo import init_params
-from mpmdc.errors import AccumulateError, ScheduleError
 from mpmdc.cli.models import adam_init, init_transformer, transformer_step
+from mpmdc.errors import AccumulateError, ScheduleError
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.schedules import ActionLists, measured_costs, simulate
 
@@ -57,7 +58,9 @@ def test_sgd_step_matches_the_hand_written_loop(schedule, meshes4, sgd_runs):
     want = jax.jit(hand_written_sgd_step)(params, *mlp_data())
     assert_trees_close((loss, new_params), want, rtol=2e-5)
     # The update of layer s runs on the mesh of stage s (s mod 4 when interleaved).
-    assert [mesh_index(w, meshes4) for w, _ in new_params] == [s % 4 for s in range(len(new_params))]
+    assert [mesh_index(w, meshes4) for w, _ in new_params] == [
+        s % 4 for s in range(len(new_params))
+    ]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -75,7 +78,11 @@ def test_each_mesh_calls_its_fragments_in_schedule_order(schedule, meshes4, sgd_
         # stage 0 sends no input gradient anywhere, so its I actions have none.
         assert ran == [a for a in actions if a in present]
         last = layout_of(program).num_stages - 1
-        without = {a for a in actions if (a.stage == last and a.kind != "F") or (a.stage == 0 and a.kind == "I")}
+        without = {
+            a
+            for a in actions
+            if (a.stage == last and a.kind != "F") or (a.stage == 0 and a.kind == "I")
+        }
         assert present == set(actions) - without
 
 
@@ -89,7 +96,11 @@ def test_zero_bubble_splits_backward_into_input_and_weight_gradients(meshes4, sg
     # The input-gradient part of stage 2 sends the cotangent on; weight gradients stay.
     igrad, wgrad = by_name["s2_igrad_mb3"], by_name["s2_wgrad_mb3"]
     readers = {a for f in fragments(lowered) if f.params["stage"] == 1 for a in f.invars}
-    transfers = [e for e in lowered.program("after-schedule").jaxpr.jaxpr.eqns if e.primitive.name == "transfer"]
+    transfers = [
+        e
+        for e in lowered.program("after-schedule").jaxpr.jaxpr.eqns
+        if e.primitive.name == "transfer"
+    ]
     sent = {v for t in transfers if t.params["src"] == 2 and t.params["dst"] == 1 for v in t.invars}
     assert sent & set(igrad.outvars) and not sent & set(wgrad.outvars)
     assert not readers & set(wgrad.outvars)
@@ -124,10 +135,16 @@ def test_timed_run_measures_every_fragment_and_exports_a_trace(meshes4, sgd_runs
     assert_trees_close(outputs, result, rtol=0, atol=0)
     names = sorted(slot.name for row in timeline.meshes for slot in row)
     frags = fragments(lowered)
-    assert sorted(n for n in names if not n.startswith("transfer")) == sorted(f.params["name"] for f in frags)
+    assert sorted(n for n in names if not n.startswith("transfer")) == sorted(
+        f.params["name"] for f in frags
+    )
     for mesh, row in enumerate(timeline.meshes):
-        assert all(a.end <= b.start for a, b in zip(row, row[1:]))  # one thing at a time per mesh
-        assert {f.params["name"] for f in frags if f.params["mesh"] == mesh} <= {s.name for s in row}
+        assert all(
+            a.end <= b.start for a, b in itertools.pairwise(row)
+        )  # one thing at a time per mesh
+        assert {f.params["name"] for f in frags if f.params["mesh"] == mesh} <= {
+            s.name for s in row
+        }
     assert 0 <= timeline.bubble_fraction < 1
     # The simulator, fed the measured costs, reproduces each mesh's busy time.
     program = lowered.program("after-schedule")
@@ -150,7 +167,9 @@ def test_a_user_action_list_schedule_runs(meshes2):
         return sgd_step(p, x, y, microbatches=4, schedule=ActionLists(lists))
 
     got = mpmdc.compile(step, meshes2)(params, *mlp_data())
-    assert_trees_close(got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data()))
+    assert_trees_close(
+        got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data())
+    )
 
 
 def test_transformer_with_tied_embedding_trains_three_adam_steps(meshes4):
@@ -186,19 +205,48 @@ def mlp_step_with(schedule, microbatches=8):
 @pytest.mark.parametrize(
     ("schedule", "microbatches", "error", "says"),
     [
-        ("1f1b", 5, AccumulateError, "xs[0] has leading size 32, which 5 microbatches do not divide"),
-        ("pipedream", 8, ScheduleError, "unknown schedule 'pipedream'; known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1"),
-        (["0F0 0B0 0F1 0B1", "1F0 1B0 1F1 1B1"], 2, ScheduleError, "has 2 action list(s) but the pipeline uses 4 meshes"),
         (
-            ["0F0 0B0 0F1 0B1", "1B0 1F0 1F1 1B1", "2F0 2B0 2F1 2B1", "3F0 3B0 3F1 3B1"], 2,
-            ScheduleError, "mesh 1 runs 1B0 before 1F0, which 1B0 needs; put 1F0 first",
+            "1f1b",
+            5,
+            AccumulateError,
+            "xs[0] has leading size 32, which 5 microbatches do not divide",
         ),
         (
-            ["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1", "2F0 2B0 2F1 2B1", "3F0 3B0 3F1 3B1"], 2,
-            ScheduleError, "the schedule deadlocks: mesh 0 waits at 0B0 for 1B0; mesh 1 waits at 1F1 for 0F1",
+            "pipedream",
+            8,
+            ScheduleError,
+            "unknown schedule 'pipedream'; known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1",
         ),
-        (["0F0 0B0", "1F0 1B0", "2F0 2B0", "3F0 3B0"], 2, ScheduleError, "the schedule never runs 0F1"),
-        ("interleaved-1f1b", 2, ScheduleError, "groups of 4 (one per mesh); 2 microbatches is not a multiple of 4"),
+        (
+            ["0F0 0B0 0F1 0B1", "1F0 1B0 1F1 1B1"],
+            2,
+            ScheduleError,
+            "has 2 action list(s) but the pipeline uses 4 meshes",
+        ),
+        (
+            ["0F0 0B0 0F1 0B1", "1B0 1F0 1F1 1B1", "2F0 2B0 2F1 2B1", "3F0 3B0 3F1 3B1"],
+            2,
+            ScheduleError,
+            "mesh 1 runs 1B0 before 1F0, which 1B0 needs; put 1F0 first",
+        ),
+        (
+            ["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1", "2F0 2B0 2F1 2B1", "3F0 3B0 3F1 3B1"],
+            2,
+            ScheduleError,
+            "the schedule deadlocks: mesh 0 waits at 0B0 for 1B0; mesh 1 waits at 1F1 for 0F1",
+        ),
+        (
+            ["0F0 0B0", "1F0 1B0", "2F0 2B0", "3F0 3B0"],
+            2,
+            ScheduleError,
+            "the schedule never runs 0F1",
+        ),
+        (
+            "interleaved-1f1b",
+            2,
+            ScheduleError,
+            "groups of 4 (one per mesh); 2 microbatches is not a multiple of 4",
+        ),
     ],
 )
 def test_bad_schedules_fail_before_anything_runs(meshes4, schedule, microbatches, error, says):
@@ -219,7 +267,7 @@ def test_two_accumulate_loops_in_one_function_are_refused(meshes2):
         b = mpmdc.accumulate(lambda mb: jnp.sum(mb * w), x, microbatches=2)
         return a + b
 
-    with pytest.raises(AccumulateError, match="runs mpmdc.accumulate 2 times"):
+    with pytest.raises(AccumulateError, match=r"runs mpmdc\.accumulate 2 times"):
         mpmdc.compile(step, meshes2).lower(jnp.ones(3), jnp.ones((4, 3)))
 
 
@@ -227,7 +275,9 @@ def test_gpipe_takes_any_stage_to_mesh_map(meshes2):
     params = init_params(jax.random.key(0), widths("1f1b"))
     step = mpmdc.compile(mlp_step_with("gpipe", 4), meshes2, stage_to_mesh=(0, 0, 1, 1))
     got = step(params, *mlp_data())
-    assert_trees_close(got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data()))
+    assert_trees_close(
+        got, jax.jit(lambda p, x, y: hand_written_sgd_step(p, x, y, 4))(params, *mlp_data())
+    )
     assert [mesh_index(w, meshes2) for w, _ in got[1]] == [0, 0, 1, 1]
 
 
@@ -240,5 +290,8 @@ def test_a_marker_inside_accumulate_is_reported_at_the_users_line(meshes2):
 
     from mpmdc.errors import StageError
 
-    with pytest.raises(StageError, match=r"stage 5 \(marker at .*test_pipeline_training.py:\d+:\d+ \(.*per_microbatch\)\)"):
+    with pytest.raises(
+        StageError,
+        match=r"stage 5 \(marker at .*test_pipeline_training.py:\d+:\d+ \(.*per_microbatch\)\)",
+    ):
         mpmdc.compile(step, meshes2, stage_to_mesh=(0, 1)).lower(jnp.ones((3, 3)), jnp.ones((4, 3)))

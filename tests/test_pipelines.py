@@ -21,7 +21,9 @@ def make_params(n, width=8, seed=0):
 
 
 def data(width=8, batch=4):
-    return jax.random.normal(jax.random.key(7), (batch, width)), jax.random.normal(jax.random.key(8), (batch, width))
+    return jax.random.normal(jax.random.key(7), (batch, width)), jax.random.normal(
+        jax.random.key(8), (batch, width)
+    )
 
 
 @pytest.mark.parametrize("n_stages,n_meshes", [(2, 2), (4, 4), (8, 4)])
@@ -63,14 +65,19 @@ def test_tied_embedding(meshes4):
     }
     tokens = jnp.array([1, 5, 7, 3])
     targets = jnp.array([2, 2, 9, 0])
-    loss, grads = assert_same_as_jit(jax.value_and_grad(tied_loss), meshes4, params, tokens, targets)
+    loss, grads = assert_same_as_jit(
+        jax.value_and_grad(tied_loss), meshes4, params, tokens, targets
+    )
     # the embedding lives on the first stage's mesh, so its summed gradient does too
     assert mesh_index(grads["embed"], meshes4) == 0
     assert mesh_index(loss, meshes4) == 3
     lowered = mpmdc.compile(jax.value_and_grad(tied_loss), meshes4).lower(params, tokens, targets)
     # the embedding travels to the last stage once, its gradient contribution back
     links = {(link.src, link.dst): link for link in lowered.transfer_report().links}
-    assert links[0, 3].bytes[1] == params["embed"].nbytes and links[3, 0].bytes[2] == params["embed"].nbytes
+    assert (
+        links[0, 3].bytes[1] == params["embed"].nbytes
+        and links[3, 0].bytes[2] == params["embed"].nbytes
+    )
 
 
 def diamond(params, x):
@@ -84,7 +91,7 @@ def diamond(params, x):
 def test_non_linear_stage_graph(meshes4):
     params = [w for w, _ in make_params(4)]
     x, _ = data()
-    loss, grads = assert_same_as_jit(jax.value_and_grad(diamond), meshes4, params, x)
+    _loss, grads = assert_same_as_jit(jax.value_and_grad(diamond), meshes4, params, x)
     assert [mesh_index(g, meshes4) for g in grads] == [0, 1, 2, 3]
 
 
@@ -118,7 +125,7 @@ def test_function_without_markers(meshes4):
             x = jnp.tanh(x @ w + b)
         return jnp.mean((x - y) ** 2)
 
-    loss_value, grads = assert_same_as_jit(jax.value_and_grad(loss), meshes4, params, *data())
+    loss_value, _grads = assert_same_as_jit(jax.value_and_grad(loss), meshes4, params, *data())
     assert mesh_index(loss_value, meshes4) == 0
     lowered = mpmdc.compile(jax.value_and_grad(loss), meshes4).lower(params, *data())
     assert list(lowered.stablehlo()) == ["s0_fwd"]
@@ -148,7 +155,9 @@ def stacked_layers_loss(stacks, x):
 def test_a_stack_of_layers_per_stage_runs_as_one_scan_per_stage(meshes4):
     layers = jax.random.normal(jax.random.key(0), (8, 8, 8)) * 0.4
     stacks = [layers[i * 2 : (i + 1) * 2] for i in range(4)]  # 2 layers per stage
-    _, grads = assert_same_as_jit(jax.value_and_grad(stacked_layers_loss), meshes4, stacks, data()[0])
+    _, grads = assert_same_as_jit(
+        jax.value_and_grad(stacked_layers_loss), meshes4, stacks, data()[0]
+    )
     assert [mesh_index(g, meshes4) for g in grads] == [0, 1, 2, 3]
 
 

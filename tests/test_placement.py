@@ -20,7 +20,9 @@ WIDTH = 16
 
 def init(key, stages=STAGES):
     keys = jax.random.split(key, stages)
-    return [{"w": jax.random.normal(k, (WIDTH, WIDTH)) / 4, "b": jnp.full((WIDTH,), 0.1)} for k in keys]
+    return [
+        {"w": jax.random.normal(k, (WIDTH, WIDTH)) / 4, "b": jnp.full((WIDTH,), 0.1)} for k in keys
+    ]
 
 
 def residual_loss(params, x, y, l2=0.0):
@@ -37,7 +39,9 @@ def training_step(opt, microbatches=None, l2=0.0):
             return jax.value_and_grad(residual_loss)(params, *batch, l2)
 
         if microbatches:
-            loss, grads = mpmdc.accumulate(value_and_grad, (x, y), microbatches=microbatches, reduce="mean")
+            loss, grads = mpmdc.accumulate(
+                value_and_grad, (x, y), microbatches=microbatches, reduce="mean"
+            )
         else:
             loss, grads = value_and_grad((x, y))
         updates, state = opt.update(grads, state, params)
@@ -47,7 +51,9 @@ def training_step(opt, microbatches=None, l2=0.0):
 
 
 def batch():
-    return jax.random.normal(jax.random.key(1), (8, WIDTH)), jax.random.normal(jax.random.key(2), (8, WIDTH))
+    return jax.random.normal(jax.random.key(1), (8, WIDTH)), jax.random.normal(
+        jax.random.key(2), (8, WIDTH)
+    )
 
 
 OPTIMIZERS = {
@@ -118,13 +124,16 @@ def test_a_penalty_on_every_parameter_is_computed_where_each_parameter_lives(mes
     lowered = mpmdc.compile(step, meshes4).lower(params, opt.init(params), *batch())
     program = lowered.program("after-split")
     assert program.in_meshes[: 2 * STAGES] == tuple(i for i in range(STAGES) for _ in "bw")
-    moved = [v.aval for e in program.jaxpr.jaxpr.eqns if e.primitive is transfer_p for v in e.invars]
+    moved = [
+        v.aval for e in program.jaxpr.jaxpr.eqns if e.primitive is transfer_p for v in e.invars
+    ]
     assert all(a.shape != (WIDTH, WIDTH) for a in moved), moved
 
 
 def test_the_transfer_report_counts_each_kind_of_value(meshes4):
     """A tied embedding travels once (state), its gradient contribution back (other),
     activations and cotangents once per boundary and microbatch."""
+
     def loss(emb, ws, tokens):
         x = mpmdc.stage(emb[tokens], 0)
         x = jnp.tanh(x @ ws[0])
@@ -134,7 +143,11 @@ def test_the_transfer_report_counts_each_kind_of_value(meshes4):
     emb = jnp.ones((32, WIDTH))
     ws = [jnp.eye(WIDTH)] * 2
     tokens = jnp.arange(8) % 32
-    report = mpmdc.compile(jax.grad(loss, argnums=(0, 1)), meshes4).lower(emb, ws, tokens).transfer_report()
+    report = (
+        mpmdc.compile(jax.grad(loss, argnums=(0, 1)), meshes4)
+        .lower(emb, ws, tokens)
+        .transfer_report()
+    )
     assert [(link.src, link.dst) for link in report.links] == [(0, 1), (1, 0)]
     forward, backward = report.links
     assert forward.values == (1, 1, 0) and forward.bytes == (8 * WIDTH * 4, 32 * WIDTH * 4, 0)

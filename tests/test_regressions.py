@@ -12,14 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_array, assert_same_as_jit
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from helpers import assert_same_array, assert_same_as_jit
 
 
 def psum_on(mesh):
-    return jax.shard_map(lambda t: jax.lax.psum(t, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    return jax.shard_map(
+        lambda t: jax.lax.psum(t, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")
+    )
 
 
 def unmarked_operand(x, mesh_of):
@@ -79,13 +81,17 @@ def test_shard_map_runs_on_its_own_mesh_also_in_the_backward(name):
     x = jnp.arange(16.0, dtype=jnp.float32).reshape(4, 4) / 10
 
     compiled = mpmdc.compile(
-        jax.value_and_grad(lambda x: body(x, lambda m: meshes[m])), meshes, stage_to_mesh=stage_to_mesh
+        jax.value_and_grad(lambda x: body(x, lambda m: meshes[m])),
+        meshes,
+        stage_to_mesh=stage_to_mesh,
     )
     program = compiled.lower(x).program("after-partition")
     for eqn, placement in zip(program.jaxpr.eqns, program.placements):
         if eqn.primitive.name == "shard_map":
             runs_on = program.meshes[program.mesh_of_stage(placement.stage)]
-            assert runs_on.device_ids.tolist() == eqn.params["mesh"].device_ids.tolist(), placement.label
+            assert runs_on.device_ids.tolist() == eqn.params["mesh"].device_ids.tolist(), (
+                placement.label
+            )
 
     got = compiled(x)
     want = jax.jit(jax.value_and_grad(lambda x: body(x, lambda m: reference_mesh)))(x)
@@ -164,7 +170,9 @@ def test_fragments_differing_only_in_their_callback_do_not_share():
     def stage_body(x, s):
         x = mpmdc.stage(x, s)
         jax.debug.callback(lambda v: seen.append(s), x)
-        return jax.pure_callback(lambda v: np.asarray(v) + s, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jax.pure_callback(
+            lambda v: np.asarray(v) + s, jax.ShapeDtypeStruct(x.shape, x.dtype), x
+        )
 
     def fn(x):
         return stage_body(stage_body(x, 0), 1)
@@ -219,7 +227,9 @@ def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
         return jnp.sum(mpmdc.stage(h + jax.random.normal(keys[0], h.shape), 1))
 
     def loop(w, batch, keys):
-        return mpmdc.accumulate(lambda xs: per_microbatch(w, xs), (batch, keys), microbatches=2, schedule="gpipe")
+        return mpmdc.accumulate(
+            lambda xs: per_microbatch(w, xs), (batch, keys), microbatches=2, schedule="gpipe"
+        )
 
     assert_same_as_jit(loop, meshes, jnp.ones(4), jnp.ones((4, 4)), jax.random.split(key, 2))
 
@@ -229,9 +239,11 @@ def test_a_wrong_pytree_is_named_in_a_line():
     message holding both whole ``PyTreeDef``s; it now names the path and the key."""
     meshes = mpmdc.make_meshes(2, {"d": 2})
     params = {f"w{i}": jnp.ones(3) for i in range(200)}
-    executable = mpmdc.compile(lambda p, x: mpmdc.stage(x, 1) + sum(jax.tree.leaves(p)), meshes).lower(
-        params, jnp.ones(3)
-    ).compile()
+    executable = (
+        mpmdc.compile(lambda p, x: mpmdc.stage(x, 1) + sum(jax.tree.leaves(p)), meshes)
+        .lower(params, jnp.ones(3))
+        .compile()
+    )
     with pytest.raises(mpmdc.errors.ArgumentError) as caught:
         executable({**params, "extra": jnp.ones(3)}, jnp.ones(3))
     assert len(str(caught.value)) < 300
@@ -271,7 +283,9 @@ def test_a_failing_callback_in_a_fragment_without_results_fails_the_call():
 
     for _ in range(10):
         step = mpmdc.compile(lambda x: (jax.debug.callback(check, mpmdc.stage(x, 1)), x)[1], meshes)
-        with pytest.raises(mpmdc.errors.MpmdRuntimeError, match="s1_fwd on mesh1 failed while running"):
+        with pytest.raises(
+            mpmdc.errors.MpmdRuntimeError, match="s1_fwd on mesh1 failed while running"
+        ):
             step(jnp.ones(4))
     fail["now"] = False
     np.testing.assert_array_equal(step(jnp.ones(4)), np.ones(4))
@@ -287,7 +301,9 @@ def test_calling_a_pipeline_inside_a_transformation_is_named(transform):
         "grad": lambda: jax.grad(lambda x: step(x).sum())(jnp.ones(3)),
         "vmap": lambda: jax.vmap(step)(jnp.ones((2, 3))),
     }[transform]
-    with pytest.raises(mpmdc.errors.ArgumentError, match=r"args\[0\] is a traced value.*mpmdc.compile\(jax.grad"):
+    with pytest.raises(
+        mpmdc.errors.ArgumentError, match=r"args\[0\] is a traced value.*mpmdc.compile\(jax.grad"
+    ):
         call()
 
 
@@ -302,16 +318,24 @@ def test_ordered_effects_on_a_multi_device_mesh_are_the_users_to_fix():
         jax.debug.print("s1 {}", x.sum(), ordered=True)
         return x
 
-    with pytest.raises(mpmdc.errors.TypeCheckError, match=r"`debug_print` at .*test_regressions.py.* ordered effect .* mesh0 of 2 devices"):
+    with pytest.raises(
+        mpmdc.errors.TypeCheckError,
+        match=r"`debug_print` at .*test_regressions.py.* ordered effect .* mesh0 of 2 devices",
+    ):
         mpmdc.compile(fn, mpmdc.make_meshes(2, {"d": 2}))(jnp.ones(4))
     assert_same_as_jit(fn, mpmdc.make_meshes(2, {"d": 1}), jnp.ones(4))
 
 
 def test_a_keyword_where_a_positional_argument_was_lowered_is_named():
     x = jnp.ones(3)
-    executable = mpmdc.compile(lambda a, b: mpmdc.stage(a["x"] + b, 1), mpmdc.make_meshes(2, {"d": 1}))
+    executable = mpmdc.compile(
+        lambda a, b: mpmdc.stage(a["x"] + b, 1), mpmdc.make_meshes(2, {"d": 1})
+    )
     executable = executable.lower({"x": x}, x).compile()
-    with pytest.raises(mpmdc.errors.ArgumentError, match=r"1 positional argument\(s\) and keywords \['b'\], but .* lowered for 2"):
+    with pytest.raises(
+        mpmdc.errors.ArgumentError,
+        match=r"1 positional argument\(s\) and keywords \['b'\], but .* lowered for 2",
+    ):
         executable({"x": x}, b=x)
 
 

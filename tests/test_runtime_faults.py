@@ -7,9 +7,9 @@ Two ways to fail: a ``jax.debug.callback`` that raises, and a ``checkify.check``
 import gc
 import logging
 import os
+import re
 import subprocess
 import sys
-import re
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +127,12 @@ def test_a_caught_fragment_failure_is_not_raised_again_at_exit():
     # it at exit, printing the error a second time as "Exception ignored in atexit
     # callback" (found in session 9).
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
-    done = subprocess.run([sys.executable, "-c", FAILS_THEN_EXITS], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", FAILS_THEN_EXITS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "caught", done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

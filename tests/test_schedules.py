@@ -61,11 +61,17 @@ def test_action_text_round_trip_and_user_lists():
 @pytest.mark.parametrize(
     ("lists", "says"),
     [
-        (["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"], "deadlocks: mesh 0 waits at 0B0 for 1B0; mesh 1 waits at 1F1 for 0F1"),
+        (
+            ["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"],
+            "deadlocks: mesh 0 waits at 0B0 for 1B0; mesh 1 waits at 1F1 for 0F1",
+        ),
         (["0F0 0F1 0B0 0B1", "1B0 1F0 1F1 1B1"], "breaks a dependency: mesh 1 runs 1B0 before 1F0"),
         (["0F0 0F1 0B0", "1F0 1B0 1F1 1B1"], "never runs 0B1"),
         (["0F0 0F1 0B0 0B1 0F1", "1F0 1B0 1F1 1B1"], "0F1 is listed twice"),
-        (["0F0 0F1 0B0 0B1 1F0", "1B0 1F1 1B1"], "1F0 is listed on mesh 0, but stage 1 runs on mesh 1"),
+        (
+            ["0F0 0F1 0B0 0B1 1F0", "1B0 1F1 1B1"],
+            "1F0 is listed on mesh 0, but stage 1 runs on mesh 1",
+        ),
         (["0F0 0F1 0B0 0B1 0F2", "1F0 1B0 1F1 1B1"], "microbatches 0..1"),
         (["0F0 0F1 0B0 0B1 0I0 0W0", "1F0 1B0 1F1 1B1"], "has both B and I/W"),
         (["0F0 0F1 0B0 0B1"], "1 action list(s) but the pipeline uses 2 meshes"),
@@ -84,7 +90,11 @@ def test_bad_schedules_are_named(lists, says):
         ("zero-bubble", Layout.make(2, 2), "known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1"),
         ("1f1b", Layout.make(8, 8, num_meshes=4), "use interleaved-1f1b for 8 stages on 4 meshes"),
         ("zb-h1", Layout.make(8, 8, num_meshes=4), "zb-h1 runs exactly one stage per mesh"),
-        ("interleaved-1f1b", Layout.make(8, 6, num_meshes=4), "6 microbatches is not a multiple of 4"),
+        (
+            "interleaved-1f1b",
+            Layout.make(8, 6, num_meshes=4),
+            "6 microbatches is not a multiple of 4",
+        ),
         ("interleaved-1f1b", Layout.make(4, 4, (0, 1, 1, 0)), "needs stage s on mesh s mod 2"),
         (42, Layout.make(2, 2), "got int"),
     ],
@@ -116,7 +126,19 @@ def test_timeline_ascii_and_chrome_trace():
 def test_schedule_command(capsys, tmp_path):
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
     status = cli.main(
-        ["schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--png", str(png), "--trace", str(trace)]
+        [
+            "schedule",
+            "--schedule",
+            "1f1b",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--png",
+            str(png),
+            "--trace",
+            str(trace),
+        ]
     )
     out = capsys.readouterr().out
     assert status == 0

@@ -27,7 +27,9 @@ def test_rules_keep_the_batch_dimension_and_drop_reduced_ones():
         flat = h.reshape(48, 5)  # leading dimension merged
         back = flat.reshape(8, 6, 5)  # and split again
         return (
-            h, flat, back,
+            h,
+            flat,
+            back,
             h.sum(axis=0),  # reduced: loses the axis
             h.sum(axis=2),  # kept
             jnp.transpose(h, (1, 0, 2)),  # moves with its dimension
@@ -39,9 +41,16 @@ def test_rules_keep_the_batch_dimension_and_drop_reduced_ones():
 
     got = specs_of(fn, [P("data"), None], X, W)
     assert got == [
-        P("data", None, None), P("data", None), P("data", None, None), P(),
-        P("data", None), P(None, "data", None), P("data", None, None),
-        P("data", None, None), P(None, "data", None, None), P(),
+        P("data", None, None),
+        P("data", None),
+        P("data", None, None),
+        P(),
+        P("data", None),
+        P(None, "data", None),
+        P("data", None, None),
+        P("data", None, None),
+        P(None, "data", None, None),
+        P(),
     ]
 
 
@@ -52,7 +61,9 @@ def test_a_gather_follows_its_indices_and_a_shard_map_its_out_specs():
 
     def fn(table, tokens):
         looked_up = table[tokens]
-        summed = jax.shard_map(lambda t: jax.lax.psum(t, "data"), mesh=mesh, in_specs=P(), out_specs=P())(table)
+        summed = jax.shard_map(
+            lambda t: jax.lax.psum(t, "data"), mesh=mesh, in_specs=P(), out_specs=P()
+        )(table)
         return looked_up, summed
 
     assert specs_of(fn, [None, P("data")], table, tokens) == [P("data", None, None), P()]
@@ -77,8 +88,10 @@ def mlp_step(params, x):
 
 def test_activations_of_a_batch_sharded_pipeline_stay_sharded_and_match_jax_jit(meshes2):
     rng = np.random.default_rng(0)
-    params = {"w0": jnp.asarray(rng.normal(size=(6, 8)), jnp.float32),
-              "w1": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)}
+    params = {
+        "w0": jnp.asarray(rng.normal(size=(6, 8)), jnp.float32),
+        "w1": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+    }
     x = jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)
     compiled = mpmdc.compile(mlp_step, meshes2, in_specs=(None, P("data")))
     program = compiled.lower(params, x).program("after-schedule")

@@ -16,14 +16,19 @@ from mpmdc.cli.models import adam_update, transformer_loss
 
 def mlp_data(batch=32):
     """Inputs and targets for the tanh MLP of ``mpmdc.cli.demo``."""
-    return jax.random.normal(jax.random.key(1), (batch, 16)), jax.random.normal(jax.random.key(2), (batch, 8))
+    return jax.random.normal(jax.random.key(1), (batch, 16)), jax.random.normal(
+        jax.random.key(2), (batch, 8)
+    )
 
 
 def sgd_step(params, x, y, microbatches=8, schedule="1f1b"):
     """Mean loss and gradient over microbatches, then one SGD update."""
     loss, grads = mpmdc.accumulate(
         lambda mb: jax.value_and_grad(mlp_loss)(params, *mb),
-        (x, y), microbatches=microbatches, schedule=schedule, reduce="mean",
+        (x, y),
+        microbatches=microbatches,
+        schedule=schedule,
+        reduce="mean",
     )
     return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
@@ -33,7 +38,7 @@ def microbatch_mean(loss_fn, params, batch, microbatches):
     size = jax.tree_util.tree_leaves(batch)[0].shape[0] // microbatches
     total = None
     for i in range(microbatches):
-        part = jax.tree_util.tree_map(lambda a: a[i * size : (i + 1) * size], batch)
+        part = jax.tree_util.tree_map(lambda a, i=i: a[i * size : (i + 1) * size], batch)
         value = jax.value_and_grad(loss_fn)(params, *part)
         total = value if total is None else jax.tree_util.tree_map(jnp.add, total, value)
     return jax.tree_util.tree_map(lambda a: a / microbatches, total)

@@ -41,7 +41,10 @@ def train_step(params, x, y, schedule="1f1b", microbatches=MICROBATCHES):
     """Mean loss and gradient over microbatches (``mpmdc.accumulate``), then SGD."""
     loss, grads = accumulate(
         lambda mb: jax.value_and_grad(mlp_loss)(params, *mb),
-        (x, y), microbatches=microbatches, schedule=schedule, reduce="mean",
+        (x, y),
+        microbatches=microbatches,
+        schedule=schedule,
+        reduce="mean",
     )
     return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
@@ -67,7 +70,9 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
     got = fetch((loss, new_params))  # from the processes that hold them, when there are several
     diffs = [
         float(np.max(np.abs(a - np.asarray(b))))
-        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves((ref_loss, ref_params)))
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves((ref_loss, ref_params))
+        )
     ]
     mesh_of = {tuple(d.id for d in m.devices.flat): i for i, m in enumerate(meshes)}
 
@@ -75,8 +80,14 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
         return f"mesh{mesh_of[tuple(d.id for d in a.sharding.mesh.devices.flat)]}"
 
     if jax.process_index() > 0:
-        mine = [i for i, m in enumerate(meshes) if jax.process_index() in {d.process_index for d in m.devices.flat}]
-        print_fn(f"process {jax.process_index()} ran mesh(es) {mine}; max |mpmdc - jax.jit| = {max(diffs):.3g}")
+        mine = [
+            i
+            for i, m in enumerate(meshes)
+            if jax.process_index() in {d.process_index for d in m.devices.flat}
+        ]
+        print_fn(
+            f"process {jax.process_index()} ran mesh(es) {mine}; max |mpmdc - jax.jit| = {max(diffs):.3g}"
+        )
         return max(diffs)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     print_fn(
@@ -85,21 +96,33 @@ def run(print_fn=print, schedule: str = "1f1b", trace: str | None = None) -> flo
     )
     print_fn(f"loss = {float(got[0]):.6f}  (on {where(loss)})")
     for i, (w, b) in enumerate(new_params):
-        print_fn(f"layer {i} updated: w{list(w.shape)} on {where(w)}, b{list(b.shape)} on {where(b)}")
+        print_fn(
+            f"layer {i} updated: w{list(w.shape)} on {where(w)}, b{list(b.shape)} on {where(b)}"
+        )
     print_fn(f"max |mpmdc - jax.jit| = {max(diffs):.3g}")
     program = executable.program
-    print_fn(f"{sum(eqn.primitive is fragment_p for eqn in program.jaxpr.jaxpr.eqns)} fragment calls, {executable.num_executables} distinct executables")
+    print_fn(
+        f"{sum(eqn.primitive is fragment_p for eqn in program.jaxpr.jaxpr.eqns)} fragment calls, {executable.num_executables} distinct executables"
+    )
     for line in lowered.transfer_report().as_text().splitlines():
         print_fn(line)
     print_fn("peak live activations per mesh (microbatches, buffers, bytes):")
     for i, m in enumerate(executable.memory):
-        print_fn(f"  mesh{i}: {m.peak_microbatches}, {m.peak_activation_buffers}, {m.peak_activation_bytes}")
+        print_fn(
+            f"  mesh{i}: {m.peak_microbatches}, {m.peak_activation_buffers}, {m.peak_activation_bytes}"
+        )
     print_fn(f"measured timeline, bubble fraction {timeline.bubble_fraction:.2f}:")
     for line in timeline.ascii(max_columns=100).splitlines():
         print_fn("  " + line)
-    print_fn(f"  one column = {timeline.column_time(max_columns=100):.3g} ms; . idle; a box is one call:")
+    print_fn(
+        f"  one column = {timeline.column_time(max_columns=100):.3g} ms; . idle; a box is one call:"
+    )
     print_fn("  <stage><F|B><microbatch> in the loop, s<k>_... work outside it, t... a transfer")
-    formula = bubble_formula(schedule, len(meshes), MICROBATCHES) if schedule in ("gpipe", "1f1b") else None
+    formula = (
+        bubble_formula(schedule, len(meshes), MICROBATCHES)
+        if schedule in ("gpipe", "1f1b")
+        else None
+    )
     if formula is not None:
         print_fn(
             f"  the textbook {schedule} bubble is {formula:.2f}: it assumes equal stages and free transfers;\n"

@@ -128,13 +128,19 @@ def launch(
             env[distributed.ENV_TRANSFER_ADDRESS] = f"127.0.0.1:{ports[i + 1]}"
             try:
                 popen = subprocess.Popen(
-                    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+                    command,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             except OSError as error:
                 _stop(processes)
                 print(f"mpmdc launch: cannot start {command[0]!r}: {error.strerror}", file=err)
                 return 127
-            reader = threading.Thread(target=_stream, args=(i, popen.stdout, out, lock), daemon=True)
+            reader = threading.Thread(
+                target=_stream, args=(i, popen.stdout, out, lock), daemon=True
+            )
             reader.start()
             processes.append(_Process(i, popen, reader))
         return _supervise(processes, timeout, grace, err, failure_dir)
@@ -172,7 +178,9 @@ def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process]
     return process, "; ".join(part for part in (message.rstrip("."), ending) if part)
 
 
-def _supervise(processes: list[_Process], timeout: float | None, grace: float, err, failure_dir: str) -> int:
+def _supervise(
+    processes: list[_Process], timeout: float | None, grace: float, err, failure_dir: str
+) -> int:
     start = time.monotonic()
     first: _Process | None = None
     first_seen = 0.0  # wall-clock time, as processes write in their announcements
@@ -190,7 +198,9 @@ def _supervise(processes: list[_Process], timeout: float | None, grace: float, e
         if timeout is not None and now - start > timeout:
             _stop(processes)
             ids = ", ".join(str(p.index) for p in running)
-            print(f"mpmdc launch: timed out after {timeout:g} s; stopped process(es) {ids}", file=err)
+            print(
+                f"mpmdc launch: timed out after {timeout:g} s; stopped process(es) {ids}", file=err
+            )
             return EXIT_TIMEOUT
         if stop_at is not None and now > stop_at:
             culprit, what = _first_failure(processes, (first_seen, first), failure_dir)

@@ -101,7 +101,9 @@ def _passes_table() -> str:
     """The registered passes with their options and summaries, for ``dump --help``."""
     lines = ["", "passes (--passes, in this order by default: " + ",".join(DEFAULT_PIPELINE) + "):"]
     for p in PASSES.values():
-        options = "{" + ",".join(f"{o}=..." for o in p.option_names()) + "}" if p.option_names() else ""
+        options = (
+            "{" + ",".join(f"{o}=..." for o in p.option_names()) + "}" if p.option_names() else ""
+        )
         lines.append(f"  {p.name + options:<26} {p.summary}")
     return "\n".join(lines) + "\n"
 
@@ -191,7 +193,9 @@ def _parse_costs(text: str | None) -> dict[str, float]:
         try:
             costs[kind.strip()] = float(value)
         except ValueError:
-            raise UsageError(f"--costs: {part!r} is not KIND=NUMBER (e.g. F=1,B=2,I=1,W=1)") from None
+            raise UsageError(
+                f"--costs: {part!r} is not KIND=NUMBER (e.g. F=1,B=2,I=1,W=1)"
+            ) from None
     return costs
 
 
@@ -240,7 +244,9 @@ def _demo(args) -> int:
 def _launch(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise UsageError("give the command to run after --, e.g. mpmdc launch -n 2 -- python train.py")
+        raise UsageError(
+            "give the command to run after --, e.g. mpmdc launch -n 2 -- python train.py"
+        )
     for name in ("processes", "devices_per_process"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -248,7 +254,9 @@ def _launch(args) -> int:
     for name in ("timeout", "fault_timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}"
+            )
     return launch(
         command,
         args.processes,
@@ -277,9 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         "mesh and the measured timeline.",
     )
     demo.add_argument(
-        "--schedule", default="1f1b", choices=list(schedules.SCHEDULES), help="pipeline schedule (default: 1f1b)"
+        "--schedule",
+        default="1f1b",
+        choices=list(schedules.SCHEDULES),
+        help="pipeline schedule (default: 1f1b)",
     )
-    demo.add_argument("--trace", metavar="FILE", help="write the measured timeline as Chrome/Perfetto JSON")
+    demo.add_argument(
+        "--trace", metavar="FILE", help="write the measured timeline as Chrome/Perfetto JSON"
+    )
     demo.set_defaults(handler=_demo)
 
     dump = sub.add_parser(
@@ -342,12 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     schedule.add_argument(
-        "--schedule", default="1f1b", metavar="NAME", help=f"one of {', '.join(schedules.SCHEDULES)}"
+        "--schedule",
+        default="1f1b",
+        metavar="NAME",
+        help=f"one of {', '.join(schedules.SCHEDULES)}",
     )
     schedule.add_argument("--stages", type=int, required=True, help="pipeline stages")
     schedule.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
-    schedule.add_argument("--meshes", type=int, help="meshes (default: one per stage); stage s on mesh s mod N")
-    schedule.add_argument("--costs", metavar="K=V,...", help="costs per kind (default F=1,B=2,I=1,W=1)")
+    schedule.add_argument(
+        "--meshes", type=int, help="meshes (default: one per stage); stage s on mesh s mod N"
+    )
+    schedule.add_argument(
+        "--costs", metavar="K=V,...", help="costs per kind (default F=1,B=2,I=1,W=1)"
+    )
     schedule.add_argument("--png", metavar="FILE", help="also draw the timeline with matplotlib")
     schedule.add_argument("--trace", metavar="FILE", help="also write a Chrome/Perfetto trace JSON")
     schedule.set_defaults(handler=_schedule)
@@ -368,11 +388,18 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_LAUNCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    launch_cmd.add_argument("-n", "--processes", type=int, required=True, metavar="N", help="processes to start")
     launch_cmd.add_argument(
-        "--devices-per-process", type=int, metavar="K", help="CPU devices per process (jax_num_cpu_devices)"
+        "-n", "--processes", type=int, required=True, metavar="N", help="processes to start"
     )
-    launch_cmd.add_argument("--timeout", type=float, metavar="S", help="stop everything after S seconds (exit 124)")
+    launch_cmd.add_argument(
+        "--devices-per-process",
+        type=int,
+        metavar="K",
+        help="CPU devices per process (jax_num_cpu_devices)",
+    )
+    launch_cmd.add_argument(
+        "--timeout", type=float, metavar="S", help="stop everything after S seconds (exit 124)"
+    )
     launch_cmd.add_argument(
         "--fault-timeout",
         type=float,
@@ -380,10 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"how long a process waits on another before it fails (default {distributed.DEFAULT_FAULT_TIMEOUT:g})",
     )
     launch_cmd.add_argument(
-        "--grace", type=float, default=5.0, metavar="S",
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="S",
         help="after a process fails, how long the others may run to report what they saw (default 5)",
     )
-    launch_cmd.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command every process runs")
+    launch_cmd.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ARGS",
+        help="the command every process runs",
+    )
     launch_cmd.set_defaults(handler=_launch)
     return parser
 

@@ -45,9 +45,14 @@ def init_transformer(key, config: TransformerConfig = TransformerConfig()):
         kq, kk, kv, ko, k1, k2 = jax.random.split(k, 6)
         blocks.append(
             {
-                "norm1": jnp.ones(w), "q": dense(kq, (w, w)), "k": dense(kk, (w, w)),
-                "v": dense(kv, (w, w)), "o": dense(ko, (w, w)),
-                "norm2": jnp.ones(w), "up": dense(k1, (w, h)), "down": dense(k2, (h, w)),
+                "norm1": jnp.ones(w),
+                "q": dense(kq, (w, w)),
+                "k": dense(kk, (w, w)),
+                "v": dense(kv, (w, w)),
+                "o": dense(ko, (w, w)),
+                "norm2": jnp.ones(w),
+                "up": dense(k1, (w, h)),
+                "down": dense(k2, (h, w)),
             }
         )
     embed = 0.5 * jax.random.normal(keys[0], (config.vocab, w))
@@ -102,11 +107,16 @@ def adam_update(params, grads, state, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8):
     return new, {"m": m, "v": v, "t": t}
 
 
-def transformer_step(params, state, tokens, config=TransformerConfig(), microbatches=4, schedule="1f1b"):
+def transformer_step(
+    params, state, tokens, config=TransformerConfig(), microbatches=4, schedule="1f1b"
+):
     """Mean loss and gradient over microbatches (``mpmdc.accumulate``), then Adam."""
     loss, grads = accumulate(
         lambda mb: jax.value_and_grad(transformer_loss)(params, mb, config),
-        tokens, microbatches=microbatches, schedule=schedule, reduce="mean",
+        tokens,
+        microbatches=microbatches,
+        schedule=schedule,
+        reduce="mean",
     )
     params, state = adam_update(params, grads, state)
     return params, state, loss

@@ -210,7 +210,9 @@ def lowered_from_target(target, options: DumpOptions):
     where = f"{options.file}:{options.target_name}"
     if options.args is not None:
         if options.meshes is None:
-            raise UsageError(f"--args needs --meshes (e.g. --meshes '4x(data=2)') to compile {where}")
+            raise UsageError(
+                f"--args needs --meshes (e.g. --meshes '4x(data=2)') to compile {where}"
+            )
         meshes = make_meshes(options.meshes.count, options.meshes.axes)
         return compile(target, meshes).lower(*(a.to_struct() for a in options.args))
     required = [

@@ -8,7 +8,8 @@ built here and nowhere else.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from mpmdc.ir.program import is_var, vars_of
 

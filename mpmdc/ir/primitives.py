@@ -175,7 +175,9 @@ def is_microbatch_marker(eqn) -> bool:
 
 
 def _microbatch_jvp(primals, tangents, *, index):  # index: int or None
-    return microbatch_p.bind(*primals, index=index), _bind_nonzero(microbatch_p, list(tangents), index=index)
+    return microbatch_p.bind(*primals, index=index), _bind_nonzero(
+        microbatch_p, list(tangents), index=index
+    )
 
 
 def _microbatch_transpose(cts, *args, index):
@@ -187,7 +189,10 @@ microbatch_p.def_impl(lambda *xs, index: list(xs))
 microbatch_p.def_abstract_eval(lambda *avals, index: list(avals))
 ad.primitive_jvps[microbatch_p] = _microbatch_jvp
 ad.primitive_transposes[microbatch_p] = _microbatch_transpose
-batching.primitive_batchers[microbatch_p] = lambda args, dims, **p: (microbatch_p.bind(*args, **p), dims)
+batching.primitive_batchers[microbatch_p] = lambda args, dims, **p: (
+    microbatch_p.bind(*args, **p),
+    dims,
+)
 mlir.register_lowering(microbatch_p, lambda ctx, *args, index: list(args))
 pe.dce_rules[microbatch_p] = _elementwise_dce()
 
@@ -223,13 +228,17 @@ def _fragment_dce(used_outputs, eqn):
         return [False] * len(eqn.invars), None
     new_inner, used_inputs = pe.dce_jaxpr(inner.jaxpr, used_outputs)
     closed = jcore.ClosedJaxpr(new_inner, inner.consts)
-    kept_index = {old: new for new, old in enumerate(k for k, used in enumerate(used_inputs) if used)}
+    kept_index = {
+        old: new for new, old in enumerate(k for k, used in enumerate(used_inputs) if used)
+    }
     params = dict(
         eqn.params,
         jaxpr=closed,
         in_specs=tuple(_kept(eqn.params["in_specs"], used_inputs)),
         out_specs=tuple(_kept(eqn.params["out_specs"], used_outputs)),
-        donate_argnums=tuple(kept_index[k] for k in eqn.params["donate_argnums"] if k in kept_index),
+        donate_argnums=tuple(
+            kept_index[k] for k in eqn.params["donate_argnums"] if k in kept_index
+        ),
     )
     return used_inputs, _pruned_eqn(eqn, used_inputs, used_outputs, params, closed.effects)
 

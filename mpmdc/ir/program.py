@@ -13,8 +13,9 @@ import dataclasses
 import functools
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from jax.extend import core as jcore
@@ -138,7 +139,7 @@ class Program:
             return None
         return tuple((name, self.lowerings[key].as_text()) for name, key in self.module_keys)
 
-    def replace(self, **changes) -> "Program":
+    def replace(self, **changes) -> Program:
         """A copy with ``changes`` applied (programs are immutable)."""
         return dataclasses.replace(self, **changes)
 
@@ -227,7 +228,9 @@ def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None,
             tuple(f"arg{i}" for i in range(len(invars))),
             tuple(f"result{i}" for i in range(len(outvars))),
         )
-    jaxpr = jcore.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info)
+    jaxpr = jcore.Jaxpr(
+        list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info
+    )
     return jcore.ClosedJaxpr(jaxpr, list(consts))
 
 
@@ -332,7 +335,9 @@ def _jaxpr_key(jaxpr: jcore.Jaxpr, out: list) -> None:
         ctx, params = eqn.ctx, eqn.params
         # (The metadata is a dict: keyed by its items, not by a temporary's identity.)
         metadata = ctx.xla_metadata
-        metadata = tuple([(k, _hashable(v)) for k, v in sorted(metadata.items())]) if metadata else ()
+        metadata = (
+            tuple([(k, _hashable(v)) for k, v in sorted(metadata.items())]) if metadata else ()
+        )
         context = (_hashable(ctx.compute_type), ctx.threefry_partitionable, metadata)
         out.append((eqn.primitive, operands(eqn.invars), context, define(eqn.outvars)))
         if params:
@@ -349,7 +354,11 @@ def _operand(atom, number: dict):
     bits, an array by identity), or a variable of a subclass by its number."""
     if isinstance(atom, jcore.Literal):
         value = atom.val
-        return ("literal", _scalar_bits(value) if not np.ndim(value) else ("id", id(value)), atom.aval)
+        return (
+            "literal",
+            _scalar_bits(value) if not np.ndim(value) else ("id", id(value)),
+            atom.aval,
+        )
     return number[atom]
 
 
@@ -409,7 +418,7 @@ def format_program(program: Program) -> str:
         lines.append(f"schedule: {program.schedule!r} over {program.microbatches} microbatches")
     if program.jaxpr.consts:
         lines.append("consts:")
-        for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
+        for v in jaxpr.constvars:
             lines.append(f"  {compat.pp_var(v, ctx)}:{v.aval.str_short()}")
     lines.append("inputs:")
     for i, v in enumerate(jaxpr.invars):
@@ -432,7 +441,9 @@ def format_program(program: Program) -> str:
     for i, v in enumerate(jaxpr.outvars):
         where = f" @mesh{program.out_meshes[i]}" if program.out_meshes is not None else ""
         name = compat.pp_var(v, ctx) if is_var(v) else str(v)
-        lines.append(f"  {name}{where} {_spec_text(program.out_specs[i])}  # {program.out_paths[i]}")
+        lines.append(
+            f"  {name}{where} {_spec_text(program.out_specs[i])}  # {program.out_paths[i]}"
+        )
     if program.module_keys is not None:
         lines.append(format_modules(program).rstrip("\n"))
     # Equations without operands print with a trailing blank; golden files should not.

@@ -24,7 +24,9 @@ def broadcast_prefix(prefix, tree, is_leaf) -> list:
         if found is None:
             raise
         detail = f" ({found.entries})" if found.entries else ""
-        raise ValueError(f"at {found.where} it has {found.want} where the tree has {found.got}{detail}") from None
+        raise ValueError(
+            f"at {found.where} it has {found.want} where the tree has {found.got}{detail}"
+        ) from None
     # Read the values at ``tree``'s leaves: a value may itself be a pytree (None is one).
     return jax.tree.structure(tree).flatten_up_to(full)
 
@@ -48,7 +50,10 @@ def _is_leaf(x) -> bool:
 
 def _children(x) -> list:
     """``(key, child)`` pairs of ``x``'s top node."""
-    return [(path[0], child) for path, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]]
+    return [
+        (path[0], child)
+        for path, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+    ]
 
 
 def _shown(items, limit=6) -> str:
@@ -100,9 +105,11 @@ def first_difference(want, got, is_prefix_leaf=None, path=()) -> Difference | No
         extra = [k for k in got_keys if k not in want_keys]
         parts = [f"missing {_shown(missing)}"] if missing else []
         parts += [f"unexpected {_shown(extra)}"] if extra else []
-        return Difference(path, _what(want), _what(got), "; ".join(parts) or "the same entries in another order")
+        return Difference(
+            path, _what(want), _what(got), "; ".join(parts) or "the same entries in another order"
+        )
     for (key, w), (_, g) in zip(want_children, got_children):
-        found = first_difference(w, g, is_prefix_leaf, path + (key,))
+        found = first_difference(w, g, is_prefix_leaf, (*path, key))
         if found is not None:
             return found
     if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(got):

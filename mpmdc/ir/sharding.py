@@ -27,8 +27,7 @@ def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:
         missing = [a for a in axes if a not in mesh.shape]
         if missing:
             return (
-                f"{spec} names axis {missing[0]!r}, which the mesh "
-                f"{dict(mesh.shape)} does not have"
+                f"{spec} names axis {missing[0]!r}, which the mesh {dict(mesh.shape)} does not have"
             )
         size = math.prod(mesh.shape[a] for a in axes)
         if shape[dim] % size:
@@ -53,9 +52,10 @@ def fit_spec(spec: PartitionSpec | None, mesh: Mesh, shape) -> PartitionSpec:
     entries = []
     for dim, entry in enumerate(spec):
         axes = axes_of(entry)
-        ok = all(a in mesh.shape for a in axes) and shape[dim] % math.prod(
-            mesh.shape[a] for a in axes
-        ) == 0
+        ok = (
+            all(a in mesh.shape for a in axes)
+            and shape[dim] % math.prod(mesh.shape[a] for a in axes) == 0
+        )
         entries.append(entry if ok and axes else None)
     while entries and entries[-1] is None:
         entries.pop()

@@ -26,7 +26,7 @@ takes the spec of a sharded operand of its shape".
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
@@ -148,8 +148,11 @@ def _gather(eqn, specs) -> list[Spec]:
     batch_dims = [d for d in range(out_ndim) if d not in dnums.offset_dims]
     for d, k in zip(batch_dims, index_batch):
         out[d] = indices[k]
-    offset_operand = [d for d in range(len(operand)) if d not in dnums.collapsed_slice_dims
-                      and d not in dnums.operand_batching_dims]
+    offset_operand = [
+        d
+        for d in range(len(operand))
+        if d not in dnums.collapsed_slice_dims and d not in dnums.operand_batching_dims
+    ]
     for d, k in zip(dnums.offset_dims, offset_operand):
         out[d] = operand[k]
     return [tuple(out)]
@@ -166,11 +169,24 @@ def _call(eqn, specs) -> list[Spec]:
     return [_spec_of(found, v) for v in body.outvars]
 
 
-for _p in (jprims.reduce_sum_p, jprims.reduce_max_p, jprims.reduce_min_p, jprims.reduce_prod_p,
-           jprims.reduce_and_p, jprims.reduce_or_p, jprims.argmax_p, jprims.argmin_p):
+for _p in (
+    jprims.reduce_sum_p,
+    jprims.reduce_max_p,
+    jprims.reduce_min_p,
+    jprims.reduce_prod_p,
+    jprims.reduce_and_p,
+    jprims.reduce_or_p,
+    jprims.argmax_p,
+    jprims.argmin_p,
+):
     register_spec_rule(_p, _reduction)
-for _p in (jprims.slice_p, jprims.dynamic_slice_p, jprims.concatenate_p, jprims.pad_p,
-           jprims.dynamic_update_slice_p):
+for _p in (
+    jprims.slice_p,
+    jprims.dynamic_slice_p,
+    jprims.concatenate_p,
+    jprims.pad_p,
+    jprims.dynamic_update_slice_p,
+):
     register_spec_rule(_p, _first_operand)
 for _p in CALL_BODIES:
     register_spec_rule(_p, _call)
@@ -194,7 +210,9 @@ def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
     """The sharded values' specs (a value left out is replicated)."""
     found = {v: spec for v, spec in zip(jaxpr.invars, in_specs) if _is_sharded(spec)}
     for eqn in jaxpr.eqns:
-        if eqn.primitive not in _SPEC_SOURCES and not any(is_var(a) and a in found for a in eqn.invars):
+        if eqn.primitive not in _SPEC_SOURCES and not any(
+            is_var(a) and a in found for a in eqn.invars
+        ):
             continue
         specs = [_spec_of(found, a) for a in eqn.invars]
         rule = spec_rules.get(eqn.primitive, _same_shape)

@@ -62,7 +62,8 @@ class TransferReport:
         """A table: one row per mesh pair, then the bytes each mesh holds."""
         head = ["link", "values"] + [f"{c} B" for c in CATEGORIES]
         rows = [
-            [f"mesh{link.src} -> mesh{link.dst}", str(sum(link.values))] + [str(b) for b in link.bytes]
+            [f"mesh{link.src} -> mesh{link.dst}", str(sum(link.values))]
+            + [str(b) for b in link.bytes]
             for link in self.links
         ]
         rows.append(
@@ -72,8 +73,16 @@ class TransferReport:
         widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
         lines = ["transfers per step:"]
         for r in [head, *rows]:
-            lines.append("  " + "  ".join(cell.ljust(w) if k == 0 else cell.rjust(w) for k, (cell, w) in enumerate(zip(r, widths))))
-        lines.append("held per mesh (bytes of the step's inputs / outputs: parameters, optimizer state, batch):")
+            lines.append(
+                "  "
+                + "  ".join(
+                    cell.ljust(w) if k == 0 else cell.rjust(w)
+                    for k, (cell, w) in enumerate(zip(r, widths))
+                )
+            )
+        lines.append(
+            "held per mesh (bytes of the step's inputs / outputs: parameters, optimizer state, batch):"
+        )
         for m, (i, o) in enumerate(zip(self.inputs_held, self.outputs_held)):
             lines.append(f"  mesh{m}: {i} in / {o} out")
         return "\n".join(lines) + "\n"

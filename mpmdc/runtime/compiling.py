@@ -49,7 +49,12 @@ class FragmentCompiler:
         for ``mesh``, unless it is already, ``mesh`` is another process's, the module
         was lowered for another backend, or an identical module of another mesh will be
         loaded for it instead."""
-        if backend is not self.backend or key in self._compiling or key in self._loading or not is_here(mesh):
+        if (
+            backend is not self.backend
+            or key in self._compiling
+            or key in self._loading
+            or not is_here(mesh)
+        ):
             return
         first, first_mesh = self._first.setdefault(module_key(eqn, mesh), (key, mesh))
         if first != key and not eqn.effects and _can_share(first_mesh, mesh):

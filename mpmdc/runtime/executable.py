@@ -22,8 +22,9 @@ import contextlib
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -63,7 +64,9 @@ class Signature:
             want_args, want_kwargs = skeleton(self.in_tree)
             if len(args) != len(want_args) or sorted(kwargs) != sorted(want_kwargs):
                 static = (
-                    " (static arguments were fixed by lower(): leave them out)" if len(args) > len(want_args) else ""
+                    " (static arguments were fixed by lower(): leave them out)"
+                    if len(args) > len(want_args)
+                    else ""
                 )
                 raise ArgumentError(
                     f"called with {len(args)} positional argument(s) and keywords {sorted(kwargs)}, "
@@ -171,7 +174,11 @@ def _compile_here(program: Program, backend, here: list[bool], compiler=None) ->
     is what ``lower`` shows), through ``compiler`` where the call path already handed
     it modules as they were lowered, else through a new ``FragmentCompiler``."""
     eqns = program.jaxpr.jaxpr.eqns
-    keys = {i: fragment_key(eqn) for i, eqn in enumerate(eqns) if eqn.primitive is fragment_p and here[eqn.params["mesh"]]}
+    keys = {
+        i: fragment_key(eqn)
+        for i, eqn in enumerate(eqns)
+        if eqn.primitive is fragment_p and here[eqn.params["mesh"]]
+    }
     with contextlib.ExitStack() as owned:
         if compiler is None or compiler.backend is not backend:
             compiler = owned.enter_context(FragmentCompiler(backend))
@@ -187,7 +194,9 @@ class Executable:
     _built_multiprocess = 0  # executables built in a multi-process run, numbering their checks
     _timed_runs = 0  # multi-process ``run_timed`` calls, numbering their barriers
 
-    def __init__(self, program: Program, signature: Signature, *, compiler: FragmentCompiler | None = None):
+    def __init__(
+        self, program: Program, signature: Signature, *, compiler: FragmentCompiler | None = None
+    ):
         if program.lowerings is None:
             raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
         self.program = program
@@ -196,7 +205,9 @@ class Executable:
         backend.check_can_run(program.meshes)
         self.multiprocess = distributed.is_multiprocess()
         here = [is_here(m) for m in program.meshes]
-        self._in_shardings = [named(program.meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)]
+        self._in_shardings = [
+            named(program.meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
+        ]
         keys, self._executables = _compile_here(program, backend, here, compiler)
         slots = _Slots()
         for v, c in zip(program.jaxpr.jaxpr.constvars, program.jaxpr.consts):
@@ -204,20 +215,26 @@ class Executable:
         # Arguments for meshes elsewhere are not read (their processes place them).
         self._inputs = [
             (slots(v), sharding)
-            for v, sharding, m in zip(program.jaxpr.jaxpr.invars, self._in_shardings, program.in_meshes)
+            for v, sharding, m in zip(
+                program.jaxpr.jaxpr.invars, self._in_shardings, program.in_meshes
+            )
             if here[m]
         ]
         self._input_here = [here[m] for m in program.in_meshes]
         self._steps = self._plan_steps(slots, backend, here, keys)
         # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
         # An empty release list is None, so the loop skips it with one test.
-        self._plan = [(st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self._steps]
+        self._plan = [
+            (st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self._steps
+        ]
         self._out_shardings, self._outputs = [], []
         for v, m, spec in zip(program.jaxpr.jaxpr.outvars, program.out_meshes, program.out_specs):
             sharding = named(program.meshes[m], spec)
             self._out_shardings.append(sharding)
             # An output living elsewhere is a global array with no shard here.
-            self._outputs.append((slots(v), sharding) if here[m] else (None, placeholder(v.aval, sharding)))
+            self._outputs.append(
+                (slots(v), sharding) if here[m] else (None, placeholder(v.aval, sharding))
+            )
         self._initial = slots.initial
         if self.multiprocess:
             Executable._built_multiprocess += 1
@@ -341,8 +358,8 @@ class Executable:
         except Exception as err:
             # The traceback keeps this frame alive; the buffers it holds need not live on.
             env.clear()
-            results = None  # noqa: F841
-            raise (_announced_fault if self.multiprocess else _fault)(self._steps[k], err)
+            results = None
+            raise (_announced_fault if self.multiprocess else _fault)(self._steps[k], err) from err
         return self._finish(env)
 
     def _start(self, leaves) -> list:
@@ -387,7 +404,9 @@ class Executable:
         distributed.barrier(topic)
         env = self._start(leaves)
         try:
-            timeline = run_per_mesh_threads(self._steps, env, len(self.program.meshes), _announced_fault)
+            timeline = run_per_mesh_threads(
+                self._steps, env, len(self.program.meshes), _announced_fault
+            )
         except MpmdRuntimeError as err:
             distributed.announce_failure(str(err))
             raise
@@ -437,7 +456,9 @@ def _placed(x, sharding):
     A mesh with devices on other processes too gets a global array of which this
     process makes only its own shards, from a host value equal on all processes.
     """
-    if isinstance(x, jax.Array) and (x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)):
+    if isinstance(x, jax.Array) and (
+        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+    ):
         return x
     if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
@@ -499,7 +520,9 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int, fault=N
                     jax.block_until_ready([env[i] for i in transfer.outputs])
                 except Exception as err:
                     raise _StepFailed(transfer, err) from None
-                slots[mesh].append(Slot(None, (start - t0) * 1e3, (time.perf_counter() - t0) * 1e3, transfer.name))
+                slots[mesh].append(
+                    Slot(None, (start - t0) * 1e3, (time.perf_counter() - t0) * 1e3, transfer.name)
+                )
 
     def worker(mesh: int | None):
         step = None
@@ -512,14 +535,16 @@ def run_per_mesh_threads(steps: list[_Step], env: list, num_meshes: int, fault=N
                     start = time.perf_counter()
                     results = _finished(step.call(*[env[i] for i in step.inputs]), step.effectful)
                     end = time.perf_counter()
-                    slots[mesh].append(Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name))
+                    slots[mesh].append(
+                        Slot(step.action, (start - t0) * 1e3, (end - t0) * 1e3, step.name)
+                    )
                 else:
                     results = step.call(*[env[i] for i in step.inputs])
                 bind(step, results)
         except _StepFailed as err:
             failed.append(fault(err.step, err.error))
         except Exception as err:  # re-raised by the caller's thread
-            results = None  # noqa: F841 (the traceback keeps this frame, not its buffers)
+            results = None
             failed.append(fault(step, err))
 
     lanes = sorted({m for m in lane_of.values() if m is not None})

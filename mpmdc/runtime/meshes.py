@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -53,7 +53,11 @@ def make_meshes(
         )
     kind = axis_types if axis_types is not None else AxisType.Auto
     return tuple(
-        Mesh(np.array(group).reshape(tuple(axes.values())), tuple(axes), axis_types=(kind,) * len(axes))
+        Mesh(
+            np.array(group).reshape(tuple(axes.values())),
+            tuple(axes),
+            axis_types=(kind,) * len(axes),
+        )
         for group in _device_groups(devices, n, per_mesh)
     )
 
@@ -71,7 +75,9 @@ def _device_groups(devices: list, n: int, size: int) -> list[list]:
         per_process = [n // len(owned)] * len(owned)
     else:
         per_process = [len(ds) // size for ds in owned]
-    groups = [ds[k * size : (k + 1) * size] for ds, count in zip(owned, per_process) for k in range(count)]
+    groups = [
+        ds[k * size : (k + 1) * size] for ds, count in zip(owned, per_process) for k in range(count)
+    ]
     return groups[:n] if len(groups) >= n else chunks
 
 

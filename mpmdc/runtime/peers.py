@@ -40,16 +40,26 @@ def program_entries(program: Program, in_types) -> list[tuple[str, str]]:
     entries = [("the versions", f"jax {jax.__version__}, mpmdc {_version()}")]
     meshes = ", ".join(f"{dict(m.shape)}" for m in program.meshes)
     entries.append(("the meshes", _digest(meshes + repr(program.schedule))))
-    for path, (shape, dtype, weak), mesh, spec in zip(program.in_paths, in_types, program.in_meshes, program.in_specs):
+    for path, (shape, dtype, weak), mesh, spec in zip(
+        program.in_paths, in_types, program.in_meshes, program.in_specs
+    ):
         where = f"mesh{mesh} {'P()' if spec is None else spec}"
-        entries.append((f"argument {path}", f"{dtype}{list(shape)}{' (weak)' if weak else ''} on {where}"))
+        entries.append(
+            (f"argument {path}", f"{dtype}{list(shape)}{' (weak)' if weak else ''} on {where}")
+        )
     for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
-        value = np.asarray(jax.random.key_data(c) if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key) else c)
-        entries.append((f"a constant {v.aval.str_short()} the function closes over", _digest(value.tobytes())))
+        value = np.asarray(
+            jax.random.key_data(c) if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key) else c
+        )
+        entries.append(
+            (f"a constant {v.aval.str_short()} the function closes over", _digest(value.tobytes()))
+        )
     for k, eqn in enumerate(jaxpr.eqns):
         p = eqn.params
         name = p["name"] if "name" in p else f"transfer #{k} mesh{p['src']}->mesh{p['dst']}"
-        entries.append((f"equation {k} ({name})", _digest(compat.pp_eqn(eqn, ctx, settings).format())))
+        entries.append(
+            (f"equation {k} ({name})", _digest(compat.pp_eqn(eqn, ctx, settings).format()))
+        )
     return entries
 
 

@@ -65,7 +65,9 @@ class MeshTransfer:
     order: it takes the values (``None`` where they live elsewhere) and returns them on
     the destination (placeholders where the destination is elsewhere)."""
 
-    def __init__(self, backend, src: Mesh, dst: Mesh, dst_shardings, avals, where: str, donated_later=()):
+    def __init__(
+        self, backend, src: Mesh, dst: Mesh, dst_shardings, avals, where: str, donated_later=()
+    ):
         self.kind = route(src, dst, where)
         # JAX sends a value to another process when that process asks for it, which may be
         # after a later fragment here took the buffer by donation; such values go as copies.
@@ -77,7 +79,9 @@ class MeshTransfer:
         self.dst_shardings = list(dst_shardings)
         self.avals = list(avals)
         if self.kind in ("shardwise", "cross"):
-            bridge_mesh = Mesh(src.devices.reshape(dst.devices.shape), dst.axis_names, axis_types=dst.axis_types)
+            bridge_mesh = Mesh(
+                src.devices.reshape(dst.devices.shape), dst.axis_names, axis_types=dst.axis_types
+            )
             self.bridges = [NamedSharding(bridge_mesh, s.spec) for s in self.dst_shardings]
             self.targets = self.dst_shardings
         elif self.kind == "via-device":
@@ -93,12 +97,21 @@ class MeshTransfer:
         if self.kind == "local":
             return self.backend.transfer(values, self.dst_shardings)
         if self.kind == "shardwise":
-            return [self._shardwise(x, b, d) for x, b, d in zip(values, self.bridges, self.dst_shardings)]
+            return [
+                self._shardwise(x, b, d)
+                for x, b, d in zip(values, self.bridges, self.dst_shardings)
+            ]
         if self.sends:
             if self.kind == "cross":
-                sources = [jax.device_put(x, b, may_alias=not c) for x, b, c in zip(values, self.bridges, self.copies)]
+                sources = [
+                    jax.device_put(x, b, may_alias=not c)
+                    for x, b, c in zip(values, self.bridges, self.copies)
+                ]
             else:
-                sources = [_first_shard(x, w, b, c) for x, w, b, c in zip(values, self.whole, self.bridges, self.copies)]
+                sources = [
+                    _first_shard(x, w, b, c)
+                    for x, w, b, c in zip(values, self.whole, self.bridges, self.copies)
+                ]
         else:
             sources = self.stand_ins
         moved = jax.device_put(sources, self.targets)
@@ -120,4 +133,3 @@ def _first_shard(x, whole, bridge, copy: bool):
     first = bridge.mesh.devices.flat[0]
     data = next(s.data for s in gathered.addressable_shards if s.device == first)
     return jax.make_array_from_single_device_arrays(x.shape, bridge, [data])
-

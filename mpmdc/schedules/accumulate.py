@@ -58,14 +58,16 @@ def unrolled():
 def _batch_leaves(xs, microbatches: int):
     """``(leaves, treedef)`` of ``xs``, every leaf checked to have a leading axis that
     ``microbatches`` divides."""
-    leaves, tree = jax.tree_util.tree_flatten_with_path(xs)
+    leaves, _tree = jax.tree_util.tree_flatten_with_path(xs)
     if not leaves:
         raise AccumulateError("accumulate got no arrays in xs to split into microbatches.")
     for path, x in leaves:
         shape = jnp.shape(x)
         where = "xs" + jax.tree_util.keystr(path)
         if not shape:
-            raise AccumulateError(f"{where} is a scalar; accumulate splits the leading axis of every leaf of xs.")
+            raise AccumulateError(
+                f"{where} is a scalar; accumulate splits the leading axis of every leaf of xs."
+            )
         if shape[0] % microbatches:
             raise AccumulateError(
                 f"{where} has leading size {shape[0]}, which {microbatches} microbatches do not "
@@ -128,7 +130,9 @@ def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
     kinds = _reductions(reduce, out_tree)
     for shape, kind in zip(shapes, kinds):
         if kind == "concat" and not shape:
-            raise AccumulateError("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
+            raise AccumulateError(
+                "reduce='concat' needs outputs with a leading axis; fn returned a scalar."
+            )
     return kinds
 
 
@@ -152,10 +156,15 @@ def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     replay = compat.replaying_fun(closed)
 
     def microbatch(i):
-        return mark_microbatch([jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)], i)
+        return mark_microbatch(
+            [jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)], i
+        )
 
     outs = [replay(*microbatch(i)) for i in range(microbatches)]
-    results = [_unrolled_reduction(kind, [o[k] for o in outs], microbatches) for k, kind in enumerate(kinds)]
+    results = [
+        _unrolled_reduction(kind, [o[k] for o in outs], microbatches)
+        for k, kind in enumerate(kinds)
+    ]
     return jax.tree_util.tree_unflatten(out_tree, results)
 
 
@@ -178,7 +187,8 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
         return _unrolled(fn, leaves, tree, microbatches, reduce)
 
     stacked = jax.tree_util.tree_unflatten(
-        tree, [jnp.reshape(x, (microbatches, x.shape[0] // microbatches, *x.shape[1:])) for x in leaves]
+        tree,
+        [jnp.reshape(x, (microbatches, x.shape[0] // microbatches, *x.shape[1:])) for x in leaves],
     )
 
     first = fn(jax.tree_util.tree_map(lambda x: x[0], stacked))
@@ -189,7 +199,10 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
 
     def body(carry, mb):
         leaves = jax.tree_util.tree_leaves(fn(mb))
-        new_carry = [c if kind == "concat" else _combine(kind, c, y) for c, y, kind in zip(carry, leaves, kinds)]
+        new_carry = [
+            c if kind == "concat" else _combine(kind, c, y)
+            for c, y, kind in zip(carry, leaves, kinds)
+        ]
         stacked_out = [y if kind == "concat" else None for y, kind in zip(leaves, kinds)]
         return new_carry, stacked_out
 

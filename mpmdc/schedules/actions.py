@@ -52,7 +52,9 @@ class Layout:
     stage_to_mesh: tuple[int, ...]
 
     @classmethod
-    def make(cls, num_stages: int, microbatches: int, stage_to_mesh=None, num_meshes=None) -> Layout:
+    def make(
+        cls, num_stages: int, microbatches: int, stage_to_mesh=None, num_meshes=None
+    ) -> Layout:
         """Stage ``s`` on mesh ``s mod num_meshes`` unless ``stage_to_mesh`` says otherwise."""
         if num_stages < 1 or microbatches < 1:
             raise ScheduleError(

@@ -58,8 +58,14 @@ class GPipe(Schedule):
         out = []
         for mesh in range(layout.num_meshes):
             stages = layout.stages_of(mesh)
-            forwards = [Action(s, ActionKind.F, b) for s in stages for b in range(layout.microbatches)]
-            backwards = [Action(s, ActionKind.B, b) for s in reversed(stages) for b in range(layout.microbatches)]
+            forwards = [
+                Action(s, ActionKind.F, b) for s in stages for b in range(layout.microbatches)
+            ]
+            backwards = [
+                Action(s, ActionKind.B, b)
+                for s in reversed(stages)
+                for b in range(layout.microbatches)
+            ]
             out.append(tuple(forwards + backwards))
         return tuple(out)
 
@@ -109,7 +115,11 @@ class Interleaved1F1B(Schedule):
             raise ScheduleError(
                 f"interleaved-1f1b runs microbatches in groups of {p} (one per mesh); "
                 f"{m} microbatches is not a multiple of {p}."
-                + (f" (With {n} stages on {n} meshes nothing interleaves: put several stages on each mesh.)" if n == p else "")
+                + (
+                    f" (With {n} stages on {n} meshes nothing interleaves: put several stages on each mesh.)"
+                    if n == p
+                    else ""
+                )
             )
         v = n // p
         total = m * v
@@ -123,7 +133,10 @@ class Interleaved1F1B(Schedule):
         out = []
         for r in range(p):
             forwards = [Action(chunk(k) * p + r, ActionKind.F, microbatch(k)) for k in range(total)]
-            backwards = [Action((v - 1 - chunk(k)) * p + r, ActionKind.B, microbatch(k)) for k in range(total)]
+            backwards = [
+                Action((v - 1 - chunk(k)) * p + r, ActionKind.B, microbatch(k))
+                for k in range(total)
+            ]
             out.append(_one_f_one_b(forwards, backwards, (p - r - 1) * 2 + (v - 1) * p))
         return tuple(out)
 

@@ -35,7 +35,9 @@ def measured_costs(timeline: Timeline) -> Callable[[Action], float]:
     Each action costs what its fragment took; an action without a fragment of its own
     (the last stage's backward, done inside its forward) costs nothing.
     """
-    took = {slot.action: slot.end - slot.start for row in timeline.meshes for slot in row if slot.action}
+    took = {
+        slot.action: slot.end - slot.start for row in timeline.meshes for slot in row if slot.action
+    }
     return lambda action: took.get(action, 0.0)
 
 
@@ -49,7 +51,9 @@ def cost_of(costs: Costs | None, action: Action) -> float:
     if label in costs:
         return float(costs[label])
     if action.kind not in costs:
-        raise ScheduleError(f"no cost for {label}: give costs for kind {action.kind!r} or for {label}.")
+        raise ScheduleError(
+            f"no cost for {label}: give costs for kind {action.kind!r} or for {label}."
+        )
     return float(costs[action.kind])
 
 
@@ -86,12 +90,18 @@ def _check_coverage(per_mesh, layout: Layout) -> set:
     split = {(a.stage, a.microbatch) for a in seen if a.kind in (ActionKind.I, ActionKind.W)}
     for s in range(layout.num_stages):
         for b in range(layout.microbatches):
-            needed = [ActionKind.F, ActionKind.I, ActionKind.W] if (s, b) in split else [ActionKind.F, ActionKind.B]
+            needed = (
+                [ActionKind.F, ActionKind.I, ActionKind.W]
+                if (s, b) in split
+                else [ActionKind.F, ActionKind.B]
+            )
             for kind in needed:
                 if Action(s, kind, b) not in seen:
                     raise ScheduleError(f"the schedule never runs {Action(s, kind, b)}.")
             if (s, b) in split and Action(s, ActionKind.B, b) in seen:
-                raise ScheduleError(f"stage {s} microbatch {b} has both B and I/W; list one or the other.")
+                raise ScheduleError(
+                    f"stage {s} microbatch {b} has both B and I/W; list one or the other."
+                )
     return split
 
 
@@ -103,7 +113,9 @@ def simulate(per_mesh, layout: Layout, costs: Costs | None = None) -> Timeline:
             f"the schedule has {len(per_mesh)} action list(s) for {layout.num_meshes} meshes."
         )
     split = _check_coverage(per_mesh, layout)
-    position = {a: (mesh, i) for mesh, actions in enumerate(per_mesh) for i, a in enumerate(actions)}
+    position = {
+        a: (mesh, i) for mesh, actions in enumerate(per_mesh) for i, a in enumerate(actions)
+    }
     end: dict[Action, float] = {}
     free = [0.0] * len(per_mesh)
     heads = [0] * len(per_mesh)
@@ -123,7 +135,11 @@ def simulate(per_mesh, layout: Layout, costs: Costs | None = None) -> Timeline:
                 slots[mesh].append(Slot(action, start, end[action]))
                 heads[mesh] += 1
                 progress = True
-    stuck = [(mesh, actions[heads[mesh]]) for mesh, actions in enumerate(per_mesh) if heads[mesh] < len(actions)]
+    stuck = [
+        (mesh, actions[heads[mesh]])
+        for mesh, actions in enumerate(per_mesh)
+        if heads[mesh] < len(actions)
+    ]
     if stuck:
         raise ScheduleError(_stuck_message(stuck, layout, split, position, end))
     return Timeline(tuple(tuple(row) for row in slots))
@@ -146,7 +162,9 @@ def _stuck_message(stuck, layout, split, position, end) -> str:
     return f"the schedule deadlocks: {waits}. Reorder the lists so each wait can be met."
 
 
-def bubble_formula(schedule_name: str, num_meshes: int, microbatches: int, stages_per_mesh: int = 1) -> float:
+def bubble_formula(
+    schedule_name: str, num_meshes: int, microbatches: int, stages_per_mesh: int = 1
+) -> float:
     """The textbook bubble fraction: ``(p-1)/(v*m+p-1)`` (``v = 1`` for GPipe and 1F1B)."""
     p, m, v = num_meshes, microbatches, stages_per_mesh
     if schedule_name not in ("gpipe", "1f1b", "interleaved-1f1b"):

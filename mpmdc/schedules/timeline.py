@@ -91,7 +91,13 @@ class Timeline:
     def chrome_trace(self, time_unit_us: float = 1000.0) -> str:
         """The timeline as Chrome/Perfetto trace JSON (one track per mesh)."""
         events = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": mesh, "args": {"name": f"mesh{mesh}"}}
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": mesh,
+                "args": {"name": f"mesh{mesh}"},
+            }
             for mesh in range(len(self.meshes))
         ]
         for mesh, row in enumerate(self.meshes):
@@ -125,15 +131,31 @@ class Timeline:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green", "other": "tab:gray"}
+        colours = {
+            "F": "tab:blue",
+            "B": "tab:orange",
+            "I": "tab:orange",
+            "W": "tab:green",
+            "other": "tab:gray",
+        }
         fig, ax = plt.subplots(figsize=(max(6.0, self.makespan / 3), 0.6 * len(self.meshes) + 1))
         for mesh, row in enumerate(self.meshes):
             for slot in row:
                 ax.broken_barh(
-                    [(slot.start, slot.end - slot.start)], (mesh - 0.4, 0.8),
-                    facecolors=colours[slot.kind], edgecolor="black", linewidth=0.5,
+                    [(slot.start, slot.end - slot.start)],
+                    (mesh - 0.4, 0.8),
+                    facecolors=colours[slot.kind],
+                    edgecolor="black",
+                    linewidth=0.5,
                 )
-                ax.text((slot.start + slot.end) / 2, mesh, slot.label, ha="center", va="center", fontsize=7)
+                ax.text(
+                    (slot.start + slot.end) / 2,
+                    mesh,
+                    slot.label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
         ax.set_yticks(range(len(self.meshes)), [f"mesh{m}" for m in range(len(self.meshes))])
         ax.invert_yaxis()
         ax.set_xlabel("time")

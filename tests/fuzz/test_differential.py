@@ -96,8 +96,12 @@ def _module_constants(make):
 
 
 # Constants a program captures, by kind; "closure" ones are made per program.
-MODULE_JAX = _module_constants(lambda n, seed: jax.random.normal(jax.random.key(seed), (n, n)) * 0.5)
-MODULE_NUMPY = _module_constants(lambda n, seed: np.random.default_rng(seed + 10).normal(size=(n, n)).astype(np.float32) * 0.5)
+MODULE_JAX = _module_constants(
+    lambda n, seed: jax.random.normal(jax.random.key(seed), (n, n)) * 0.5
+)
+MODULE_NUMPY = _module_constants(
+    lambda n, seed: np.random.default_rng(seed + 10).normal(size=(n, n)).astype(np.float32) * 0.5
+)
 CONSTANT_KINDS = ("module_jax", "module_numpy", "closure", "jitted_helper")
 
 
@@ -114,27 +118,56 @@ def programs(draw):
     stages = num_meshes if one_per_mesh else draw(st.integers(1, 5))
     stage_to_mesh = None
     if not one_per_mesh and draw(st.booleans()):
-        stage_to_mesh = tuple(draw(st.lists(st.integers(0, num_meshes - 1), min_size=stages, max_size=stages)))
+        stage_to_mesh = tuple(
+            draw(st.lists(st.integers(0, num_meshes - 1), min_size=stages, max_size=stages))
+        )
     with_key = draw(st.booleans())
     ops = []
     for k in range(draw(st.integers(3, 60))):
         available = num_inputs + k
         operand = st.integers(0, available - 1)
-        kind = draw(st.sampled_from(["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
-                                    + ["noise"] * with_key))
+        kind = draw(
+            st.sampled_from(
+                ["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
+                + ["noise"] * with_key
+            )
+        )
         if kind == "unary":
             ops.append(("unary", draw(st.sampled_from(sorted(UNARY))), draw(operand)))
         elif kind == "binary":
-            ops.append(("binary", draw(st.sampled_from(sorted(BINARY))), draw(operand), draw(operand)))
-        elif kind == "shard_map":  # a psum over the mesh of a stage, the operand marked into it or not
-            ops.append(("shard_map", draw(st.integers(0, stages - 1)), draw(operand), draw(st.booleans())))
+            ops.append(
+                ("binary", draw(st.sampled_from(sorted(BINARY))), draw(operand), draw(operand))
+            )
+        elif (
+            kind == "shard_map"
+        ):  # a psum over the mesh of a stage, the operand marked into it or not
+            ops.append(
+                ("shard_map", draw(st.integers(0, stages - 1)), draw(operand), draw(st.booleans()))
+            )
         elif kind == "constant":  # the operand combined with a captured array
             how = draw(st.sampled_from(["matmul", "add"]))
-            ops.append(("constant", draw(st.sampled_from(CONSTANT_KINDS)), draw(st.integers(0, 1)), how, draw(operand)))
+            ops.append(
+                (
+                    "constant",
+                    draw(st.sampled_from(CONSTANT_KINDS)),
+                    draw(st.integers(0, 1)),
+                    how,
+                    draw(operand),
+                )
+            )
         elif kind == "layer":  # tanh(stage(x, s) @ c): stages alike but for their constant
-            ops.append(("layer", draw(st.integers(0, stages - 1)), draw(st.sampled_from(CONSTANT_KINDS)),
-                        draw(st.integers(0, 1)), draw(operand)))
-        elif kind == "effect":  # a callback recording the operand, live or inside a dead jitted call
+            ops.append(
+                (
+                    "layer",
+                    draw(st.integers(0, stages - 1)),
+                    draw(st.sampled_from(CONSTANT_KINDS)),
+                    draw(st.integers(0, 1)),
+                    draw(operand),
+                )
+            )
+        elif (
+            kind == "effect"
+        ):  # a callback recording the operand, live or inside a dead jitted call
             ops.append(("effect", draw(st.booleans()), draw(operand)))
         else:  # noise drawn from the key input
             ops.append(("noise", draw(operand)))
@@ -142,14 +175,26 @@ def programs(draw):
     for k in draw(st.lists(st.integers(0, len(ops) - 1), max_size=8)):
         group = draw(st.lists(st.integers(0, num_inputs + k), min_size=1, max_size=2))
         with_the_key = with_key and draw(st.booleans())
-        markers[k] = (draw(st.integers(0, stages - 1)), group, with_the_key)  # stage, values to mark as a pytree
+        markers[k] = (
+            draw(st.integers(0, stages - 1)),
+            group,
+            with_the_key,
+        )  # stage, values to mark as a pytree
     if one_per_mesh:
         # Some value must reach the last stage so that every mesh has exactly one stage.
         markers[len(ops) - 1] = (stages - 1, [num_inputs + len(ops) - 1], False)
     sharded = [draw(st.booleans()) and mesh_size == 2 for _ in range(num_inputs)]
     return dict(
-        num_inputs=num_inputs, ops=ops, markers=markers, num_meshes=num_meshes, mesh_size=mesh_size,
-        sharded=sharded, mode=mode, schedule=schedule, stage_to_mesh=stage_to_mesh, with_key=with_key,
+        num_inputs=num_inputs,
+        ops=ops,
+        markers=markers,
+        num_meshes=num_meshes,
+        mesh_size=mesh_size,
+        sharded=sharded,
+        mode=mode,
+        schedule=schedule,
+        stage_to_mesh=stage_to_mesh,
+        with_key=with_key,
     )
 
 
@@ -169,7 +214,10 @@ def make_body(desc, meshes, record):
     """The program as a function of ``desc['num_inputs']`` arrays and, with
     ``desc['with_key']``, a typed key; ``record(tag, value)`` is what callbacks call."""
     rng = np.random.default_rng(len(desc["ops"]))
-    closure_constants = {n: [jnp.asarray(rng.normal(size=(n, n)) * 0.5, jnp.float32) for _ in range(2)] for n in SIZES}
+    closure_constants = {
+        n: [jnp.asarray(rng.normal(size=(n, n)) * 0.5, jnp.float32) for _ in range(2)]
+        for n in SIZES
+    }
 
     def mesh_of(stage):
         s2m = desc["stage_to_mesh"]
@@ -195,7 +243,10 @@ def make_body(desc, meshes, record):
             elif op[0] == "shard_map":
                 _, stage, i, marked = op
                 summed = jax.shard_map(
-                    lambda t: jax.lax.psum(t, "d") * 0.5, mesh=mesh_of(stage), in_specs=P("d"), out_specs=P("d")
+                    lambda t: jax.lax.psum(t, "d") * 0.5,
+                    mesh=mesh_of(stage),
+                    in_specs=P("d"),
+                    out_specs=P("d"),
                 )
                 values.append(summed(mpmdc.stage(values[i], stage) if marked else values[i]))
             elif op[0] == "constant":
@@ -211,14 +262,18 @@ def make_body(desc, meshes, record):
                     jax.debug.callback(callback, values[i])
                     values.append(values[i])
                 else:
-                    jax.jit(lambda v: (jax.debug.callback(callback, v), v * 2)[1])(values[i])
+                    jax.jit(lambda v: (jax.debug.callback(callback, v), v * 2)[1])(values[i])  # noqa: B023 (called at once)
                     values.append(values[i] * 1.5)
             else:  # noise
-                noise = jax.random.normal(jax.random.fold_in(key, k), values[op[1]].shape, values[op[1]].dtype)
+                noise = jax.random.normal(
+                    jax.random.fold_in(key, k), values[op[1]].shape, values[op[1]].dtype
+                )
                 values.append(values[op[1]] + 0.1 * noise)
             if k in desc["markers"]:
                 stage, group, with_the_key = desc["markers"][k]
-                marked, key_marked = mpmdc.stage(([values[i] for i in group], key if with_the_key else None), stage)
+                marked, key_marked = mpmdc.stage(
+                    ([values[i] for i in group], key if with_the_key else None), stage
+                )
                 for i, v in zip(group, marked):
                     values[i] = v
                 key = key_marked if with_the_key else key
@@ -238,6 +293,7 @@ def build(desc, meshes, record):
     if mode == "plain":
         fn = body
     elif mode == "value_and_grad":
+
         def fn(*inputs):
             return jax.value_and_grad(lambda first, *rest: jnp.sum(body(first, *rest)))(*inputs)
     else:
@@ -247,11 +303,15 @@ def build(desc, meshes, record):
             *inputs, batch = inputs
 
             def per_microbatch(mb):
-                return jax.value_and_grad(lambda first: jnp.sum(body(first + mb, *inputs[1:])))(inputs[0])
+                return jax.value_and_grad(lambda first: jnp.sum(body(first + mb, *inputs[1:])))(
+                    inputs[0]
+                )
 
-            return mpmdc.accumulate(per_microbatch, batch, microbatches=2, schedule=schedule_of(desc))
+            return mpmdc.accumulate(
+                per_microbatch, batch, microbatches=2, schedule=schedule_of(desc)
+            )
 
-        key_args = key_args + [batch]
+        key_args = [*key_args, batch]
     specs = tuple(P("d") if s else None for s in desc["sharded"]) + (None,) * len(key_args)
     return fn, args + key_args, dict(in_specs=specs, stage_to_mesh=desc["stage_to_mesh"])
 
@@ -259,7 +319,9 @@ def build(desc, meshes, record):
 def schedule_of(desc):
     """The drawn schedule where the layout allows it (1F1B and ZB-H1 need one stage per mesh)."""
     stages = {s for s, _, _ in desc["markers"].values()}
-    one_per_mesh = max(stages, default=0) + 1 == desc["num_meshes"] and desc["stage_to_mesh"] is None
+    one_per_mesh = (
+        max(stages, default=0) + 1 == desc["num_meshes"] and desc["stage_to_mesh"] is None
+    )
     return desc["schedule"] if one_per_mesh else "gpipe"
 
 
@@ -283,7 +345,14 @@ class Recorder:
             unmatched = list(other.by_tag[tag])
             assert len(values) == len(unmatched), tag
             for got in values:
-                match = next((k for k, w in enumerate(unmatched) if np.allclose(got, w, rtol=rtol, atol=atol)), None)
+                match = next(
+                    (
+                        k
+                        for k, w in enumerate(unmatched)
+                        if np.allclose(got, w, rtol=rtol, atol=atol)
+                    ),
+                    None,
+                )
                 assert match is not None, (tag, got, unmatched)
                 unmatched.pop(match)
 
@@ -368,16 +437,18 @@ SCALARS = {
 def call_sequences(draw):
     """A plain or differentiated program and 2 to 4 argument variants to call it with."""
     desc = draw(programs().filter(lambda d: d["mode"] != "accumulate" and not d["with_key"]))
-    variants = draw(st.lists(
-        st.tuples(
-            st.sampled_from(sorted(CONTAINERS)),
-            st.sampled_from(sorted(SCALARS)),
-            st.sampled_from(["float32", "bfloat16"]),
-            st.sampled_from(SIZES),
-        ),
-        min_size=2,
-        max_size=4,
-    ))
+    variants = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(sorted(CONTAINERS)),
+                st.sampled_from(sorted(SCALARS)),
+                st.sampled_from(["float32", "bfloat16"]),
+                st.sampled_from(SIZES),
+            ),
+            min_size=2,
+            max_size=4,
+        )
+    )
     return desc, variants
 
 
@@ -396,7 +467,9 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 
     def program(record, meshes_):
         body = make_body(desc, meshes_, record)
-        inner = body if desc["mode"] == "plain" else jax.value_and_grad(lambda *xs: jnp.sum(body(*xs)))
+        inner = (
+            body if desc["mode"] == "plain" else jax.value_and_grad(lambda *xs: jnp.sum(body(*xs)))
+        )
 
         def fn(container, scale):
             first, *rest = jax.tree.leaves(container)
@@ -412,16 +485,21 @@ def test_one_compiled_function_called_with_new_argument_types(case):
         xs = [jnp.asarray(rng.normal(size=(n, n)), dtype) for _ in range(desc["num_inputs"])]
         args = (CONTAINERS[container](xs), SCALARS[scalar]())
         loose = dtype == "bfloat16"  # bfloat16 rounding depends on where XLA fuses
-        assert_same_results(step(*args), reference(*args), rtol=0.1 if loose else 1e-5, atol=0.1 if loose else 1e-6)
+        assert_same_results(
+            step(*args), reference(*args), rtol=0.1 if loose else 1e-5, atol=0.1 if loose else 1e-6
+        )
     jax.effects_barrier()
     seen.assert_same_as(expected, rtol=0.1, atol=0.1)
 
 
 # ------------------------------------------------ training steps keep their state
 
+
 @seeded
 @settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
-@given(programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"}))
+@given(
+    programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"})
+)
 def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc):
     """Random programs as the loss of a training step with global-norm clipping and
     momentum: equal to ``jax.jit``, and a parameter read on one mesh only comes back
@@ -456,9 +534,13 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc):
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             event("a parameter read on one mesh")
-            assert program.out_meshes[1 + k] == program.out_meshes[1 + n + k] == program.in_meshes[k], k
+            assert (
+                program.out_meshes[1 + k] == program.out_meshes[1 + n + k] == program.in_meshes[k]
+            ), k
     got = jax.block_until_ready(compiled(params, momenta))
-    want = jax.block_until_ready(jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta))
+    want = jax.block_until_ready(
+        jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta)
+    )
     jax.effects_barrier()
     assert_same_results(got, want)
     seen.assert_same_as(expected, rtol=1e-5, atol=1e-6)

@@ -70,7 +70,10 @@ def main():
             value, params = compiled(params, x)
             print(f"step {k}: loss {float(mpmdc.fetch(value)):.6f}", flush=True)
         except mpmdc.MpmdcError as err:
-            print(f"caught {type(err).__name__} after {time.monotonic() - start:.1f} s: {err}", flush=True)
+            print(
+                f"caught {type(err).__name__} after {time.monotonic() - start:.1f} s: {err}",
+                flush=True,
+            )
             sys.exit(3)
 
 

@@ -25,8 +25,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpmdc.cli.demo import init_params  # noqa: E402
-from mpmdc.ir.traffic import transfer_report  # noqa: E402
 from mpmdc.cli.models import TransformerConfig, adam_init, init_transformer, transformer_step  # noqa: E402
+from mpmdc.ir.traffic import transfer_report  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from training import mlp_data, sgd_step  # noqa: E402
@@ -35,7 +35,11 @@ SCHEDULE_STAGES = {"interleaved-1f1b": 8}
 # Adam divides by sqrt(v): a summation-order difference of one ulp in a gradient can
 # move an updated weight by 1e-5 after two steps (jax.jit against itself with another
 # order of the same sums differs that much too).
-TOLERANCE = {"mlp": dict(rtol=2e-5, atol=2e-6), "mixed": dict(rtol=2e-5, atol=2e-6), "transformer": dict(rtol=1e-4, atol=2e-5)}
+TOLERANCE = {
+    "mlp": dict(rtol=2e-5, atol=2e-6),
+    "mixed": dict(rtol=2e-5, atol=2e-6),
+    "transformer": dict(rtol=1e-4, atol=2e-5),
+}
 
 
 def mixed_meshes():
@@ -71,10 +75,14 @@ def case_inputs(model: str, schedule: str):
 
 def check_placement(tree, meshes):
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        owners = [i for i, m in enumerate(meshes) if leaf.sharding.device_set == set(m.devices.flat)]
+        owners = [
+            i for i, m in enumerate(meshes) if leaf.sharding.device_set == set(m.devices.flat)
+        ]
         assert len(owners) == 1, f"{jax.tree_util.keystr(path)} is not on one mesh"
         mine = jax.process_index() in {d.process_index for d in leaf.sharding.device_set}
-        assert bool(leaf.addressable_shards) == mine, f"{jax.tree_util.keystr(path)} addressable elsewhere"
+        assert bool(leaf.addressable_shards) == mine, (
+            f"{jax.tree_util.keystr(path)} addressable elsewhere"
+        )
 
 
 def run(out_dir: str, case: str, meshes):
@@ -105,7 +113,11 @@ def run(out_dir: str, case: str, meshes):
             if owner[link.src] != owner[link.dst]:
                 assert link.bytes[1] == 0, f"parameters or optimizer state cross processes: {link}"
     if jax.process_index() == 0:
-        flat = {f"{i}/{k}": v for i, r in enumerate(results) for k, v in enumerate(jax.tree_util.tree_leaves(r))}
+        flat = {
+            f"{i}/{k}": v
+            for i, r in enumerate(results)
+            for k, v in enumerate(jax.tree_util.tree_leaves(r))
+        }
         np.savez(f"{out_dir}/{case.replace(':', '-')}.npz", **flat)
     print(f"ok {case}", flush=True)
 
@@ -114,7 +126,10 @@ def main():
     out_dir, cases = sys.argv[1], sys.argv[2:]
     per_mesh = max(1, jax.device_count() // 4)
     meshes = mpmdc.make_meshes(4, {"data": per_mesh})
-    print(f"meshes on processes {[sorted({d.process_index for d in m.devices.flat}) for m in meshes]}", flush=True)
+    print(
+        f"meshes on processes {[sorted({d.process_index for d in m.devices.flat}) for m in meshes]}",
+        flush=True,
+    )
     for case in cases:
         run(out_dir, case, meshes)
 

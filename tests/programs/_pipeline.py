@@ -12,7 +12,11 @@ def lowered_under(schedule):
 
     def step(params, x, y):
         grads = mpmdc.accumulate(
-            lambda mb: jax.grad(mlp_loss)(params, *mb), (x, y), microbatches=4, schedule=schedule, reduce="mean"
+            lambda mb: jax.grad(mlp_loss)(params, *mb),
+            (x, y),
+            microbatches=4,
+            schedule=schedule,
+            reduce="mean",
         )
         return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 

@@ -1,5 +1,7 @@
 """Shared argument types of the golden programs (``jax.ShapeDtypeStruct``s, no data)."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -11,4 +13,4 @@ def f32(*shape):
 
 def mlp_params(widths):
     """``[(w, b), ...]`` argument types for consecutive ``widths``."""
-    return [(f32(a, b), f32(b)) for a, b in zip(widths[:-1], widths[1:])]
+    return [(f32(a, b), f32(b)) for a, b in itertools.pairwise(widths)]
