@@ -2,7 +2,7 @@
 of the stage that uses them, and only activations, cotangents and scalars move.
 
 Each case is an Optax optimizer on a residual model whose blocks end in a bias (Flax's
-``Linear`` default), the shape that used to pull bias gradients to the next stage.
+``Linear`` default), the shape that can pull bias gradients to the next stage.
 """
 
 import jax

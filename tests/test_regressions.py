@@ -59,7 +59,7 @@ def marker_between_shard_maps_of_two_meshes(x, mesh_of):
 
 def no_marker_names_the_mesh(x, mesh_of):
     """Only stage 1 is marked; the shard_map on mesh 0 must still run there, in stage 0
-    (found by the fuzzer inside ``accumulate`` under ZB-H1)."""
+    (also inside ``accumulate`` under ZB-H1)."""
     a = psum_on(mesh_of(0))(x * 0.5)
     return jnp.sum(mpmdc.stage(a, 1))
 
@@ -99,14 +99,14 @@ def test_shard_map_runs_on_its_own_mesh_also_in_the_backward(name):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-# ------------------------------------------- programs users write (issue 13)
-# Each of these gave a wrong number or a raw exception before its fix.
+# ------------------------------------------- programs users write
+# Each of these guards against a wrong number or a raw exception.
 
 
 def test_dead_jitted_helper_with_an_effect_keeps_its_placement():
     """JAX's DCE rebuilds a jitted call whose outputs are all unused but which prints,
-    with no outputs at all; ``dce`` used to look its placement up by the old equation
-    and raised ``KeyError``. Placements now live on the equations themselves."""
+    with no outputs at all; the rebuilt equation keeps its placement, since placements
+    live on the equations themselves, and ``dce`` raises nothing."""
     printed = []
 
     @jax.jit
@@ -147,8 +147,8 @@ def _closing_over(c):
 )
 def test_fragments_differing_only_in_captured_constants_do_not_share(stages):
     """Fragment bodies that print alike but capture different arrays (module-level jax
-    and numpy arrays, a closure, a jitted helper's own constant) used to share one
-    executable: every element was wrong. Their identity now includes the constants."""
+    and numpy arrays, a closure, a jitted helper's own constant) must not share one
+    executable, or every element is wrong: their identity includes the constants."""
     closure = jnp.full((4, 4), 0.3)
     consts = [A_JAX, B_NUMPY, closure]
 
@@ -164,7 +164,8 @@ def test_fragments_differing_only_in_captured_constants_do_not_share(stages):
 
 def test_fragments_differing_only_in_their_callback_do_not_share():
     """``debug.callback`` and ``pure_callback`` print their function as a masked address,
-    so two stages calling different functions looked alike and shared an executable."""
+    so two stages calling different functions look alike; they must not share an
+    executable."""
     seen = []
 
     def stage_body(x, s):
@@ -183,9 +184,9 @@ def test_fragments_differing_only_in_their_callback_do_not_share():
 
 
 def test_a_new_weak_type_is_a_new_signature():
-    """The call cache keyed on shape and dtype only: after ``step(2.0, y)`` (a weakly typed
-    scalar), ``step(jnp.float32(2.0), y)`` reused its executable and returned bfloat16
-    where ``jax.jit`` returns float32."""
+    """The call cache keys on the weak type too: after ``step(2.0, y)`` (a weakly typed
+    scalar), ``step(jnp.float32(2.0), y)`` gets an executable of its own and returns
+    float32, as ``jax.jit`` does, not bfloat16."""
 
     def fn(a, y):
         return mpmdc.stage(a * y, 1) + 1
@@ -199,9 +200,9 @@ def test_a_new_weak_type_is_a_new_signature():
 
 
 def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
-    """``jax.random.key`` arguments raised ``TypeError: Cannot interpret 'key<fry>' as a
-    data type``; they now work as arguments, outputs, across transfers, in ``lower``
-    with ``ShapeDtypeStruct``s and in ``accumulate``'s ``xs``."""
+    """``jax.random.key`` arrays work as arguments, outputs, across transfers, in ``lower``
+    with ``ShapeDtypeStruct``s and in ``accumulate``'s ``xs``, with no ``TypeError:
+    Cannot interpret 'key<fry>' as a data type``."""
     meshes = mpmdc.make_meshes(2, {"d": 2})
 
     def fn(key, x):
@@ -235,8 +236,9 @@ def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
 
 
 def test_a_wrong_pytree_is_named_in_a_line():
-    """Calling an executable with one extra key in a 200-entry dict printed a 41,757-character
-    message holding both whole ``PyTreeDef``s; it now names the path and the key."""
+    """Calling an executable with one extra key in a 200-entry dict names the path and the
+    key in one short line, not both whole ``PyTreeDef``s (tens of thousands of
+    characters)."""
     meshes = mpmdc.make_meshes(2, {"d": 2})
     params = {f"w{i}": jnp.ones(3) for i in range(200)}
     executable = (
@@ -250,13 +252,13 @@ def test_a_wrong_pytree_is_named_in_a_line():
     assert "args[0] is a dict of 201 entries (unexpected ['extra'])" in str(caught.value)
 
 
-# Found by trying mpmdc as a new user would (Flax, Optax, callbacks, transformations).
+# What a new user tries: Flax, Optax, callbacks, transformations.
 
 
 def test_results_computed_from_weak_values_stay_weak():
-    """A fragment was lowered with strongly typed arguments, so ``s * 2`` of a Python
-    scalar came back strong: multiplied into a bfloat16 array it gave float32 where
-    ``jax.jit``'s result keeps bfloat16."""
+    """A fragment is lowered with weakly typed arguments where the call's are, so ``s * 2``
+    of a Python scalar stays weak: multiplied into a bfloat16 array it keeps bfloat16,
+    as ``jax.jit``'s result does, not float32."""
     meshes = mpmdc.make_meshes(2, {"d": 1})
 
     def fn(s, x):
@@ -270,9 +272,9 @@ def test_results_computed_from_weak_values_stay_weak():
 
 
 def test_a_failing_callback_in_a_fragment_without_results_fails_the_call():
-    """A fragment with a callback and no results gave ``block_until_ready`` nothing to wait
-    on: the first call of a freshly compiled step often returned normally and the error
-    surfaced later, raw."""
+    """A fragment with a callback and no results gives ``block_until_ready`` nothing to
+    wait on; the call must still wait for its effects and fail, not return normally
+    and let the error surface later, raw."""
     meshes = mpmdc.make_meshes(2, {"d": 1})
     fail = {"now": True}
 
@@ -293,8 +295,8 @@ def test_a_failing_callback_in_a_fragment_without_results_fails_the_call():
 
 @pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
 def test_calling_a_pipeline_inside_a_transformation_is_named(transform):
-    """Calling a compiled pipeline under ``jax.jit``/``grad``/``vmap`` raised a raw
-    ``AttributeError`` about a tracer's sharding."""
+    """Calling a compiled pipeline under ``jax.jit``/``grad``/``vmap`` is a named error,
+    not a raw ``AttributeError`` about a tracer's sharding."""
     step = mpmdc.compile(lambda x: jnp.sin(mpmdc.stage(x, 1)), mpmdc.make_meshes(2, {"d": 1}))
     call = {
         "jit": lambda: jax.jit(lambda x: step(x) * 2)(jnp.ones(3)),
@@ -308,8 +310,9 @@ def test_calling_a_pipeline_inside_a_transformation_is_named(transform):
 
 
 def test_ordered_effects_on_a_multi_device_mesh_are_the_users_to_fix():
-    """An ordered ``debug.print`` on a 2-device mesh failed in ``lower`` and was reported as
-    a bug in mpmdc; ``jax.jit`` refuses it too. On 1-device meshes it runs in order."""
+    """An ordered ``debug.print`` on a 2-device mesh is the user's error, not reported as a
+    bug in mpmdc (an ``InternalError`` from ``lower``); ``jax.jit`` refuses it too. On
+    1-device meshes it runs in order."""
 
     def fn(x):
         x = mpmdc.stage(x, 0)
@@ -340,9 +343,9 @@ def test_a_keyword_where_a_positional_argument_was_lowered_is_named():
 
 
 def test_a_body_with_xla_metadata_is_keyed_by_the_metadata_not_its_identity():
-    """``body_key`` once keyed an equation's context by the identity of a temporary
-    tuple whenever it carried XLA metadata (a dict, unhashable): equal bodies got
-    different keys, and a recycled address could make different ones equal."""
+    """``body_key`` keys an equation's XLA metadata (a dict, unhashable) by its contents,
+    not by the identity of a temporary tuple: otherwise equal bodies get different keys,
+    and a recycled address can make different ones equal."""
     from jax.experimental.xla_metadata import set_xla_metadata
 
     from mpmdc.ir.program import body_key
@@ -360,9 +363,9 @@ def test_a_body_with_xla_metadata_is_keyed_by_the_metadata_not_its_identity():
 
 
 def test_a_body_parameter_is_keyed_by_its_type_and_bits():
-    """``body_key`` compared scalar parameters by Python equality, under which 0.0 and
-    -0.0 (and 1, 1.0 and True) are equal: bodies differing only there could have shared
-    one executable."""
+    """``body_key`` compares scalar parameters by type and bits, not by Python equality,
+    under which 0.0 and -0.0 (and 1, 1.0 and True) are equal: bodies differing only
+    there must not share one executable."""
     from jax.extend.core import Primitive
 
     from mpmdc.ir.program import body_key

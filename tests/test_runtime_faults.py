@@ -123,9 +123,9 @@ except mpmdc.errors.MpmdRuntimeError:
 
 
 def test_a_caught_fragment_failure_is_not_raised_again_at_exit():
-    # JAX kept the failed fragment's effect token (on meshes of 2 devices) and waited on
-    # it at exit, printing the error a second time as "Exception ignored in atexit
-    # callback" (found in session 9).
+    # JAX keeps the failed fragment's effect token (on meshes of 2 devices) and waits on
+    # it at exit; the error must not be printed a second time as "Exception ignored in
+    # atexit callback".
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
     done = subprocess.run(
         [sys.executable, "-c", FAILS_THEN_EXITS],
