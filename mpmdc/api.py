@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mpmdc import backends
+from mpmdc import backends, schedules
 from mpmdc.errors import (
     AccumulateError,
     ArgumentError,
@@ -27,7 +27,7 @@ from mpmdc.errors import (
 )
 from mpmdc.ir.program import Program
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
-from mpmdc.ir.sharding import spec_problem
+from mpmdc.ir.sharding import canonical_spec, spec_problem
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.passes.lower import handing_modules_to
 from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
@@ -104,13 +104,14 @@ def _checked_outputs(out):
 
 def _committed_spec(leaf) -> PartitionSpec | None:
     """The ``PartitionSpec`` of a committed ``jax.Array``'s (or a ``ShapeDtypeStruct``'s)
-    ``NamedSharding`` when it shards anything; cheap, as the call cache reads it per leaf."""
+    ``NamedSharding``, ``None`` for any other leaf (its spec is free for propagation to
+    choose); cheap, as the call cache reads it per leaf."""
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or (
         isinstance(leaf, jax.Array) and not leaf.committed
     ):
         return None
-    return sharding.spec if any(sharding.spec) else None
+    return canonical_spec(sharding.spec)
 
 
 def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
@@ -120,6 +121,20 @@ def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
     if spec is None or any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
         return None
     return spec
+
+
+def _serves(exe_key, exe: Executable, key, given) -> bool:
+    """Whether ``exe`` (built for ``exe_key``) is the program for a call keyed ``key``:
+    every argument leaf has the spec it had then, or one the program ignores (an
+    ``in_specs`` entry was ``given`` for it), or the spec the program chose for a leaf
+    that had none (uncommitted). So arguments placed by ``step.input_shardings`` and
+    results fed back run on the executable that placed them, as under ``jax.jit``."""
+    if exe_key[:3] != key[:3] or exe_key[4] != key[4]:
+        return False
+    return all(
+        now == then or user is not None or (then is None and now == chosen)
+        for now, then, chosen, user in zip(key[3], exe_key[3], exe.program.in_specs, given)
+    )
 
 
 def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
@@ -254,6 +269,7 @@ class Compiled:
         static_argnums=(),
         donate_argnums=(),
         stage_to_mesh=None,
+        schedule=None,
         backend: str | None = None,
         passes=None,
     ):
@@ -267,6 +283,8 @@ class Compiled:
         self.static_argnums = _normalize_argnums(static_argnums, "static_argnums")
         self.donate_argnums = _normalize_argnums(donate_argnums, "donate_argnums")
         self.stage_to_mesh = self._checked_stage_to_mesh(stage_to_mesh)
+        # Checked now, as a bad name is a mistake in this call, not in the traced function.
+        self.schedule = None if schedule is None else schedules.get(schedule)
         first = self.meshes[0].devices.flat[0]
         self.backend = backends.get(
             backend or backends.for_platform(first.platform, first.client.platform_version)
@@ -337,7 +355,7 @@ class Compiled:
 
     def _executable(self, args, kwargs):
         key, leaves = self._signature_key(args, kwargs)
-        exe = self._cache.get(key)
+        exe = self._cache.get(key) or self._served_by_cache(key, args, kwargs)
         if exe is None:
             backend = backends.get(self.backend)
             backend.check_can_run(self.meshes)
@@ -346,6 +364,17 @@ class Compiled:
                 exe = self._lower(args, kwargs, self._passes_for_call())._compile_with(compiler)
             self._cache[key] = exe
         return exe, leaves
+
+    def _served_by_cache(self, key, args, kwargs):
+        """An executable built for other committed specs that serves ``key`` (see
+        :func:`_serves`), remembered under ``key``; ``None`` if none does."""
+        static_values, _, _ = self._split_args(args)
+        given = self._flat_in_specs(args, dict(static_values), kwargs)
+        for exe_key, exe in list(self._cache.items()):
+            if _serves(exe_key, exe, key, given):
+                self._cache[key] = exe
+                return exe
+        return None
 
     def _passes_for_call(self):
         """The passes, with ``lower`` emitting only the fragments of meshes this process
@@ -394,7 +423,7 @@ class Compiled:
             out_paths=tuple(out_paths),
             donated=_donated(dynamic, kwargs, donate),
             backend=self.backend,
-            schedule=loop.schedule if loop else None,
+            schedule=(self.schedule or loop.schedule) if loop else None,
             microbatches=loop.microbatches if loop else None,
         )
         signature = Signature(
@@ -433,7 +462,7 @@ class Compiled:
     def _input_specs(self, args, static: dict, kwargs, leaves) -> tuple:
         """Per flat input, ``in_specs``' entry, else the argument's own sharding."""
         return tuple(
-            spec if spec is not None else _sharding_spec(leaf, self.meshes)
+            canonical_spec(spec if spec is not None else _sharding_spec(leaf, self.meshes))
             for spec, leaf in zip(self._flat_in_specs(args, static, kwargs), leaves)
         )
 
@@ -519,6 +548,7 @@ def compile(
     static_argnums=(),
     donate_argnums=(),
     stage_to_mesh=None,
+    schedule=None,
     backend: str | None = None,
     passes=None,
 ) -> Compiled:
@@ -530,6 +560,11 @@ def compile(
     which mesh, and how, an output should live, e.g. the input's sharding for a result
     a loop feeds back. Stage ``s`` runs
     on ``meshes[s % len(meshes)]`` unless ``stage_to_mesh`` maps it elsewhere.
+
+    ``schedule`` (a name such as ``"interleaved-1f1b"``, an ``mpmdc.schedules.Schedule``
+    or per-mesh action lists) orders the microbatches of ``fn``'s ``mpmdc.accumulate``
+    loop, overriding the schedule named there: the schedule goes with the layout
+    (meshes, ``stage_to_mesh``), so changing the layout needs no edit of the model.
     """
     return Compiled(
         fn,
@@ -540,6 +575,7 @@ def compile(
         static_argnums=static_argnums,
         donate_argnums=donate_argnums,
         stage_to_mesh=stage_to_mesh,
+        schedule=schedule,
         backend=backend,
         passes=passes,
     )

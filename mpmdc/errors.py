@@ -84,3 +84,8 @@ class ScheduleError(MpmdcError):
 
 class AccumulateError(MpmdcError):
     """``mpmdc.accumulate`` got microbatches, inputs or reductions it cannot use."""
+
+
+class PlacementWarning(UserWarning):
+    """Work that mpmdc could not keep next to its values: it runs on one mesh and reads
+    arrays that live on others every step (named with its source line)."""

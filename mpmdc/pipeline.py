@@ -31,6 +31,7 @@ class Pass(Protocol):
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "inline",  # first: markers hidden in nested jit/custom_vjp calls must be visible
+    "cond-fission",  # before placement: an optimizer in one cond must not land on one mesh
     "partition",  # needs every marker at top level; decides stage and mesh per equation
     "dce",  # after placement, so work that only fed dropped outputs is gone before split
     "vma-typecheck",  # checks types, specs against the chosen meshes, shard_map meshes

@@ -9,6 +9,7 @@ Layer 4: imports :mod:`mpmdc.ir`, :mod:`mpmdc.schedules`, :mod:`mpmdc.lowering`,
 """
 
 from mpmdc.passes.base import PASSES, FunctionPass, pass_from_text, register
+from mpmdc.passes.cond_fission import cond_fission
 from mpmdc.passes.dce import dce
 from mpmdc.passes.in_program_transfers import in_program_transfers
 from mpmdc.passes.inline import inline
@@ -21,6 +22,7 @@ from mpmdc.passes.vma_typecheck import vma_typecheck
 __all__ = [
     "PASSES",
     "FunctionPass",
+    "cond_fission",
     "dce",
     "in_program_transfers",
     "inline",

@@ -50,6 +50,9 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+import warnings
+from collections.abc import Sequence
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
@@ -58,6 +61,7 @@ from mpmdc.passes.base import register
 from mpmdc.passes.dce import dce
 
 from mpmdc import _jax_compat as compat
+from mpmdc.errors import PlacementWarning
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.primitives import (
     is_marker,
@@ -448,9 +452,10 @@ def _place(program, eqns, reads, producer, users, cheap) -> dict[int, Placement]
     }
 
 
-def _output_placements(outvars, eqns, producer, cheap, placement, default) -> list[Placement]:
+def _output_placements(outvars, eqns, producer, cheap, placement) -> list[Placement | None]:
     """Each output's placement: an output made by a cheap equation (a cast of a small
-    gradient) stays with what it is made from."""
+    gradient) stays with what it is made from; ``None`` for one made from nothing placed
+    (a constant, an input returned as is)."""
 
     def sources(v):
         """The placed equations a value comes from, looking through cheap ones."""
@@ -462,9 +467,45 @@ def _output_placements(outvars, eqns, producer, cheap, placement, default) -> li
         return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
 
     return [
-        max(sources(v), key=Placement.order_key, default=default) if is_var(v) else default
+        max(sources(v), key=Placement.order_key) if is_var(v) and sources(v) else None
         for v in outvars
     ]
+
+
+_PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
+
+
+def _kin(paths: Sequence[str], known: Sequence) -> list:
+    """For each path whose ``known`` entry is ``None``, the entry of the known path
+    sharing the longest ending with it (``out[2].v_row[1]['w']`` and
+    ``out[1][1]['w']`` share ``[1]['w']``), or ``None`` where the longest endings
+    disagree. An optimizer's state mirrors its parameters' pytree: a state leaf made
+    from no parameter (adafactor's placeholder for a factored moment) belongs with the
+    parameter at the same place."""
+    keys = [tuple(reversed(_PATH_KEY.findall(p))) for p in paths]
+    found = [(k, x) for k, x in zip(keys, known) if x is not None]
+    out = list(known)
+    for i, x in enumerate(known):
+        if x is not None or not keys[i]:
+            continue
+        best, chosen = 0, set()
+        for k, y in found:
+            n = next(
+                (d for d, (a, b) in enumerate(zip(k, keys[i])) if a != b), min(len(k), len(keys[i]))
+            )
+            if n > best:
+                best, chosen = n, {y}
+            elif n == best and n:
+                chosen.add(y)
+        if len(chosen) == 1:
+            out[i] = chosen.pop()
+    return out
+
+
+def _with_kin(out_placement, out_paths, default) -> list[Placement]:
+    """Outputs made from nothing placed go with their kin (:func:`_kin`), else with the
+    earliest stage."""
+    return [default if p is None else p for p in _kin(out_paths, out_placement)]
 
 
 def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement):
@@ -505,7 +546,8 @@ def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement
 
 def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], list[int]]:
     """Each input lives on the mesh of its earliest user, each output where it is made
-    (an input returned as is stays where it is), unless ``out_shardings`` says."""
+    (an input returned as is stays where it is), unless ``out_shardings`` says; an input
+    nobody reads lives with its kin."""
     jaxpr = program.jaxpr.jaxpr
     in_index = {v: k for k, v in enumerate(jaxpr.invars)}
     input_users: dict = {}
@@ -517,10 +559,15 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
     for v, p in zip(jaxpr.outvars, out_placement):
         if is_var(v) and v in in_index and v not in input_users:
             input_users[v] = [p]
-    in_meshes = [
-        program.mesh_of_stage(min(input_users.get(v, [default]), key=Placement.order_key).stage)
-        for v in jaxpr.invars
-    ]
+    # An input nobody reads lives with its kin (:func:`_kin`), else with the earliest stage.
+    in_placement = _kin(
+        program.in_paths,
+        [
+            min(input_users[v], key=Placement.order_key) if v in input_users else None
+            for v in jaxpr.invars
+        ],
+    )
+    in_meshes = [program.mesh_of_stage((p or default).stage) for p in in_placement]
     out_meshes = [
         in_meshes[in_index[v]] if is_var(v) and v in in_index else program.mesh_of_stage(p.stage)
         for v, p in zip(jaxpr.outvars, out_placement)
@@ -528,6 +575,41 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
     if program.wanted_out_meshes is not None:  # the caller's out_shardings win
         out_meshes = [m if w is None else w for m, w in zip(out_meshes, program.wanted_out_meshes)]
     return in_meshes, out_meshes
+
+
+# Conditionals and loops are one equation each: where ``cond-fission`` could not cut one
+# per mesh, it runs where most of its bytes are and reads the rest across meshes.
+_CONTROL_FLOW = frozenset({jprims.cond_p, jprims.while_p})
+
+
+def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
+    """A ``PlacementWarning`` for each conditional or loop reading arrays (not scalars)
+    that live on another mesh than its own: placement is a result, never silent."""
+    mesh_of = dict(zip(program.jaxpr.jaxpr.invars, in_meshes))
+    for eqn in eqns:
+        mesh = program.mesh_of_stage(placement_of(eqn).stage)
+        if eqn.primitive in _CONTROL_FLOW:
+            elsewhere = sorted(
+                {
+                    mesh_of[a]
+                    for a in eqn.invars
+                    if is_var(a)
+                    and getattr(a.aval, "shape", ()) != ()
+                    and mesh_of.get(a, mesh) != mesh
+                }
+            )
+            if elsewhere:
+                others = ", ".join(f"mesh{m}" for m in elsewhere)
+                warnings.warn(
+                    f"`{eqn.primitive.name}` at {compat.source_line(eqn)} runs on mesh{mesh} "
+                    f"and reads arrays living on {others} every call: its branches or body "
+                    f"share work between values of several meshes (e.g. a global norm inside "
+                    f"the conditional), so it cannot be cut per mesh. Compute that shared "
+                    f"value outside the conditional to keep each stage's work on its mesh.",
+                    PlacementWarning,
+                    stacklevel=2,
+                )
+        mesh_of.update((v, mesh) for v in eqn.outvars)
 
 
 @register("partition", "place every equation on a stage and mesh")
@@ -542,11 +624,16 @@ def partition(program: Program) -> Program:
     cheap = _cheap_equations(eqns, reads)
     placement = _place(program, eqns, reads, producer, users, cheap)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
-    out_placement = _output_placements(jaxpr.outvars, eqns, producer, cheap, placement, default)
+    out_placement = _with_kin(
+        _output_placements(jaxpr.outvars, eqns, producer, cheap, placement),
+        program.out_paths,
+        default,
+    )
     new_eqns, outvars = _with_clones(
         eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
     )
     in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
+    _warn_of_control_flow_across_meshes(program, new_eqns, in_meshes)
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
     )

@@ -14,9 +14,9 @@ another part. Values crossing meshes travel by ``transfer``; values crossing
 fragments on one mesh are passed directly.
 
 Every top-level value gets a static ``PartitionSpec`` inside its mesh: program
-inputs their ``in_specs``, fragment results their ``out_specs`` where they are
-program outputs (replicated where none was given), other fragment results the spec
-their inputs' sharded dimensions carry to them (``mpmdc.ir.spec_rules``),
+inputs their ``in_specs``, program outputs the caller's ``out_specs`` where given,
+other fragment results (and outputs with no spec) the spec their inputs' sharded
+dimensions carry to them (``mpmdc.ir.spec_rules``), as ``jax.jit``'s propagation would;
 transferred values the source's spec as far as the destination mesh has those axes.
 Fragments and transfers carry these specs, so the StableHLO that ``lower`` emits is
 exactly what runs.
@@ -177,17 +177,23 @@ class _Emitter:
         jaxpr = program.jaxpr.jaxpr
         self.program, self.const_values, self.carries = program, const_values, carries
         self.location = {v: program.in_meshes[k] for k, v in enumerate(jaxpr.invars)}
+        self.propagated = propagate_specs(jaxpr, program.in_specs)
+        # An input with no spec (not given, not committed) takes the one propagation
+        # chose for it, as far as its mesh supports it.
         self.spec_of = {
-            v: spec or PartitionSpec() for v, spec in zip(jaxpr.invars, program.in_specs)
+            v: spec
+            if spec is not None
+            else fit_spec(self.propagated[v], program.meshes[mesh], v.aval.shape)
+            for v, spec, mesh in zip(jaxpr.invars, program.in_specs, program.in_meshes)
         }
-        # Program outputs have the caller's out_specs (replicated where none was given);
-        # other values crossing fragments keep the batch sharding their inputs had.
+        # Program outputs have the caller's out_specs where given; every other value
+        # crossing fragments, and an output with no spec, keeps the sharding its
+        # computation gives it (as under jax.jit).
         self.out_spec_of = {
             (v, m): spec
             for v, m, spec in zip(outvars, program.out_meshes, program.out_specs)
-            if is_var(v)
+            if is_var(v) and spec is not None
         }
-        self.propagated = propagate_specs(jaxpr, program.in_specs)
         self.copies: dict = {}
         self.eqns: list = []
 
@@ -280,4 +286,9 @@ def split(program: Program) -> Program:
     new = make_closed_jaxpr(
         jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info
     )
-    return program.replace(jaxpr=new, is_split=True)
+    # Every output's spec is now known: the caller's, or the one its computation gave it.
+    out_specs = tuple(
+        emitter.spec_of.get(v, PartitionSpec()) if is_var(v) else PartitionSpec() for v in final
+    )
+    in_specs = tuple(emitter.spec_of[v] for v in jaxpr.invars)
+    return program.replace(jaxpr=new, in_specs=in_specs, out_specs=out_specs, is_split=True)

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpmdc
+from mpmdc.passes import FunctionPass
+from mpmdc.pipeline import DEFAULT_PIPELINE
 
 
 def assert_same_as_jit(fn, meshes, *args, rtol=2e-5, atol=1e-6, compile_kwargs=None):
@@ -78,3 +80,38 @@ def mlp_loss(ws, x):
 def input_program(fn, meshes, *args, **compile_kwargs):
     """``fn``'s program before any pass (the ``input`` stage), to call passes on directly."""
     return mpmdc.compile(fn, meshes, passes=[], **compile_kwargs).lower(*args).program("input")
+
+
+class XlaCompiles:
+    """Counts XLA compilations while active (``with XlaCompiles() as c: ...; c.count``):
+    JAX records one backend-compile event per executable it builds."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def _crash(program):
+    return {}["missing"]
+
+
+# A pass with a bug: it raises a plain Python error, which mpmdc reports as internal.
+CRASHING = FunctionPass("crashing", "raises KeyError", _crash)
+
+
+def passes_with(extra, after):
+    """The default pipeline with the pass ``extra`` inserted after the pass named ``after``."""
+    names = list(DEFAULT_PIPELINE)
+    return [*names[: names.index(after) + 1], extra, *names[names.index(after) + 1 :]]

@@ -404,7 +404,8 @@ def _mesh_text(mesh: Mesh) -> str:
 
 
 def _spec_text(spec) -> str:
-    return "P()" if spec is None else str(spec)
+    # No spec: before `split`, propagation has yet to choose one.
+    return "P(auto)" if spec is None else str(spec)
 
 
 def format_program(program: Program) -> str:

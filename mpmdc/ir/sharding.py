@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -14,6 +15,19 @@ def axes_of(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+@functools.lru_cache(maxsize=4096)  # the call path asks this per argument leaf
+def canonical_spec(spec: PartitionSpec | None) -> PartitionSpec | None:
+    """``spec`` without trailing replicated dimensions: ``P("x")``, ``P("x", None)`` and
+    ``P(("x",))`` shard alike, and cache keys and program specs must not tell them apart.
+    ``None`` (no spec) stays ``None``."""
+    if spec is None:
+        return None
+    entries = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries, unreduced=spec.unreduced, reduced=spec.reduced)
 
 
 def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:

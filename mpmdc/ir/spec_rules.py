@@ -6,8 +6,9 @@ its batch dimension, or every device of the mesh would compute the whole batch. 
 module follows each sharded dimension through the equations:
 
 * a dimension an equation keeps (elementwise ops, markers, slices, concatenation,
-  ``dot_general`` batch and free dimensions, broadcasts, transposes, squeezes, the
-  leading dimension of a reshape, the batch dimensions of a gather) keeps its axis;
+  ``dot_general`` batch and free dimensions, broadcasts, transposes, squeezes, a
+  reshape's dimensions that stay, merge or split, the batch dimensions of a gather)
+  keeps its axis;
 * a dimension an equation reduces or contracts loses it (XLA inserts the sum);
 * a ``shard_map``'s outputs have its ``out_specs``; calls (``pjit``, ``custom_jvp``,
   ``custom_vjp``) are followed into their bodies; anything else gives an output the
@@ -126,15 +127,22 @@ def _squeeze(eqn, specs) -> list[Spec]:
 
 
 def _reshape(eqn, specs) -> list[Spec]:
-    """Keeps the leading dimension's axis where the leading dimension is kept, merged
-    with the ones after it, or split with its outer part leading."""
+    """A sharded dimension keeps its axis on the result dimension that starts where it
+    starts (the same number of elements before it) and is not a unit dimension: that
+    dimension is the same one, it merged with the dimensions after it, or it is the
+    outer part of a split (as XLA's propagation through a reshape)."""
     spec, old, new = specs[0], _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    starts = {}
+    for j in range(len(new)):
+        if new[j] != 1:
+            starts.setdefault(math.prod(new[:j]), j)
     out = [None] * len(new)
-    if spec and new and spec[0] is not None:
-        merged = new[0] in {math.prod(old[:k]) for k in range(1, len(old) + 1)}
-        split = old[0] in {math.prod(new[:k]) for k in range(1, len(new) + 1)}
-        if merged or split:
-            out[0] = spec[0]
+    for i, entry in enumerate(spec):
+        j = starts.get(math.prod(old[:i]))
+        if entry is None or old[i] == 1 or j is None:
+            continue
+        if new[j] % old[i] == 0 or old[i] % new[j] == 0:
+            out[j] = entry
     return [tuple(out)]
 
 
@@ -222,11 +230,42 @@ def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
     return found
 
 
+def _wanted_by_users(jaxpr: jcore.Jaxpr, found: dict) -> dict:
+    """``{variable: spec}`` for unsharded values combined elementwise (an equation with
+    no rule of its own, the operand shaped like the result) into a sharded result: the
+    spec that result has, carried back through chains of such equations. An optimizer's
+    moment (``b * mu + (1 - b) * grad``) wants its gradient's spec."""
+    wanted: dict = {}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive in spec_rules or eqn.primitive in _SPEC_SOURCES:
+            continue
+        for out in eqn.outvars:
+            spec = found.get(out) or wanted.get(out)
+            if spec is None:
+                continue
+            for a in eqn.invars:
+                if is_var(a) and a not in found and _shape(a) == _shape(out):
+                    wanted.setdefault(a, spec)
+    return wanted
+
+
 def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     """``{variable: PartitionSpec}`` for every input of ``jaxpr`` and every sharded
-    top-level value, given one spec (or ``None``) per input; values left out are
-    replicated."""
+    top-level value, given one spec per input; values left out are replicated.
+
+    An input whose spec is ``None`` is free (no spec given, not committed): as
+    ``jax.jit`` lets propagation choose an uncommitted argument's sharding, it takes the
+    spec its elementwise users want (:func:`_wanted_by_users`), or stays replicated.
+    So optimizer state created unsharded gets its parameter's spec on the first call,
+    and the state fed back is placed as the program expects."""
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
-    found = dict(zip(jaxpr.invars, padded))
-    found.update(_propagate(jaxpr, padded))
+    found = _propagate(jaxpr, padded)
+    free = [v for s, v in zip(in_specs, jaxpr.invars) if s is None]
+    if free:
+        wanted = _wanted_by_users(jaxpr, found)
+        chosen = {v: wanted[v] for v in free if v in wanted}
+        if chosen:
+            padded = [chosen.get(v, s) for s, v in zip(padded, jaxpr.invars)]
+            found = _propagate(jaxpr, padded)
+    found.update((v, s) for v, s in zip(jaxpr.invars, padded) if v not in found)
     return {v: PartitionSpec(*spec) for v, spec in found.items()}

@@ -29,7 +29,7 @@ CI runs ``MPMDC_FUZZ_EXAMPLES`` programs (default 60) and a sixth as many repeat
 sequences, always the same ones; ``MPMDC_FUZZ_EXAMPLES=2000 pytest tests/fuzz`` runs
 longer, and ``MPMDC_FUZZ_SEED=<n>`` draws other programs (run several seeds side by
 side to use more cores). A failure is
-shrunk by hypothesis; keep it as a named test in ``tests/test_regressions.py``.
+shrunk by hypothesis; keep it as a named test in ``tests/e2e/test_regressions.py``.
 """
 
 import os
@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpmdc
 from mpmdc.ir.primitives import transfer_p
+from mpmdc.ir.sharding import canonical_spec
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("MPMDC_FUZZ_SEED")
@@ -498,15 +499,18 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 @seeded
 @settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
 @given(
-    programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"})
+    programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"}),
+    st.booleans(),
 )
-def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc):
+def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc, skip_step):
     """Random programs as the loss of a training step with global-norm clipping and
-    momentum: equal to ``jax.jit``, and a parameter read on one mesh only comes back
-    there with its momentum (so a loop feeding them back moves nothing). A parameter
-    several meshes read is sent to them and its gradient contributions summed on the
-    way back, somewhere: where is not checked."""
+    momentum, the update applied in a skip-step ``lax.cond`` (on a finite loss) or not:
+    equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
+    its momentum, both with the parameter's spec (so a loop feeding them back moves and
+    compiles nothing). A parameter several meshes read is sent to them and its gradient
+    contributions summed on the way back, somewhere: where is not checked."""
     _describe(desc)
+    event(f"skip_step={skip_step}")
     meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
     seen, expected = Recorder(), Recorder()
     n = desc["num_inputs"]
@@ -518,8 +522,18 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc):
             loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*ps)))(params)
             norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
             scale = jnp.minimum(1.0, 1.0 / (norm + 1e-6))
-            momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
-            return loss, [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+
+            def update(params, momenta):
+                momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
+                return [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+
+            if skip_step:  # one conditional over every stage's state (cond-fission)
+                params, momenta = jax.lax.cond(
+                    jnp.isfinite(loss), update, lambda p, m: (p, m), params, momenta
+                )
+            else:
+                params, momenta = update(params, momenta)
+            return loss, params, momenta
 
         return step
 
@@ -537,6 +551,10 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc):
             assert (
                 program.out_meshes[1 + k] == program.out_meshes[1 + n + k] == program.in_meshes[k]
             ), k
+            # The spec it came in with: the one given, or the one propagation chose.
+            came_in = program.in_specs[k]
+            assert specs[k] is None or came_in == canonical_spec(specs[k]), k
+            assert program.out_specs[1 + k] == program.out_specs[1 + n + k] == came_in, k
     got = jax.block_until_ready(compiled(params, momenta))
     want = jax.block_until_ready(
         jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta)

@@ -1,0 +1,134 @@
+"""``cond-fission``: cut a conditional into independent conditionals, one per group of
+results that share work.
+
+An optimizer wrapped in one ``lax.cond`` or ``lax.switch`` (``optax.MultiSteps``,
+``optax.apply_if_finite``, a skip-step written by hand) is one equation computing every
+parameter's update. Placed whole, it runs on one mesh and pulls every stage's
+parameters and optimizer state there and back each step. Here its results are grouped:
+two results share a group when some branch computes both from one intermediate value
+that is not a scalar. Scalar work (a step count, a bias correction, a predicate) is
+repeated in every group that needs it, as it costs nothing next to moving an array.
+Each group becomes a conditional of its own on the same index operand, reading only
+the operands its branches need, so ``partition`` places each next to its values and
+each mesh runs the branches' work for its own values.
+
+Results that truly share work (a global norm computed inside a branch) stay in one
+conditional; ``partition`` warns where such a conditional reads several meshes' arrays.
+A conditional with effects (callbacks, ordered effects) stays whole, so its effects
+happen once.
+"""
+
+from __future__ import annotations
+
+from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
+from jax.interpreters import partial_eval as pe
+from mpmdc.passes.base import register
+
+from mpmdc.ir.program import Program, is_var, make_closed_jaxpr
+
+
+def _is_scalar_work(eqn) -> bool:
+    """An equation on scalars only: repeating it in several groups is free."""
+    return (
+        all(getattr(v.aval, "shape", None) == () for v in (*eqn.invars, *eqn.outvars))
+        and not eqn.effects
+    )
+
+
+class _Groups:
+    """Union-find over result indices."""
+
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, members) -> None:
+        first, *rest = (self.find(i) for i in members)
+        for r in rest:
+            self.parent[r] = first
+
+    def groups(self) -> list[list[int]]:
+        by_root: dict[int, list[int]] = {}
+        for i in range(len(self.parent)):
+            by_root.setdefault(self.find(i), []).append(i)
+        return sorted(by_root.values())
+
+
+def _result_groups(branches) -> list[list[int]]:
+    """Result indices grouped so that no two groups need one non-scalar value."""
+    groups = _Groups(len(branches[0].jaxpr.outvars))
+    for branch in branches:
+        needed_by: dict = {}
+        for j, v in enumerate(branch.jaxpr.outvars):
+            if is_var(v):
+                needed_by.setdefault(v, set()).add(j)
+        for eqn in reversed(branch.jaxpr.eqns):
+            results = set().union(*(needed_by.get(v, ()) for v in eqn.outvars))
+            if not results:
+                continue
+            if len(results) > 1 and not _is_scalar_work(eqn):
+                groups.union(results)
+            for a in eqn.invars:
+                if is_var(a):
+                    needed_by.setdefault(a, set()).update(results)
+    return groups.groups()
+
+
+def _branches_for(branches, results: list[int]) -> tuple[tuple, list[bool]]:
+    """``(branches computing only ``results``, which operands they read)``: every
+    branch keeps the operands any branch needs, so their signatures agree."""
+    used_outputs = [j in results for j in range(len(branches[0].jaxpr.outvars))]
+    reads = [False] * len(branches[0].jaxpr.invars)
+    for branch in branches:
+        _, used = pe.dce_jaxpr(branch.jaxpr, used_outputs)
+        reads = [r or u for r, u in zip(reads, used)]
+    new = tuple(
+        jcore.ClosedJaxpr(pe.dce_jaxpr(b.jaxpr, used_outputs, instantiate=reads)[0], b.consts)
+        for b in branches
+    )
+    return new, reads
+
+
+def _fissioned(eqn) -> list:
+    """``eqn`` (a ``cond``) as one conditional per group of its results."""
+    branches = eqn.params["branches"]
+    if eqn.effects or any(b.effects for b in branches):
+        return [eqn]
+    groups = _result_groups(branches)
+    if len(groups) < 2:
+        return [eqn]
+    index, operands = eqn.invars[0], eqn.invars[1:]
+    out = []
+    for results in groups:
+        new_branches, reads = _branches_for(branches, results)
+        out.append(
+            eqn.replace(
+                invars=[index, *(a for a, r in zip(operands, reads) if r)],
+                outvars=[eqn.outvars[j] for j in results],
+                params={**eqn.params, "branches": new_branches},
+            )
+        )
+    return out
+
+
+@register("cond-fission", "cut conditionals into independent ones, one per group of results")
+def cond_fission(program: Program) -> Program:
+    """Replace each top-level ``cond`` by one conditional per group of results that share
+    no non-scalar work (see the module docstring)."""
+    closed = program.jaxpr
+    eqns = []
+    for eqn in closed.jaxpr.eqns:
+        eqns.extend(_fissioned(eqn) if eqn.primitive is jprims.cond_p else [eqn])
+    if len(eqns) == len(closed.jaxpr.eqns):
+        return program
+    jaxpr = closed.jaxpr
+    new = make_closed_jaxpr(
+        jaxpr.constvars, closed.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
+    )
+    return program.replace(jaxpr=new)

@@ -1,0 +1,165 @@
+"""Tensor-parallel shardings survive a pipelined training step, as under ``jax.jit``.
+
+Megatron-style weights (column-parallel ``P(None, "model")``, row-parallel
+``P("model", None)``) on meshes of ``{"data": 2, "model": 2}``: a step's updated
+parameters and optimizer state come back with their arguments' specs, results fed back
+compile nothing, and on one mesh every output sharding equals ``jax.jit``'s.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import XlaCompiles, assert_same_array
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmdc
+
+D, H, B = 8, 16, 8
+SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b1": P("model")}
+OPT = optax.adam(1e-2)
+
+
+def _params(stages):
+    keys = jax.random.split(jax.random.key(0), 2 * stages)
+    return [
+        {
+            "w1": jax.random.normal(keys[2 * i], (D, H)) * 0.3,
+            "w2": jax.random.normal(keys[2 * i + 1], (H, D)) * 0.3,
+            "b1": jnp.full((H,), 0.1, jnp.float32),
+        }
+        for i in range(stages)
+    ]
+
+
+def _loss(params, x, y):
+    for i, p in enumerate(params):
+        x = mpmdc.stage(x, i)
+        x = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+    return jnp.mean((x - y) ** 2)
+
+
+def _step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(_loss)(params, x, y)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return loss, optax.apply_updates(params, updates), opt_state
+
+
+def _batch():
+    x = jax.random.normal(jax.random.key(1), (B, D))
+    return x, jnp.sin(x)
+
+
+def _committed(params, meshes):
+    return [
+        {
+            k: jax.device_put(v, NamedSharding(meshes[i % len(meshes)], SPECS[k]))
+            for k, v in p.items()
+        }
+        for i, p in enumerate(params)
+    ]
+
+
+def _specs_of(tree):
+    return jax.tree.map(lambda a: mpmdc.ir.sharding.canonical_spec(a.sharding.spec), tree)
+
+
+def _want_specs(stages):
+    return [{k: mpmdc.ir.sharding.canonical_spec(s) for k, s in SPECS.items()}] * stages
+
+
+@pytest.fixture(scope="module")
+def tp_meshes():
+    return mpmdc.make_meshes(2, {"data": 2, "model": 2})
+
+
+def test_tensor_parallel_weights_and_adam_state_keep_their_specs(tp_meshes):
+    params = _committed(_params(2), tp_meshes)
+    opt_state = OPT.init(params)
+    x, y = _batch()
+    step = mpmdc.compile(_step, tp_meshes)
+    loss, new_params, new_state = step(params, opt_state, x, y)
+    assert _specs_of(new_params) == _want_specs(2)
+    assert _specs_of(new_state[0].mu) == _want_specs(2)
+    assert _specs_of(new_state[0].nu) == _want_specs(2)
+    said = step.output_shardings(params, opt_state, x, y)[1]
+    assert jax.tree.map(lambda s: mpmdc.ir.sharding.canonical_spec(s.spec), said) == _want_specs(2)
+    # Each stage's weights stay on its own mesh.
+    for i, p in enumerate(new_params):
+        for a in p.values():
+            assert a.sharding.mesh == tp_meshes[i]
+    # (On one device: jax.jit cannot take arguments committed to two meshes.)
+    host = jax.device_put((params, opt_state, x, y), jax.devices()[0])
+    want = jax.jit(_step)(*host)
+    for g, w in zip(jax.tree.leaves((loss, new_params, new_state)), jax.tree.leaves(want)):
+        assert_same_array(g, w)
+
+
+def test_in_specs_given_come_back_as_given(tp_meshes):
+    params, x, y = _params(2), *_batch()
+    opt_state = OPT.init(params)
+    state_specs = jax.tree.map(lambda _: None, opt_state)
+    state_specs[0].mu[:] = _want_specs(2)
+    step = mpmdc.compile(_step, tp_meshes, in_specs=(_want_specs(2), None, None, None))
+    _, new_params, _ = step(params, opt_state, x, y)
+    assert _specs_of(new_params) == _want_specs(2)
+
+
+@pytest.mark.parametrize("layout", ["committed", "in_specs", "uncommitted", "placed_by_recipe"])
+def test_a_training_loop_compiles_once(tp_meshes, layout):
+    params, (x, y) = _params(2), _batch()
+    in_specs = None
+    if layout == "committed":
+        params = _committed(params, tp_meshes)
+    elif layout == "in_specs":
+        in_specs = (_want_specs(2), None, None, None)
+    opt_state = OPT.init(params)
+    step = mpmdc.compile(_step, tp_meshes, in_specs=in_specs)
+    state = (params, opt_state)
+    if layout == "placed_by_recipe":
+        state = jax.device_put(state, step.input_shardings(*state, x, y)[0][:2])
+    with XlaCompiles() as first:
+        _, *state = step(*state, x, y)
+    with XlaCompiles() as later:
+        for _ in range(3):
+            _, *state = step(*state, x, y)
+    assert first.count == (
+        0 if layout == "placed_by_recipe" else step.lower(*state, x, y).compile().num_executables
+    )
+    assert later.count == 0
+
+
+def test_specs_differing_in_trailing_replicated_dimensions_share_one_executable(tp_meshes):
+    params = _params(2)
+    opt_state = OPT.init(params)
+    x, y = _batch()
+    step = mpmdc.compile(_step, tp_meshes)
+    short = jax.device_put(params[0]["w2"], NamedSharding(tp_meshes[0], P("model")))
+    long = jax.device_put(params[0]["w2"], NamedSharding(tp_meshes[0], P("model", None)))
+    step([{**params[0], "w2": short}, params[1]], opt_state, x, y)
+    with XlaCompiles() as c:
+        step([{**params[0], "w2": long}, params[1]], opt_state, x, y)
+    assert c.count == 0
+
+
+@pytest.mark.parametrize("opt_state_made", ["from_committed_params", "uncommitted"])
+def test_shardings_equal_jax_jits_on_one_mesh(opt_state_made):
+    """Outputs, and the inputs propagation chose (uncommitted optimizer state), are
+    sharded as ``jax.jit`` shards them."""
+    mesh = mpmdc.make_meshes(1, {"data": 2, "model": 2})
+    params = _committed(_params(2), mesh)
+    opt_state = OPT.init(params if opt_state_made == "from_committed_params" else _params(2))
+    x, y = (jax.device_put(a, NamedSharding(mesh[0], P("data"))) for a in _batch())
+    args = (params, opt_state, x, y)
+    step = mpmdc.compile(_step, mesh)
+    jitted = jax.jit(_step).lower(*args).compile()
+    outputs = step(*args)
+    for what, values, got, want in [
+        ("output", outputs, jax.tree.map(lambda a: a.sharding, outputs), jitted.output_shardings),
+        ("input", args[:2], step.input_shardings(*args)[0][:2], jitted.input_shardings[0][:2]),
+    ]:
+        for (path, w), g, a in zip(
+            jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(values)
+        ):
+            assert g.is_equivalent_to(w, a.ndim), (what, jax.tree_util.keystr(path), g, w)
