@@ -4,9 +4,9 @@ small model and input programs the per-pass tests start from."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from mpmdc.passes import FunctionPass
 
 import mpmdc
-from mpmdc.passes import FunctionPass
 from mpmdc.pipeline import DEFAULT_PIPELINE
 
 

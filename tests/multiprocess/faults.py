@@ -1,5 +1,5 @@
 """Failures in a run of two processes; run it under ``mpmdc launch -n 2``
-(``tests/test_multiprocess.py`` does).
+(``test_multiprocess.py`` does).
 
 ``python faults.py MODE``, MODE one of
 

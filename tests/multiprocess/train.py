@@ -1,5 +1,5 @@
 """Training steps on meshes of several processes, checked against ``jax.jit``; run it
-under ``mpmdc launch`` (``tests/test_multiprocess.py`` does).
+under ``mpmdc launch`` (``test_multiprocess.py`` does).
 
 ``python train.py OUT CASE [CASE ...]`` where a case is ``mlp:<schedule>``,
 ``transformer:<schedule>`` (on ``make_meshes(4, {"data": D})``, D from the devices there

@@ -1,10 +1,10 @@
 """The SGD step the pipeline golden programs share, lowered under a given schedule."""
 
 import jax
+from _model import mlp_loss
 from _shapes import f32, mlp_params
 
 import mpmdc
-from mpmdc.cli.demo import mlp_loss
 
 
 def lowered_under(schedule):

@@ -6,11 +6,11 @@ channel id in each consuming one.
 """
 
 import jax
+from _model import mlp_loss
 from _shapes import f32, mlp_params
 
 import mpmdc
 from mpmdc import backends
-from mpmdc.cli.demo import mlp_loss
 
 IN_PROGRAM = ("cuda-in-program", "rocm-in-program")
 GOLDEN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu", *IN_PROGRAM)

@@ -1,10 +1,10 @@
 """Golden program: 8 stages on 4 meshes (stage s on mesh s mod 4), value_and_grad."""
 
 import jax
+from _model import mlp_loss
 from _shapes import f32, mlp_params
 
 import mpmdc
-from mpmdc.cli.demo import mlp_loss
 
 
 def lowered():

@@ -1,10 +1,10 @@
 """Golden program: value_and_grad of a 2-stage tanh MLP on 2 meshes of 2 devices."""
 
 import jax
+from _model import mlp_loss
 from _shapes import f32, mlp_params
 
 import mpmdc
-from mpmdc.cli.demo import mlp_loss
 
 
 def lowered():

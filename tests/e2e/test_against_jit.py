@@ -172,5 +172,5 @@ def test_a_marker_inside_a_scan_over_layers_names_its_line_and_the_pattern_that_
     with pytest.raises(mpmdc.errors.PlacementError) as err:
         mpmdc.compile(jax.grad(loss), meshes2).lower(jnp.ones((4, 8, 8)), jnp.ones((4, 8)))
     message = str(err.value)
-    assert "test_pipelines.py" in message and "loss.<locals>.layer)" in message
+    assert "test_against_jit.py" in message and "loss.<locals>.layer)" in message
     assert "Python loop over the stages" in message and "Layer stacks" in message

@@ -18,7 +18,7 @@ from mpmdc import backends, errors
 from mpmdc.backends import Backend
 from mpmdc.cli.demo import mlp_loss
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def two_stage(ws, x):

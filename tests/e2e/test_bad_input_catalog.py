@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import CRASHING, passes_with
 from jax.sharding import PartitionSpec as P
-from test_pipeline import CRASHING, passes_with
 
 import mpmdc
 from golden import check_golden
@@ -25,7 +25,7 @@ from mpmdc import backends, errors
 from mpmdc.cli.main import main as cli_main
 from mpmdc.schedules import ActionLists
 
-REPO = str(Path(__file__).resolve().parent.parent) + "/"
+REPO = str(Path(__file__).resolve().parents[2]) + "/"
 
 
 def two_stage(w, x):
@@ -281,7 +281,7 @@ MISTAKES = [
     Mistake(
         "an unknown pass",
         errors.PassError,
-        "known passes: dce, in-program-transfers, inline, lower",
+        "known passes: cond-fission, dce, in-program-transfers, inline, lower",
         lambda w: lower(two_stage, w, passes=["inline", "fuse"]),
     ),
     Mistake(
@@ -496,7 +496,8 @@ def test_every_error_a_user_can_cause_is_in_the_catalog():
         and issubclass(cls, errors.MpmdcError)
         and cls is not errors.MpmdcError
     }
-    # Two processes holding different programs: tests/test_multiprocess.py makes that mistake.
+    # Two processes holding different programs: tests/multiprocess/test_multiprocess.py
+    # makes that mistake.
     multiprocess_only = {errors.ProgramMismatchError}
     missing = user_errors - multiprocess_only - {m.error for m in MISTAKES}
     assert not missing, f"no catalog entry shows {sorted(c.__name__ for c in missing)}"

@@ -1,6 +1,6 @@
 """Compiler behaviour end to end: caching, deterministic dumps, donation, input shardings,
 the demo, markers under jit/grad/vmap. Each pass's own rules are tested on small programs
-in ``tests/test_pass_<name>.py``."""
+in ``tests/passes/test_pass_<name>.py``."""
 
 import importlib
 import os
@@ -60,6 +60,7 @@ def test_as_text_is_identical_across_compilations(meshes4):
     assert a.stages == (
         "input",
         "after-inline",
+        "after-cond-fission",
         "after-partition",
         "after-dce",
         "after-vma-typecheck",
@@ -253,7 +254,7 @@ def test_the_persistent_compilation_cache_serves_every_fragment(tmp_path):
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+            [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
         ),
     }
     runs = []

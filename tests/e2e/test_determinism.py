@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
 
 RENDER_ALL = """
 import hashlib, jax
@@ -19,10 +19,12 @@ for program in test_golden.PROGRAMS:
 
 
 def _render_in_subprocess(seed: str) -> list[str]:
-    env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
+    # test_golden here, and the helpers it imports one folder up.
+    path = os.pathsep.join([str(HERE), str(HERE.parent)])
+    env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     out = subprocess.run(
         [sys.executable, "-c", RENDER_ALL],
-        cwd=TESTS,
+        cwd=HERE,
         env=env,
         capture_output=True,
         text=True,

@@ -2,7 +2,7 @@
 ``MpmdcError`` subclass, so ``except mpmdc.MpmdcError`` catches what a user can cause.
 
 The mistakes themselves, and the message each one gives, are the catalog's
-(``test_bad_input_catalog.py``).
+(``tests/e2e/test_bad_input_catalog.py``).
 """
 
 import ast

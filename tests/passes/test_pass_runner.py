@@ -7,13 +7,13 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from helpers import CRASHING, passes_with
 from mpmdc.passes import PASSES, FunctionPass
 
 import mpmdc
 from mpmdc import cli, errors
 from mpmdc.ir.program import placed
 from mpmdc.pipeline import (
-    DEFAULT_PIPELINE,
     resolve,
     run_pipeline,
     verification_requested,
@@ -27,10 +27,6 @@ def two_stage(x):
     return jnp.sum(jnp.tanh(mpmdc.stage(jnp.sin(x), 1)))
 
 
-def _crash(program):
-    return {}["missing"]
-
-
 def _forget_placements(program):
     eqns = list(program.jaxpr.jaxpr.eqns)
     eqns[0] = placed(eqns[0], None)
@@ -39,16 +35,10 @@ def _forget_placements(program):
     )
 
 
-# Passes with a bug: one raises a plain Python error, one drops an equation's placement.
-CRASHING = FunctionPass("crashing", "raises KeyError", _crash)
+# A pass with a bug that drops an equation's placement (``CRASHING`` raises instead).
 FORGETS_PLACEMENTS = FunctionPass(
     "forgets-placements", "drops the first equation's placement", _forget_placements
 )
-
-
-def passes_with(extra, after):
-    names = list(DEFAULT_PIPELINE)
-    return [*names[: names.index(after) + 1], extra, *names[names.index(after) + 1 :]]
 
 
 def test_a_pass_that_raises_is_an_internal_error_naming_it(meshes2):
@@ -125,7 +115,7 @@ def test_dump_verifies_every_pass(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(PASSES, FORGETS_PLACEMENTS.name, FORGETS_PLACEMENTS)
     target = _dump_target(
         tmp_path,
-        "from test_pipeline import two_stage",
+        "from test_pass_runner import two_stage",
         "return mpmdc.compile(two_stage, mpmdc.make_meshes(2, {'data': 2})).lower(jnp.ones(4))",
     )
     status = cli.main(
@@ -147,7 +137,7 @@ def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
 def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
     target = _dump_target(
         tmp_path,
-        "from test_pipeline import CRASHING, passes_with, two_stage",
+        "from test_pass_runner import CRASHING, passes_with, two_stage",
         "meshes = mpmdc.make_meshes(2, {'data': 2})",
         "passes = passes_with(CRASHING, after='partition')",
         "return mpmdc.compile(two_stage, meshes, passes=passes).lower(jnp.ones(4))",

@@ -2,7 +2,7 @@
 
 Every launch runs under two hard limits (``mpmdc launch --timeout`` and the
 subprocess timeout), so nothing here can hang CI. The scripts the processes run are
-in ``tests/multiprocess/``; the training one checks numbers against ``jax.jit`` and
+next to this file; the training one checks numbers against ``jax.jit`` and
 where every output lives on each process, and process 0 saves what it fetched, which
 is compared here with single-process mpmdc, bit for bit.
 
@@ -29,8 +29,7 @@ import mpmdc
 from mpmdc.cli.launch import launch
 
 HERE = Path(__file__).parent
-SCRIPTS = HERE / "multiprocess"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(HERE))
 LIMIT = 150  # seconds any launch may take
 FULL = os.environ.get("MPMDC_MULTIPROCESS_ALL") == "1"
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
@@ -101,7 +100,7 @@ def test_four_processes_of_one_device_train_like_jit(tmp_path):
         "4",
         "--",
         sys.executable,
-        str(SCRIPTS / "train.py"),
+        str(HERE / "train.py"),
         str(tmp_path),
         *FOUR_BY_ONE,
         limit=LIMIT * (4 if FULL else 1),
@@ -119,7 +118,7 @@ def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):
         "2",
         "--",
         sys.executable,
-        str(SCRIPTS / "train.py"),
+        str(HERE / "train.py"),
         str(tmp_path),
         *TWO_BY_TWO,
         limit=LIMIT * (4 if FULL else 1),
@@ -139,7 +138,7 @@ def faults(mode: str) -> tuple[int, str]:
         "15",
         "--",
         sys.executable,
-        str(SCRIPTS / "faults.py"),
+        str(HERE / "faults.py"),
         mode,
         limit=60,
     )
@@ -248,7 +247,7 @@ def test_launch_times_out(capsys):
 
 def test_meshes_spanning_processes_run_their_fragments_as_spmd():
     status, output = run_launch(
-        "-n", "4", "--", sys.executable, str(SCRIPTS / "spanning.py"), limit=90
+        "-n", "4", "--", sys.executable, str(HERE / "spanning.py"), limit=90
     )
     assert status == 0, output[-3000:]
     for index in range(4):

@@ -19,11 +19,11 @@ import pytest
 from golden import GOLDEN_ROOT, check_golden
 from mpmdc.cli.parsing import load_module
 
-PROGRAM_DIR = Path(__file__).resolve().parent / "programs"
+PROGRAM_DIR = Path(__file__).resolve().parents[1] / "programs"
 PROGRAMS = sorted(p.stem for p in PROGRAM_DIR.glob("*.py") if not p.name.startswith("_"))
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 # Golden folders that belong to other tests, not to a program here.
-NOT_PROGRAMS = {"error_catalog"}  # tests/test_bad_input_catalog.py
+NOT_PROGRAMS = {"error_catalog"}  # tests/e2e/test_bad_input_catalog.py
 
 
 @functools.cache
@@ -80,7 +80,7 @@ def test_every_program_has_a_golden_folder_and_every_folder_a_program():
     folders = {p.name for p in GOLDEN_ROOT.iterdir() if p.is_dir()} - NOT_PROGRAMS
     assert not set(PROGRAMS) - folders, (
         f"programs without golden/<program>/: {sorted(set(PROGRAMS) - folders)}; "
-        "run `pytest --update-golden tests/test_golden.py` to create them"
+        "run `pytest --update-golden tests/e2e/test_golden.py` to create them"
     )
     assert not folders - set(PROGRAMS), (
         f"golden folders without a program in tests/programs/: {sorted(folders - set(PROGRAMS))}; delete them"

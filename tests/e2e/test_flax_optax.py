@@ -28,7 +28,7 @@ from test_placement import WIDTH, batch, init, residual_loss, training_step
 import mpmdc
 
 _spec = importlib.util.spec_from_file_location(
-    "nnx_gpt", pathlib.Path(__file__).parents[1] / "examples" / "nnx_gpt.py"
+    "nnx_gpt", pathlib.Path(__file__).parents[2] / "examples" / "nnx_gpt.py"
 )
 nnx_gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(nnx_gpt)

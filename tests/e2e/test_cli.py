@@ -10,7 +10,7 @@ import pytest
 from mpmdc import cli
 from mpmdc.cli.parsing import load_module
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MLP2 = "tests/programs/mlp2_grad.py:lowered"
 
 
@@ -84,7 +84,7 @@ def test_dump_dir_writes_every_stage_and_module(capsys, tmp_path, mlp2):
     stages = [f"{i:02d}.{s}.txt" for i, s in enumerate(mlp2.stages)]
     modules = [f"{f}.{p}.mlir" for p in ("cpu", "tpu") for f in mlp2.stablehlo(p)]
     assert names == sorted(stages + modules)
-    assert (target / "05.after-split.txt").read_text() == mlp2.as_text("after-split")
+    assert (target / "06.after-split.txt").read_text() == mlp2.as_text("after-split")
     assert (target / "s1_fwd.tpu.mlir").read_text() == mlp2.stablehlo("tpu")["s1_fwd"]
     # A second dump replaces the first one: only the new platform's modules remain.
     assert run(capsys, "dump", MLP2, "--dump-dir", str(target))[0] == 0
@@ -224,7 +224,7 @@ def test_backends_lists_the_built_ins(capsys):
 
 
 def test_dump_text_has_no_addresses_or_source_locations(capsys):
-    # Across processes and hash seeds the text is identical: tests/test_determinism.py.
+    # Across processes and hash seeds the text is identical: tests/e2e/test_determinism.py.
     status, out, err = run(
         capsys,
         "dump",
