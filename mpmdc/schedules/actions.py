@@ -78,6 +78,15 @@ class Layout:
         """The stages mesh ``mesh`` runs, in order."""
         return [s for s, m in enumerate(self.stage_to_mesh) if m == mesh]
 
+    @property
+    def round_robin(self) -> bool:
+        """Stage ``s`` on mesh ``s mod num_meshes`` and as many stages on every mesh: the
+        layout interleaved schedules run."""
+        p = self.num_meshes
+        return self.num_stages % p == 0 and all(
+            m == s % p for s, m in enumerate(self.stage_to_mesh)
+        )
+
 
 def action_of(eqn) -> Action | None:
     """The schedule action a fragment equation carries out (``None`` outside the loop)."""

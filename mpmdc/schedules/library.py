@@ -39,13 +39,26 @@ class Schedule:
 
 
 def _one_stage_per_mesh(schedule: Schedule, layout: Layout) -> None:
-    for mesh in range(layout.num_meshes):
+    """A ``ScheduleError`` saying which schedule runs ``layout`` unless every mesh has one stage."""
+    p = layout.num_meshes
+    for mesh in range(p):
         if len(layout.stages_of(mesh)) != 1:
+            # The schedule is chosen with the layout (compile's `schedule=`), so the
+            # message names the call that runs this layout.
+            if layout.round_robin:
+                instead = (
+                    f"for {layout.num_stages} stages on {p} mesh{'es' * (p > 1)} use "
+                    f"mpmdc.compile(..., schedule='interleaved-1f1b'), or schedule='gpipe', "
+                    f"which takes any stage-to-mesh map"
+                )
+            else:
+                instead = (
+                    "use mpmdc.compile(..., schedule='gpipe'), which takes any stage-to-mesh "
+                    f"map (interleaved-1f1b needs stage s on mesh s mod {p})"
+                )
             raise ScheduleError(
                 f"{schedule.name} runs exactly one stage per mesh, but mesh {mesh} has stages "
-                f"{layout.stages_of(mesh)}; use interleaved-1f1b for {layout.num_stages} stages "
-                f"on {layout.num_meshes} meshes (stage s on mesh s mod {layout.num_meshes}), or "
-                f"gpipe, which takes any stage-to-mesh map."
+                f"{layout.stages_of(mesh)}; {instead}."
             )
 
 
@@ -106,7 +119,7 @@ class Interleaved1F1B(Schedule):
 
     def actions(self, layout):
         p, n, m = layout.num_meshes, layout.num_stages, layout.microbatches
-        if n % p or any(layout.stage_to_mesh[s] != s % p for s in range(n)):
+        if not layout.round_robin:
             raise ScheduleError(
                 f"interleaved-1f1b needs stage s on mesh s mod {p} and a whole number of stages "
                 f"per mesh; got stage_to_mesh={list(layout.stage_to_mesh)}."

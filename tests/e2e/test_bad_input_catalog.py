@@ -405,9 +405,15 @@ MISTAKES = [
         lambda w: lower(lambda a, x: accumulating(a, x, schedule=["0F0 0B0", "1F0 1B0"]), w),
     ),
     Mistake(
+        "an unknown schedule name given to compile",
+        errors.ScheduleError,
+        "known schedules: gpipe, 1f1b",
+        lambda w: mpmdc.compile(two_stage, w.meshes, schedule="pipedream"),
+    ),
+    Mistake(
         "1F1B with two stages on one mesh",
         errors.ScheduleError,
-        "use interleaved-1f1b",
+        r"use mpmdc.compile\(\.\.\., schedule='interleaved-1f1b'\)",
         lambda w: lower(lambda a, x: accumulating(a, x), w, stage_to_mesh=(0, 0)),
     ),
     # the command line (exit status 2: usage; 1: the program failed)

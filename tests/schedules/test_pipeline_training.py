@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import mesh_index
 from mpmdc.passes.schedule import action_of, layout_of
@@ -257,8 +258,51 @@ def test_bad_schedules_fail_before_anything_runs(meshes4, schedule, microbatches
 
 def test_eight_stages_on_four_meshes_need_the_interleaved_schedule(meshes4):
     params = init_params(jax.random.key(0), widths("interleaved-1f1b"))
-    with pytest.raises(ScheduleError, match="mesh 0 has stages \\[0, 4\\]; use interleaved-1f1b"):
+    with pytest.raises(
+        ScheduleError,
+        match=re.escape(
+            "mesh 0 has stages [0, 4]; for 8 stages on 4 meshes use "
+            "mpmdc.compile(..., schedule='interleaved-1f1b')"
+        ),
+    ):
         mpmdc.compile(mlp_step_with("1f1b"), meshes4).lower(params, *mlp_data())
+
+
+def test_a_layout_change_is_a_compile_argument_not_a_model_edit(meshes4, meshes2):
+    """The same step (its accumulate names 1f1b) on 4 meshes, and on 2 with two stages
+    each by compile's ``schedule=``: both jax.jit's numbers, bit for bit."""
+    params = init_params(jax.random.key(0), widths("1f1b"))
+    want = jax.jit(sgd_step)(params, *mlp_data())
+    on_four = mpmdc.compile(sgd_step, meshes4)
+    on_two = mpmdc.compile(sgd_step, meshes2, schedule="interleaved-1f1b")
+    for step, meshes in ((on_four, meshes4), (on_two, meshes2)):
+        got = step(params, *mlp_data())
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        assert [mesh_index(w, meshes) for w, _ in got[1]] == [s % len(meshes) for s in range(4)]
+    assert type(on_two.lower(params, *mlp_data()).program("after-schedule").schedule) is (
+        mpmdc.schedules.Interleaved1F1B
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", mpmdc.schedules.GPipe()])
+def test_compiles_schedule_wins_over_accumulates(meshes2, schedule):
+    # 1f1b (named in the step) refuses two stages per mesh; gpipe runs them.
+    params = init_params(jax.random.key(0), widths("1f1b"))
+    step = mpmdc.compile(sgd_step, meshes2, stage_to_mesh=(0, 0, 1, 1), schedule=schedule)
+    lowered = step.lower(params, *mlp_data())
+    assert type(lowered.program("after-schedule").schedule) is mpmdc.schedules.GPipe
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        lowered.compile()(params, *mlp_data()),
+        jax.jit(sgd_step)(params, *mlp_data()),
+    )
+
+
+def test_an_unknown_schedule_name_given_to_compile_names_the_choices(meshes2):
+    with pytest.raises(
+        ScheduleError, match="unknown schedule 'pipedream'; known schedules: gpipe, 1f1b"
+    ):
+        mpmdc.compile(sgd_step, meshes2, schedule="pipedream")
 
 
 def test_two_accumulate_loops_in_one_function_are_refused(meshes2):

@@ -88,7 +88,12 @@ def test_bad_schedules_are_named(lists, says):
     ("schedule", "layout", "says"),
     [
         ("zero-bubble", Layout.make(2, 2), "known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1"),
-        ("1f1b", Layout.make(8, 8, num_meshes=4), "use interleaved-1f1b for 8 stages on 4 meshes"),
+        (
+            "1f1b",
+            Layout.make(8, 8, num_meshes=4),
+            "for 8 stages on 4 meshes use mpmdc.compile(..., schedule='interleaved-1f1b')",
+        ),
+        ("1f1b", Layout.make(4, 4, (0, 0, 1, 1)), "use mpmdc.compile(..., schedule='gpipe')"),
         ("zb-h1", Layout.make(8, 8, num_meshes=4), "zb-h1 runs exactly one stage per mesh"),
         (
             "interleaved-1f1b",
