@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -55,9 +56,19 @@ def unrolled():
         _unrolling.reset(token)
 
 
+def _explicit_split(x) -> tuple[tuple[str, ...], int]:
+    """The ``Explicit`` mesh axes that ``x``'s type splits its leading axis over (axes of
+    other types are not in the type) and how many devices they span."""
+    spec = jax.typeof(x).sharding.spec
+    names = spec[0] if len(spec) else None
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    shape = jax.typeof(x).sharding.mesh.shape
+    return names, math.prod(shape[n] for n in names)
+
+
 def _batch_leaves(xs, microbatches: int):
-    """``(leaves, treedef)`` of ``xs``, every leaf checked to have a leading axis that
-    ``microbatches`` divides."""
+    """``(leaves, rows per microbatch of each, treedef)`` of ``xs``, every leaf checked
+    to have a leading axis that ``microbatches`` divides into slices its sharding fits."""
     leaves, _tree = jax.tree_util.tree_flatten_with_path(xs)
     if not leaves:
         raise AccumulateError("accumulate got no arrays in xs to split into microbatches.")
@@ -73,7 +84,16 @@ def _batch_leaves(xs, microbatches: int):
                 f"{where} has leading size {shape[0]}, which {microbatches} microbatches do not "
                 f"divide; choose a microbatch count that divides every batch size."
             )
-    return [jnp.asarray(x) for _, x in leaves], jax.tree_util.tree_structure(xs)
+        axes, devices = _explicit_split(x)
+        if (shape[0] // microbatches) % devices:
+            raise AccumulateError(
+                f"{where} has its leading axis split over the Explicit mesh axes {axes} "
+                f"({devices} devices), which its microbatches of {shape[0] // microbatches} "
+                f"rows cannot be; choose a microbatch count that leaves a multiple of "
+                f"{devices} rows per microbatch, or reshard xs (jax.sharding.reshard)."
+            )
+    arrays = [jnp.asarray(x) for _, x in leaves]
+    return arrays, [x.shape[0] // microbatches for x in arrays], jax.tree_util.tree_structure(xs)
 
 
 def _reductions(reduce, out_tree):
@@ -136,7 +156,18 @@ def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
     return kinds
 
 
-def _unrolled(fn, leaves, tree, microbatches: int, reduce):
+def _microbatch(leaves, sizes, i) -> list:
+    """Microbatch ``i`` of every leaf: rows ``[i*n, (i+1)*n)`` of a leaf whose
+    microbatches have ``n`` rows. Slices, not a reshape into ``(microbatches, n, ...)``:
+    a slice of a batch sharded along its leading axis is sharded the same way for every
+    axis type, where a reshape of an ``Explicit``-sharded axis has no sharding JAX can
+    infer. ``i`` is a Python int (a static slice) or a traced index (a dynamic one)."""
+    if isinstance(i, int):
+        return [jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)]
+    return [jax.lax.dynamic_slice_in_dim(x, i * n, n) for x, n in zip(leaves, sizes)]
+
+
+def _unrolled(fn, leaves, sizes, tree, microbatches: int, reduce):
     """The loop unrolled for mpmdc: ``fn`` traced once, its jaxpr replayed per microbatch.
 
     Replaying the equations (each keeping its source line; emitted as they are where
@@ -146,7 +177,6 @@ def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     microbatch is a contiguous slice of the leading axis, so a batch sharded along that
     axis gives microbatches sharded the same way.
     """
-    sizes = [x.shape[0] // microbatches for x in leaves]
     one = jax.tree_util.tree_unflatten(
         tree, [jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) for x, n in zip(leaves, sizes)]
     )
@@ -154,13 +184,7 @@ def _unrolled(fn, leaves, tree, microbatches: int, reduce):
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     kinds = _checked_reductions(reduce, out_tree, [y.shape for y in out_leaves])
     replay = compat.replaying_fun(closed)
-
-    def microbatch(i):
-        return mark_microbatch(
-            [jax.lax.slice_in_dim(x, i * n, (i + 1) * n) for x, n in zip(leaves, sizes)], i
-        )
-
-    outs = [replay(*microbatch(i)) for i in range(microbatches)]
+    outs = [replay(*mark_microbatch(_microbatch(leaves, sizes, i), i)) for i in range(microbatches)]
     results = [
         _unrolled_reduction(kind, [o[k] for o in outs], microbatches)
         for k, kind in enumerate(kinds)
@@ -179,26 +203,22 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise AccumulateError(f"microbatches must be a positive int, got {microbatches!r}.")
     schedule = library.get(schedule)
-    leaves, tree = _batch_leaves(xs, microbatches)
+    leaves, sizes, tree = _batch_leaves(xs, microbatches)
     loops = _unrolling.get()
 
     if loops is not None:
         loops.append(Loop(schedule, microbatches))
-        return _unrolled(fn, leaves, tree, microbatches, reduce)
+        return _unrolled(fn, leaves, sizes, tree, microbatches, reduce)
 
-    stacked = jax.tree_util.tree_unflatten(
-        tree,
-        [jnp.reshape(x, (microbatches, x.shape[0] // microbatches, *x.shape[1:])) for x in leaves],
-    )
+    def run(i):
+        return fn(jax.tree_util.tree_unflatten(tree, _microbatch(leaves, sizes, i)))
 
-    first = fn(jax.tree_util.tree_map(lambda x: x[0], stacked))
+    first = run(0)
     first_leaves, out_tree = jax.tree_util.tree_flatten(first)
     kinds = _checked_reductions(reduce, out_tree, [jnp.shape(y) for y in first_leaves])
 
-    rest = jax.tree_util.tree_map(lambda x: x[1:], stacked)
-
-    def body(carry, mb):
-        leaves = jax.tree_util.tree_leaves(fn(mb))
+    def body(carry, i):
+        leaves = jax.tree_util.tree_leaves(run(i))
         new_carry = [
             c if kind == "concat" else _combine(kind, c, y)
             for c, y, kind in zip(carry, leaves, kinds)
@@ -207,7 +227,7 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
         return new_carry, stacked_out
 
     init = [jnp.zeros(()) if kind == "concat" else y for y, kind in zip(first_leaves, kinds)]
-    carry, ys = jax.lax.scan(body, init, rest, length=microbatches - 1)
+    carry, ys = jax.lax.scan(body, init, jnp.arange(1, microbatches))
     results = []
     for y0, c, ys_k, kind in zip(first_leaves, carry, ys, kinds):
         if kind == "concat":

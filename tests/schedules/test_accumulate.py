@@ -1,5 +1,6 @@
 """``mpmdc.accumulate``: the sequential loop under jax.jit, the unrolled form under mpmdc."""
 
+import functools
 import re
 
 import jax
@@ -7,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_as_jit, mesh_index
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from training import assert_trees_close, hand_written_sgd_step, mlp_data, sgd_step
 
 import mpmdc
@@ -105,3 +108,68 @@ def test_microbatches_are_replayed_as_traced_keeping_source_lines(meshes2, monke
     bound = mpmdc.compile(step, meshes2).lower(w, x)
     assert emitted.as_text("input") == bound.as_text("input")
     assert emitted.as_text("stablehlo") == bound.as_text("stablehlo")
+
+
+def _per_microbatch(w, mb):
+    h = jnp.tanh(mb @ w)
+    return {"total": h.sum(), "peak": h.max(0), "rows": h, "both": (h.mean(), h.min())}
+
+
+_REDUCE = {"total": "sum", "peak": "max", "rows": "concat", "both": "mean"}
+
+
+def _accumulated(w, x, microbatches):
+    return mpmdc.accumulate(
+        lambda mb: _per_microbatch(w, mb), x, microbatches=microbatches, reduce=_REDUCE
+    )
+
+
+def _sliced(w, x, microbatches):
+    """The same loop written with slices, reducing in microbatch order."""
+    n = x.shape[0] // microbatches
+    outs = [_per_microbatch(w, x[i * n : (i + 1) * n]) for i in range(microbatches)]
+    total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), outs)
+    return {
+        "total": total["total"],
+        "peak": functools.reduce(jnp.maximum, [o["peak"] for o in outs]),
+        "rows": jnp.concatenate([o["rows"] for o in outs]),
+        "both": jax.tree.map(lambda t: t / microbatches, total["both"]),
+    }
+
+
+@pytest.mark.parametrize("axes", ["explicit", "auto", "manual"])
+def test_under_jit_a_sharded_batch_works_with_every_axis_type(axes):
+    """``jax.make_mesh`` gives Explicit axes: a batch sharded over them has microbatches
+    sharded the same way (a reshape into microbatches has no sharding JAX can infer).
+    Inside ``shard_map`` the axes are Manual. The numbers are the sliced loop's, bit for bit."""
+    kind = jax.sharding.AxisType.Auto if axes == "auto" else jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=jax.devices()[:4])
+    w = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    x = jax.device_put(jnp.arange(64.0).reshape(16, 4) / 16, NamedSharding(mesh, P("data")))
+
+    def run(fn):
+        if axes != "manual":
+            return jax.jit(fn, static_argnums=2)(w, x, 2)
+        per_device = jax.shard_map(
+            lambda w, x: jax.tree.map(lambda a: a[None], fn(w, x, 2)),
+            mesh=mesh,
+            in_specs=(P(), P("data")),
+            out_specs=P("data"),
+        )
+        return jax.jit(per_device)(w, x)
+
+    got, want = run(_accumulated), run(_sliced)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    if axes == "explicit":
+        assert jax.typeof(got["rows"]).sharding.spec[0] == "data"
+
+
+def test_microbatches_an_explicit_sharding_cannot_split_are_named():
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    with pytest.raises(
+        AccumulateError,
+        match=r"xs\['x'\] has its leading axis split over the Explicit mesh axes \('data',\) "
+        r"\(4 devices\), which its microbatches of 2 rows cannot be",
+    ):
+        jax.jit(lambda x: mpmdc.accumulate(lambda mb: mb["x"].sum(), {"x": x}, microbatches=4))(x)
