@@ -87,7 +87,7 @@ def test_donated_inputs_are_consumed(meshes2):
 
 def test_what_runs_is_what_lower_shows_also_when_donating(meshes2, monkeypatch):
     """Donation is decided by the `lower` pass (a fragment parameter), and the runtime
-    compiles exactly the modules of the `stablehlo` stage; it used to lower donating
+    compiles exactly the modules of the `stablehlo` stage; it never lowers donating
     fragments again by itself."""
     compiled = []
 
