@@ -1,7 +1,7 @@
 """The package layout: no module imports from a layer above its own.
 
-The layers, lowest first, are listed in the README's design notes and in each
-package's ``__init__`` docstring. An import inside ``if TYPE_CHECKING:`` names a
+The layers, lowest first, are listed in docs/design.md ("Package layout") and in
+each package's ``__init__`` docstring. An import inside ``if TYPE_CHECKING:`` names a
 type only and does not count.
 """
 
@@ -37,7 +37,7 @@ def layer_of(module: str) -> int:
     for prefix, layer in sorted(LAYERS, key=lambda p: -len(p[0])):
         if module == prefix or module.startswith(prefix + "."):
             return layer
-    raise AssertionError(f"{module} is in no layer; add it to LAYERS and the README's layout")
+    raise AssertionError(f"{module} is in no layer; add it to LAYERS and docs/design.md's layout")
 
 
 def _modules() -> dict[str, pathlib.Path]:
