@@ -54,6 +54,12 @@ def source_line(eqn) -> str:
     return _source_info_util.summarize(eqn.source_info)
 
 
+def user_line() -> str:
+    """Return ``file:line (function)`` of the user code running now (the innermost frame
+    outside JAX and mpmdc): where a mistake found while tracing was made."""
+    return _source_info_util.summarize(_source_info_util.current())
+
+
 def drop_failed_effect_tokens() -> None:
     """Forget the effect tokens of computations that failed.
 

@@ -9,6 +9,7 @@ not retrace.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,11 +21,13 @@ from mpmdc import backends, schedules
 from mpmdc.errors import (
     AccumulateError,
     ArgumentError,
+    IdleMeshWarning,
     OutputError,
     PassError,
     SpecError,
     StageError,
 )
+from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import canonical_spec, spec_problem
@@ -170,6 +173,29 @@ def _through_passes(program: Program, passes, signature, started: float) -> Lowe
 
     run_pipeline(program, passes, record)
     return Lowered(dumps, signature, seconds)
+
+
+def _warn_of_idle_meshes(lowered: Lowered) -> None:
+    """An ``IdleMeshWarning`` for each mesh that runs no fragment of the split program
+    (nothing to say about a pipeline that never splits)."""
+    split = next((p for p in map(lowered.program, reversed(lowered.stages)) if p.is_split), None)
+    if split is None:
+        return
+    stages = {}
+    for eqn in split.jaxpr.jaxpr.eqns:
+        if eqn.primitive is fragment_p:
+            stages.setdefault(eqn.params["mesh"], set()).add(eqn.params["stage"])
+    n = len(split.meshes)
+    running = ", ".join(f"{sorted(stages[m])} on mesh{m}" for m in sorted(stages))
+    for m in sorted(set(range(n)) - set(stages)):
+        warnings.warn(
+            f"mesh{m} {dict(split.meshes[m].shape)} runs no stage and sits idle every step: "
+            f"the program runs stages {running}. Mark a stage for it (stage s runs on "
+            f"meshes[s % {n}] unless stage_to_mesh says otherwise) or compile over fewer "
+            f"meshes.",
+            IdleMeshWarning,
+            stacklevel=2,
+        )
 
 
 class Lowered:
@@ -429,7 +455,9 @@ class Compiled:
         signature = Signature(
             in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree
         )
-        return _through_passes(program, passes, signature, started)
+        lowered = _through_passes(program, passes, signature, started)
+        _warn_of_idle_meshes(lowered)
+        return lowered
 
     def _trace(self, in_tree, static: dict, in_types):
         """``(closed jaxpr, accumulate loop or None, output treedef, output paths)`` of
@@ -453,7 +481,8 @@ class Compiled:
             closed = jax.make_jaxpr(flat_fn)(*leaf_types)
         if len(loops) > 1:
             raise AccumulateError(
-                f"the function runs mpmdc.accumulate {len(loops)} times; mpmdc.compile pipelines "
+                f"the function runs mpmdc.accumulate {len(loops)} times (at "
+                f"{' and at '.join(loop.called_at for loop in loops)}); mpmdc.compile pipelines "
                 f"one microbatch loop per function. Put all per-microbatch work in one "
                 f"accumulate call (it can return a pytree of results)."
             )

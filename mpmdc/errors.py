@@ -89,3 +89,8 @@ class AccumulateError(MpmdcError):
 class PlacementWarning(UserWarning):
     """Work that mpmdc could not keep next to its values: it runs on one mesh and reads
     arrays that live on others every step (named with its source line)."""
+
+
+class IdleMeshWarning(UserWarning):
+    """A mesh handed to ``mpmdc.compile`` that runs no stage of the program: it sits idle
+    every step (named with the stages and the meshes they run on)."""

@@ -36,24 +36,28 @@ stage_p = jcore.Primitive("stage")
 stage_p.multiple_results = True
 
 
+def _stage_error(problem: str) -> StageError:
+    """A ``StageError`` naming the user's line that called ``mpmdc.stage``."""
+    return StageError(f"mpmdc.stage at {compat.user_line()}: {problem}")
+
+
 def _checked_stage_index(index) -> int:
     if isinstance(index, jax.core.Tracer):
-        raise StageError(
-            "mpmdc.stage: the stage index depends on a traced value; stage indices "
-            "must be Python ints known when the function is traced (compute them "
-            "from Python loop counters, not from arrays)."
+        raise _stage_error(
+            "the stage index depends on a traced value; stage indices must be Python ints "
+            "known when the function is traced (compute them from Python loop counters, not "
+            "from arrays)."
         )
     if isinstance(index, bool):
-        raise StageError(f"mpmdc.stage: stage index must be an int, got bool {index!r}.")
+        raise _stage_error(f"stage index must be an int, got bool {index!r}.")
     try:
         index = operator.index(index)
     except TypeError:
-        raise StageError(
-            f"mpmdc.stage: stage index must be a non-negative int, got "
-            f"{type(index).__name__} {index!r}."
+        raise _stage_error(
+            f"stage index must be a non-negative int, got {type(index).__name__} {index!r}."
         ) from None
     if index < 0:
-        raise StageError(f"mpmdc.stage: stage index must be non-negative, got {index}.")
+        raise _stage_error(f"stage index must be non-negative, got {index}.")
     return index
 
 

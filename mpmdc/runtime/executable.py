@@ -332,6 +332,7 @@ class Executable:
         that the call ends only when this process's work is done, or fails within the
         fault timeout (:class:`~mpmdc.runtime.peers.Progress`).
         """
+        self._check_alive(leaves)
         env = self._start(leaves)
         read = env.__getitem__
         progress = Progress(_announced_fault) if self.multiprocess else None
@@ -361,6 +362,18 @@ class Executable:
             results = None
             raise (_announced_fault if self.multiprocess else _fault)(self._steps[k], err) from err
         return self._finish(env)
+
+    def _check_alive(self, leaves) -> None:
+        """An ``ArgumentError`` naming an argument whose buffer is gone, checked before
+        anything runs: otherwise the first fragment reading it fails, naming only itself."""
+        for x, path in zip(leaves, self.signature.in_paths):
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise ArgumentError(
+                    f"argument {path} was donated to an earlier call (or deleted), so its "
+                    f"buffer is gone. Pass what that call returned in its place (a training "
+                    f"loop feeds results back: params = step(params, ...)), or leave it out of "
+                    f"donate_argnums to keep it."
+                )
 
     def _start(self, leaves) -> list:
         env = list(self._initial)

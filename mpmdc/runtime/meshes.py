@@ -42,6 +42,14 @@ def make_meshes(
     per_mesh = math.prod(axes.values())
     if n * per_mesh > len(devices):
         hint = "use fewer or smaller meshes"
+        if all(d.platform == "cpu" for d in devices) and jax.process_count() == 1:
+            # JAX fixes the CPU device count when it starts, which it has by now.
+            hint += (
+                f", or get {n * per_mesh} virtual CPU devices: put "
+                f'jax.config.update("jax_num_cpu_devices", {n * per_mesh}) right after '
+                f"`import jax`, before anything starts JAX (or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n * per_mesh})"
+            )
         if os.environ.get(ENV_COORDINATOR) and not jax.distributed.is_initialized():
             hint = (
                 "this process was started by `mpmdc launch`, but jax.distributed is not running: call "

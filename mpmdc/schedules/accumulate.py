@@ -31,10 +31,12 @@ REDUCTIONS = ("sum", "mean", "concat", "max")
 
 @dataclass(frozen=True)
 class Loop:
-    """What an unrolled ``accumulate`` call leaves for the ``schedule`` pass."""
+    """What an unrolled ``accumulate`` call leaves for the ``schedule`` pass, and the
+    user's line that called it."""
 
     schedule: library.Schedule
     microbatches: int
+    called_at: str
 
 
 _unrolling: contextvars.ContextVar[list[Loop] | None] = contextvars.ContextVar(
@@ -56,6 +58,11 @@ def unrolled():
         _unrolling.reset(token)
 
 
+def _error(problem: str) -> AccumulateError:
+    """An ``AccumulateError`` naming the user's line that called ``mpmdc.accumulate``."""
+    return AccumulateError(f"mpmdc.accumulate at {compat.user_line()}: {problem}")
+
+
 def _explicit_split(x) -> tuple[tuple[str, ...], int]:
     """The ``Explicit`` mesh axes that ``x``'s type splits its leading axis over (axes of
     other types are not in the type) and how many devices they span."""
@@ -71,22 +78,22 @@ def _batch_leaves(xs, microbatches: int):
     to have a leading axis that ``microbatches`` divides into slices its sharding fits."""
     leaves, _tree = jax.tree_util.tree_flatten_with_path(xs)
     if not leaves:
-        raise AccumulateError("accumulate got no arrays in xs to split into microbatches.")
+        raise _error("xs holds no arrays to split into microbatches.")
     for path, x in leaves:
         shape = jnp.shape(x)
-        where = "xs" + jax.tree_util.keystr(path)
+        where = f"xs{jax.tree_util.keystr(path)}"
         if not shape:
-            raise AccumulateError(
+            raise _error(
                 f"{where} is a scalar; accumulate splits the leading axis of every leaf of xs."
             )
         if shape[0] % microbatches:
-            raise AccumulateError(
+            raise _error(
                 f"{where} has leading size {shape[0]}, which {microbatches} microbatches do not "
                 f"divide; choose a microbatch count that divides every batch size."
             )
         axes, devices = _explicit_split(x)
         if (shape[0] // microbatches) % devices:
-            raise AccumulateError(
+            raise _error(
                 f"{where} has its leading axis split over the Explicit mesh axes {axes} "
                 f"({devices} devices), which its microbatches of {shape[0] // microbatches} "
                 f"rows cannot be; choose a microbatch count that leaves a multiple of "
@@ -102,13 +109,13 @@ def _reductions(reduce, out_tree):
     try:
         names = broadcast_prefix(reduce, outputs, lambda r: isinstance(r, str))
     except ValueError as err:
-        raise AccumulateError(
+        raise _error(
             f"reduce={reduce!r} does not match the structure of fn's outputs: {err}. Give one "
             f"of {REDUCTIONS} or a pytree prefix of them."
         ) from None
     for r in names:
         if r not in REDUCTIONS:
-            raise AccumulateError(f"unknown reduction {r!r}; use one of {', '.join(REDUCTIONS)}.")
+            raise _error(f"unknown reduction {r!r}; use one of {', '.join(REDUCTIONS)}.")
     return names
 
 
@@ -150,9 +157,7 @@ def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
     kinds = _reductions(reduce, out_tree)
     for shape, kind in zip(shapes, kinds):
         if kind == "concat" and not shape:
-            raise AccumulateError(
-                "reduce='concat' needs outputs with a leading axis; fn returned a scalar."
-            )
+            raise _error("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
     return kinds
 
 
@@ -201,13 +206,13 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     microbatches' fragments on the meshes; it does not change the result.
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise AccumulateError(f"microbatches must be a positive int, got {microbatches!r}.")
+        raise _error(f"microbatches must be a positive int, got {microbatches!r}.")
     schedule = library.get(schedule)
     leaves, sizes, tree = _batch_leaves(xs, microbatches)
     loops = _unrolling.get()
 
     if loops is not None:
-        loops.append(Loop(schedule, microbatches))
+        loops.append(Loop(schedule, microbatches, compat.user_line()))
         return _unrolled(fn, leaves, sizes, tree, microbatches, reduce)
 
     def run(i):

@@ -56,7 +56,7 @@ class World:
     """What the mistakes are made against: meshes, a working compiled step, its arguments."""
 
     meshes: list
-    step: mpmdc.Compiled
+    step: mpmdc.Wrapped
     w: jax.Array
     x: jax.Array
     tmp: Path
@@ -81,6 +81,25 @@ class Mistake:
 
 def lower(fn, world, *args, **compile_kwargs):
     return mpmdc.compile(fn, world.meshes, **compile_kwargs).lower(*(args or (world.w, world.x)))
+
+
+def two_loops(w, x):
+    first = mpmdc.accumulate(lambda mb: two_stage(w, mb), x, microbatches=2)
+    return first + mpmdc.accumulate(lambda mb: two_stage(w, mb), x, microbatches=2)
+
+
+def reusing_a_donated_argument(world):
+    """A donating step called again with one of the arrays it consumed (the other fed back)."""
+
+    def update(p, x):
+        loss, grad = jax.value_and_grad(two_stage)(p[1], x)
+        return loss, (p[0] + 1, p[1] - 0.1 * grad)
+
+    step = mpmdc.compile(update, world.meshes, donate_argnums=0)
+    state = (jnp.zeros(()), world.w + 0)
+    state = jax.device_put(state, step.input_shardings(state, world.x)[0][0])
+    _, new = step(state, world.x)
+    return step((new[0], state[1]), world.x)
 
 
 def marker_in_scan(w, x):
@@ -114,6 +133,12 @@ MISTAKES = [
         lambda w: mpmdc.compile(two_stage, [w.meshes[0], object()]),
     ),
     Mistake(
+        "more meshes than the devices JAX shows",
+        errors.MeshError,
+        r'need 32 devices but only 8 are available; .*jax.config.update\("jax_num_cpu_devices", 32\)',
+        lambda w: mpmdc.make_meshes(16, {"data": 2}),
+    ),
+    Mistake(
         "meshes on two platforms",
         errors.MeshError,
         r"mix platforms: cpu \(meshes\[0\]\), tpu \(meshes\[1\]\)",
@@ -128,7 +153,7 @@ MISTAKES = [
     Mistake(
         "a negative stage index",
         errors.StageError,
-        "non-negative, got -1",
+        r"mpmdc.stage at .*test_bad_input_catalog.py:\d+:\d+ \(<lambda>\): .*non-negative, got -1",
         lambda w: mpmdc.stage(w.x, -1),
     ),
     Mistake(
@@ -205,6 +230,12 @@ MISTAKES = [
         errors.ArgumentError,
         r"donate_argnums contains 5",
         lambda w: lower(two_stage, w, donate_argnums=5),
+    ),
+    Mistake(
+        "reusing an argument donated by an earlier call",
+        errors.ArgumentError,
+        r"argument args\[0\]\[1\] was donated to an earlier call",
+        reusing_a_donated_argument,
     ),
     Mistake(
         "calling with a different shape",
@@ -336,7 +367,8 @@ MISTAKES = [
     Mistake(
         "microbatches that do not divide the batch",
         errors.AccumulateError,
-        "5 microbatches do not divide",
+        r"mpmdc.accumulate at .*test_bad_input_catalog.py:\d+:\d+ \(accumulating\): xs has "
+        r"leading size 4, which 5 microbatches do not divide",
         lambda w: lower(lambda a, x: accumulating(a, x, microbatches=5), w),
     ),
     Mistake(
@@ -374,8 +406,9 @@ MISTAKES = [
     Mistake(
         "two accumulate loops in one function",
         errors.AccumulateError,
-        "runs mpmdc.accumulate 2 times",
-        lambda w: lower(lambda a, x: accumulating(a, x) + accumulating(a, x), w),
+        r"runs mpmdc.accumulate 2 times \(at .*:\d+:\d+ \(two_loops\) and at .*:\d+:\d+ "
+        r"\(two_loops\)\)",
+        lambda w: lower(two_loops, w),
     ),
     # schedules
     Mistake(

@@ -5,6 +5,8 @@ Each case is an Optax optimizer on a residual model whose blocks end in a bias (
 ``Linear`` default), the shape that can pull bias gradients to the next stage.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -156,3 +158,23 @@ def test_the_transfer_report_counts_each_kind_of_value(meshes4):
     assert report.inputs_held == (embedding + weight + token_ids, weight, 0, 0)
     text = report.as_text()
     assert "mesh0 -> mesh1" in text and "parameters/optimizer state B" in text
+
+
+def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():
+    """Stages 0 and 2 on 3 meshes leave mesh1 idle every step: said once it is lowered,
+    naming the mesh; a layout using every mesh says nothing."""
+
+    def gapped(w, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ w)
+        return jnp.sum(mpmdc.stage(h, 2) ** 2)
+
+    meshes = mpmdc.make_meshes(3, {"data": 2})
+    w, x = jnp.full((4, 4), 0.25), jnp.ones((4, 4))
+    with pytest.warns(
+        mpmdc.errors.IdleMeshWarning,
+        match=r"mesh1 \{'data': 2\} runs no stage .* stages \[0\] on mesh0, \[2\] on mesh2",
+    ):
+        mpmdc.compile(gapped, meshes).lower(w, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpmdc.errors.IdleMeshWarning)
+        mpmdc.compile(gapped, meshes[:2], stage_to_mesh=(0, 0, 1)).lower(w, x)
