@@ -25,7 +25,14 @@ from jax.extend.core import primitives as jprims
 from jax.interpreters import partial_eval as pe
 from mpmdc.passes.base import register
 
-from mpmdc.ir.program import Program, is_var, make_closed_jaxpr
+from mpmdc.ir.program import (
+    Program,
+    copy_eqn,
+    fresh_like,
+    is_var,
+    make_closed_jaxpr,
+    substituted,
+)
 
 
 def _is_scalar_work(eqn) -> bool:
@@ -36,11 +43,19 @@ def _is_scalar_work(eqn) -> bool:
     )
 
 
+def _is_scalar(v) -> bool:
+    return getattr(v.aval, "shape", None) == ()
+
+
 class _Groups:
-    """Union-find over result indices."""
+    """Union-find over result indices; more indices can be added as it grows."""
 
     def __init__(self, n: int):
         self.parent = list(range(n))
+
+    def add(self) -> int:
+        self.parent.append(len(self.parent))
+        return len(self.parent) - 1
 
     def find(self, i: int) -> int:
         while self.parent[i] != i:
@@ -53,16 +68,22 @@ class _Groups:
         for r in rest:
             self.parent[r] = first
 
-    def groups(self) -> list[list[int]]:
+    def groups(self, n: int) -> list[list[int]]:
+        """The groups of the first ``n`` indices."""
         by_root: dict[int, list[int]] = {}
-        for i in range(len(self.parent)):
+        for i in range(n):
             by_root.setdefault(self.find(i), []).append(i)
         return sorted(by_root.values())
 
 
-def _result_groups(branches) -> list[list[int]]:
-    """Result indices grouped so that no two groups need one non-scalar value."""
-    groups = _Groups(len(branches[0].jaxpr.outvars))
+def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
+    """Result indices grouped so that no two groups need one non-scalar value.
+
+    With ``scalars_shared``, a reduction to a scalar (a partial norm) does not join the
+    results that read its value: it is a group of its own, as if its scalar could be
+    handed to them. Results apart then but not otherwise share only such scalars."""
+    n = len(branches[0].jaxpr.outvars)
+    groups = _Groups(n)
     for branch in branches:
         needed_by: dict = {}
         for j, v in enumerate(branch.jaxpr.outvars):
@@ -72,12 +93,37 @@ def _result_groups(branches) -> list[list[int]]:
             results = set().union(*(needed_by.get(v, ()) for v in eqn.outvars))
             if not results:
                 continue
-            if len(results) > 1 and not _is_scalar_work(eqn):
+            if _is_scalar_work(eqn):
+                pass
+            elif scalars_shared and all(map(_is_scalar, eqn.outvars)):
+                results = {groups.add()}
+            elif len(results) > 1:
                 groups.union(results)
             for a in eqn.invars:
                 if is_var(a):
                     needed_by.setdefault(a, set()).update(results)
-    return groups.groups()
+    return groups.groups(n)
+
+
+# Work worth skipping when a branch is not taken: a conditional over it stays one.
+_COSTLY = frozenset(
+    {
+        jprims.dot_general_p,
+        jprims.conv_general_dilated_p,
+        jprims.while_p,
+        jprims.scan_p,
+        jprims.cond_p,
+    }
+)
+
+
+def _only_elementwise(jaxprs) -> bool:
+    """No matrix product, convolution or loop anywhere in ``jaxprs`` (nested included)."""
+    return not any(
+        eqn.primitive in _COSTLY or not _only_elementwise(jcore.jaxprs_in_params(eqn.params))
+        for jaxpr in jaxprs
+        for eqn in jaxpr.eqns
+    )
 
 
 def _branches_for(branches, results: list[int]) -> tuple[tuple, list[bool]]:
@@ -95,25 +141,60 @@ def _branches_for(branches, results: list[int]) -> tuple[tuple, list[bool]]:
     return new, reads
 
 
-def _fissioned(eqn) -> list:
-    """``eqn`` (a ``cond``) as one conditional per group of its results."""
+def _predicated(eqn, branches, operands, outvars, consts: dict) -> list:
+    """Every branch's equations, inlined, and one ``select_n`` on the index per result:
+    the branches' elementwise work runs whichever is taken, so ``partition`` places each
+    value's share of it (and of any reduction across values) on that value's mesh.
+    ``consts`` gathers the branches' constants as new top-level constants."""
+    eqns, cases = [], []
+    for branch in branches:
+        env = {}
+        for var, value in zip(branch.jaxpr.constvars, branch.consts):
+            env[var] = fresh_like(var)
+            consts[env[var]] = value
+        env.update(zip(branch.jaxpr.invars, operands))
+        eqns += [copy_eqn(e, env) for e in branch.jaxpr.eqns]
+        cases.append(substituted(branch.jaxpr.outvars, env))
+    for out, chosen in zip(outvars, zip(*cases)):
+        eqns.append(
+            eqn.replace(
+                primitive=jprims.select_n_p,
+                invars=[eqn.invars[0], *chosen],
+                outvars=[out],
+                params={},
+                effects=jcore.no_effects,
+            )
+        )
+    return eqns
+
+
+def _fissioned(eqn, consts: dict) -> list:
+    """``eqn`` (a ``cond``) as one conditional per group of its results, or as selects
+    where a group shares only scalar reductions between its arrays."""
     branches = eqn.params["branches"]
     if eqn.effects or any(b.effects for b in branches):
         return [eqn]
     groups = _result_groups(branches)
-    if len(groups) < 2:
+    finer = _result_groups(branches, scalars_shared=True)
+    if len(groups) == len(finer) == 1:
         return [eqn]
     index, operands = eqn.invars[0], eqn.invars[1:]
     out = []
     for results in groups:
         new_branches, reads = _branches_for(branches, results)
-        out.append(
-            eqn.replace(
-                invars=[index, *(a for a, r in zip(operands, reads) if r)],
-                outvars=[eqn.outvars[j] for j in results],
-                params={**eqn.params, "branches": new_branches},
+        used = [a for a, r in zip(operands, reads) if r]
+        outvars = [eqn.outvars[j] for j in results]
+        split_further = sum(1 for g in finer if g[0] in results) > 1
+        if split_further and _only_elementwise(b.jaxpr for b in new_branches):
+            out += _predicated(eqn, new_branches, used, outvars, consts)
+        else:
+            out.append(
+                eqn.replace(
+                    invars=[index, *used],
+                    outvars=outvars,
+                    params={**eqn.params, "branches": new_branches},
+                )
             )
-        )
     return out
 
 
@@ -122,13 +203,18 @@ def cond_fission(program: Program) -> Program:
     """Replace each top-level ``cond`` by one conditional per group of results that share
     no non-scalar work (see the module docstring)."""
     closed = program.jaxpr
-    eqns = []
+    eqns, consts = [], {}
     for eqn in closed.jaxpr.eqns:
-        eqns.extend(_fissioned(eqn) if eqn.primitive is jprims.cond_p else [eqn])
+        eqns.extend(_fissioned(eqn, consts) if eqn.primitive is jprims.cond_p else [eqn])
     if len(eqns) == len(closed.jaxpr.eqns):
         return program
     jaxpr = closed.jaxpr
     new = make_closed_jaxpr(
-        jaxpr.constvars, closed.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
+        [*jaxpr.constvars, *consts],
+        [*closed.consts, *consts.values()],
+        jaxpr.invars,
+        jaxpr.outvars,
+        eqns,
+        jaxpr.debug_info,
     )
     return program.replace(jaxpr=new)

@@ -584,8 +584,10 @@ _CONTROL_FLOW = frozenset({jprims.cond_p, jprims.while_p})
 
 def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
     """A ``PlacementWarning`` for each conditional or loop reading arrays (not scalars)
-    that live on another mesh than its own: placement is a result, never silent."""
+    that live on another mesh than its own, other than a stage marker's activation or
+    cotangent (which cross meshes by design): placement is a result, never silent."""
     mesh_of = dict(zip(program.jaxpr.jaxpr.invars, in_meshes))
+    crossing = set()  # values entering a stage: moved between meshes by design
     for eqn in eqns:
         mesh = program.mesh_of_stage(placement_of(eqn).stage)
         if eqn.primitive in _CONTROL_FLOW:
@@ -594,6 +596,7 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
                     mesh_of[a]
                     for a in eqn.invars
                     if is_var(a)
+                    and a not in crossing
                     and getattr(a.aval, "shape", ()) != ()
                     and mesh_of.get(a, mesh) != mesh
                 }
@@ -603,12 +606,14 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
                 warnings.warn(
                     f"`{eqn.primitive.name}` at {compat.source_line(eqn)} runs on mesh{mesh} "
                     f"and reads arrays living on {others} every call: its branches or body "
-                    f"share work between values of several meshes (e.g. a global norm inside "
-                    f"the conditional), so it cannot be cut per mesh. Compute that shared "
-                    f"value outside the conditional to keep each stage's work on its mesh.",
+                    f"share costly work (a matrix product, a loop) between values of several "
+                    f"meshes, so it cannot be cut per mesh. Compute that shared value outside "
+                    f"the conditional or loop to keep each stage's work on its mesh.",
                     PlacementWarning,
                     stacklevel=2,
                 )
+        if is_marker(eqn):
+            crossing.update(eqn.outvars)
         mesh_of.update((v, mesh) for v in eqn.outvars)
 
 

@@ -500,11 +500,12 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 @settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
 @given(
     programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"}),
-    st.booleans(),
+    st.sampled_from(["none", "norm_outside", "norm_inside"]),
 )
 def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc, skip_step):
     """Random programs as the loss of a training step with global-norm clipping and
-    momentum, the update applied in a skip-step ``lax.cond`` (on a finite loss) or not:
+    momentum, the update applied in a skip-step ``lax.cond`` (on a finite loss, the
+    global norm computed before it or inside its branch) or not:
     equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
     its momentum, both with the parameter's spec (so a loop feeding them back moves and
     compiles nothing). A parameter several meshes read is sent to them and its gradient
@@ -520,19 +521,24 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc, skip_
 
         def step(params, momenta):
             loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*ps)))(params)
-            norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
-            scale = jnp.minimum(1.0, 1.0 / (norm + 1e-6))
+
+            def clip_scale():
+                norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
+                return jnp.minimum(1.0, 1.0 / (norm + 1e-6))
+
+            scale = clip_scale() if skip_step != "norm_inside" else None
 
             def update(params, momenta):
-                momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
+                s = clip_scale() if scale is None else scale
+                momenta = [0.9 * m + s * g for m, g in zip(momenta, grads)]
                 return [p - 0.1 * m for p, m in zip(params, momenta)], momenta
 
-            if skip_step:  # one conditional over every stage's state (cond-fission)
+            if skip_step == "none":
+                params, momenta = update(params, momenta)
+            else:  # one conditional over every stage's state (cond-fission)
                 params, momenta = jax.lax.cond(
                     jnp.isfinite(loss), update, lambda p, m: (p, m), params, momenta
                 )
-            else:
-                params, momenta = update(params, momenta)
             return loss, params, momenta
 
         return step
