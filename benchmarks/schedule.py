@@ -1,7 +1,7 @@
 """Bubble fraction of a real run against the simulator and the formula.
 
 Runs the 8-layer transformer step (8 microbatches, 4 meshes of 2 CPU devices) under
-each schedule with `Executable.run_timed` (one thread per mesh), and compares the
+each schedule with `Compiled.run_timed` (one thread per mesh), and compares the
 measured timeline's bubble fraction with the simulator's, given unit costs and
 given the measured fragment times, and with (p-1)/(m+p-1) where it applies.
 

@@ -16,11 +16,11 @@ from mpmdc import (
     passes,
     schedules,
 )
-from mpmdc.api import Compiled, Lowered, compile
+from mpmdc.api import Lowered, Traced, Wrapped, compile
 from mpmdc.distributed import fetch
 from mpmdc.errors import MpmdcError
 from mpmdc.ir.primitives import stage
-from mpmdc.runtime.executable import Executable
+from mpmdc.runtime.executable import Compiled
 from mpmdc.runtime.meshes import make_meshes
 from mpmdc.schedules.accumulate import accumulate
 
@@ -33,9 +33,10 @@ for _package in (_jax_compat, lowering, passes):
 
 __all__ = [
     "Compiled",
-    "Executable",
     "Lowered",
     "MpmdcError",
+    "Traced",
+    "Wrapped",
     "accumulate",
     "backends",
     "compile",

@@ -1,4 +1,6 @@
-"""The public entry points: ``compile`` returning ``Compiled``, ``Lowered`` and the executable.
+"""The public entry points, named as ``jax.stages``: ``compile`` returns a :class:`Wrapped`
+function; ``trace`` gives a :class:`Traced`, ``lower`` a :class:`Lowered` (the IR after
+every pass) and ``Lowered.compile`` the runtime's :class:`Compiled`.
 
 ``compile`` is lazy like ``jax.jit``: nothing is traced until the first call or
 ``lower``, and executables are cached per input signature (pytree structure,
@@ -8,9 +10,11 @@ not retrace.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -35,7 +39,7 @@ from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.passes.lower import handing_modules_to
 from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
 from mpmdc.runtime.compiling import FragmentCompiler
-from mpmdc.runtime.executable import Executable, Signature, leaf_type
+from mpmdc.runtime.executable import Compiled, Signature, leaf_type
 from mpmdc.runtime.meshes import check_meshes
 from mpmdc.runtime.transfers import is_here
 from mpmdc.schedules.accumulate import unrolled
@@ -55,6 +59,56 @@ def _normalize_argnums(argnums, what: str) -> tuple[int, ...]:
             f"{what} must be an int or a sequence of ints, got {argnums!r}."
         ) from None
     return out
+
+
+def _normalize_argnames(argnames, what: str) -> tuple[str, ...]:
+    if isinstance(argnames, str):
+        argnames = (argnames,)
+    try:
+        out = tuple(argnames)
+    except TypeError:
+        out = (None,)
+    if not all(isinstance(a, str) for a in out):
+        raise ArgumentError(f"{what} must be a str or a sequence of str, got {argnames!r}.")
+    return out
+
+
+def _parameters(fn) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters, ``None`` for a callable without a signature to read."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _positional_names(params) -> list[str]:
+    """The names of the parameters an argument may be passed to by position."""
+    return [p.name for p in params or () if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _by_other_name(fn, params, argnums, argnames, what: str):
+    """``(argnums, argnames)`` that ``argnames`` and ``argnums`` also mean, read from
+    ``fn``'s ``params`` as ``jax.jit`` does: a parameter named in ``argnames`` is also
+    static (or donated) when passed by position, one whose index is in ``argnums`` also
+    when passed by keyword. A name ``fn`` takes no keyword argument by is an
+    ``ArgumentError`` (unless it takes ``**kwargs``)."""
+    if params is None:
+        return (), ()
+    positional = _positional_names(params)
+    keyword = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [a for a in argnames if a not in keyword]
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise ArgumentError(
+            f"{what} names {unknown}, but {getattr(fn, '__name__', 'the function')} takes no "
+            f"keyword argument so named; its keyword parameters: {', '.join(keyword) or 'none'}."
+        )
+    nums = tuple(i for i, name in enumerate(positional) if name in argnames)
+    names = tuple(
+        positional[i]
+        for i in argnums
+        if -len(positional) <= i < len(positional) and positional[i] in keyword
+    )
+    return nums, names
 
 
 def _check_argnums(argnums, nargs: int, what: str) -> tuple[int, ...]:
@@ -126,7 +180,7 @@ def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
     return spec
 
 
-def _serves(exe_key, exe: Executable, key, given) -> bool:
+def _serves(exe_key, exe: Compiled, key, given) -> bool:
     """Whether ``exe`` (built for ``exe_key``) is the program for a call keyed ``key``:
     every argument leaf has the spec it had then, or one the program ignores (an
     ``in_specs`` entry was ``given`` for it), or the spec the program chose for a leaf
@@ -151,24 +205,37 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
         ) from None
 
 
-def _donated(dynamic, kwargs, donate) -> tuple[bool, ...]:
-    """Per flat input, whether its argument is donated (keyword arguments never are)."""
-    donated = []
-    for i, a in dynamic:
-        donated += [i in donate] * len(jax.tree_util.tree_leaves(a))
-    return tuple(donated + [False] * len(jax.tree_util.tree_leaves(kwargs)))
+@dataclass(frozen=True)
+class _Call:
+    """A call's arguments told apart as ``jax.jit`` does."""
+
+    static_args: tuple  # ((index, value), ...): the static positional arguments
+    static_kwargs: tuple  # ((name, value), ...) by name: the static keyword arguments
+    dynamic: tuple  # ((index, value), ...): the other positional arguments
+    kwargs: dict  # the other keyword arguments
+    donate: tuple[int, ...]  # donated positional arguments
+    donate_names: tuple[str, ...]  # donated keyword arguments (of those passed)
+
+    def donated(self) -> tuple[bool, ...]:
+        """Per flat input (positional arguments, then keywords by name), whether it is donated."""
+        flags = []
+        for i, a in self.dynamic:
+            flags += [i in self.donate] * len(jax.tree_util.tree_leaves(a))
+        for name in sorted(self.kwargs):  # the order a dict's leaves flatten in
+            flags += [name in self.donate_names] * len(jax.tree_util.tree_leaves(self.kwargs[name]))
+        return tuple(flags)
 
 
-def _through_passes(program: Program, passes, signature, started: float) -> Lowered:
+def _through_passes(program: Program, passes, signature, trace_seconds: float) -> Lowered:
     """``program`` taken through ``passes``, with every stage and its wall time kept
-    (``input``'s time is what was spent since ``started``: tracing)."""
+    (``input``'s time is ``trace_seconds``, what tracing took)."""
     dumps, seconds = [], {}
-    last = started
+    last = time.perf_counter()
 
     def record(name, p):
         nonlocal last
         now = time.perf_counter()
-        seconds[name], last = now - last, now
+        seconds[name], last = (trace_seconds if name == "input" else now - last), now
         dumps.append((name, p))
 
     run_pipeline(program, passes, record)
@@ -199,7 +266,8 @@ def _warn_of_idle_meshes(lowered: Lowered) -> None:
 
 
 class Lowered:
-    """A program taken through every pass, with the IR after each one kept for inspection."""
+    """A program taken through every pass, with the IR after each one kept for inspection
+    (as ``jax.stages.Lowered``: ``as_text``, ``compile``)."""
 
     def __init__(self, dumps: list[tuple[str, Program]], signature: Signature, seconds=None):
         self._dumps = dict(dumps)
@@ -220,22 +288,24 @@ class Lowered:
             raise PassError(f"unknown stage {stage!r}; stages: {', '.join(self._order)}.")
         return self._dumps[stage]
 
-    def as_text(self, stage: str = "after-split", platform: str | None = None) -> str:
+    def as_text(
+        self, stage: str = "after-split", platform: str | None = None, *, backend: str | None = None
+    ) -> str:
         """Deterministic text of the IR after ``stage``.
 
-        ``platform`` (a backend name) picks which backend's modules the ``stablehlo``
-        stage shows; the other stages do not depend on it.
+        ``platform`` or ``backend`` picks whose modules the ``stablehlo`` stage shows, as
+        for :meth:`stablehlo`; the other stages do not depend on it.
         """
         program = self.program(stage)
-        if stage == "stablehlo" and platform is not None:
-            program = self._lowered(platform)
+        if stage == "stablehlo" and (platform is not None or backend is not None):
+            program = self._lowered(platform, backend)
         return program.as_text()
 
     def rerun(self, passes) -> Lowered:
         """The traced program (stage ``input``) taken through ``passes`` instead: names,
         ``name{option=value}`` texts, one comma-separated text, or pass objects."""
         return _through_passes(
-            self.program("input"), resolve(passes), self.signature, time.perf_counter()
+            self.program("input"), resolve(passes), self.signature, self.seconds.get("input", 0.0)
         )
 
     def _last_split(self, unlowered: bool = False) -> Program:
@@ -248,41 +318,92 @@ class Lowered:
             f"include the `split` pass to compile or emit StableHLO."
         )
 
-    def _lowered(self, platform: str | None) -> Program:
-        """The split program lowered for backend ``platform`` (default: the program's own)."""
+    def _lowered(self, platform: str | None = None, backend: str | None = None) -> Program:
+        """The split program lowered for ``platform`` or ``backend`` (see :meth:`stablehlo`)."""
         from mpmdc.passes.lower import lower
 
         last = self._last_split()
-        key = platform or last.backend
+        key = backends.choose(platform, backend, default=last.backend)
         if last.module_keys is not None and last.backend == key:
             return last
         if key not in self._by_backend:
             self._by_backend[key] = lower(self._last_split(unlowered=True), backend=key)
         return self._by_backend[key]
 
-    def stablehlo(self, platform: str | None = None) -> dict[str, str]:
-        """``{fragment name: StableHLO text}`` for backend ``platform`` (default: the program's)."""
-        return dict(self._lowered(platform).modules)
+    def stablehlo(
+        self, platform: str | None = None, *, backend: str | None = None
+    ) -> dict[str, str]:
+        """``{fragment name: StableHLO text}`` for ``platform`` (``cpu``, ``cuda``, ``rocm``
+        or ``tpu``) or for the registered ``backend`` (an in-program transfer variant,
+        say); by default for the program's own backend.
+
+        A platform keeps the program's backend where it lowers for that platform (its
+        transfers and compiler options with it), else takes the platform's built-in one.
+        """
+        return dict(self._lowered(platform, backend).modules)
 
     def transfer_report(self) -> TransferReport:
         """What a step moves between meshes (per mesh pair and kind of value) and what
         each mesh holds; see ``mpmdc.ir.traffic``."""
         return transfer_report(self._last_split())
 
-    def compile(self) -> Executable:
-        """Compile every fragment for its mesh; returns a callable ``Executable``.
+    def compile(self) -> Compiled:
+        """Compile every fragment for its mesh; returns the callable :class:`Compiled`.
 
         Compiles the modules of the ``stablehlo`` stage (lowering first, with the
         ``lower`` pass, if this pipeline stopped before it)."""
         return self._compile_with(None)
 
-    def _compile_with(self, compiler: FragmentCompiler | None) -> Executable:
+    def _compile_with(self, compiler: FragmentCompiler | None) -> Compiled:
         """:meth:`compile`, finishing what ``compiler`` started while lowering."""
-        return Executable(self._lowered(None), self.signature, compiler=compiler)
+        return Compiled(self._lowered(), self.signature, compiler=compiler)
 
 
-class Compiled:
-    """``mpmdc.compile(fn, meshes)``: call it like ``fn``; ``lower`` shows what it does."""
+class Traced:
+    """A function traced for given argument types, before any pass (as
+    ``jax.stages.Traced``): its ``jaxpr``, ``args_info`` and ``out_info``; :meth:`lower`
+    runs the passes."""
+
+    def __init__(
+        self, program: Program, signature: Signature, passes, fun_name: str, seconds: float
+    ):
+        self._program = program
+        self._signature = signature
+        self._passes = passes
+        self.fun_name = fun_name
+        self._seconds = seconds  # tracing's wall time: the ``input`` stage's
+
+    @property
+    def jaxpr(self) -> jax.extend.core.ClosedJaxpr:
+        """The traced function as one flat jaxpr: arguments and results are the leaves of
+        ``args_info`` and ``out_info`` (the ``input`` stage's program)."""
+        return self._program.jaxpr
+
+    @property
+    def args_info(self):
+        """Each argument's type and whether it is donated: ``(args, kwargs)`` pytrees of
+        ``jax.stages.ArgInfo`` (static arguments left out)."""
+        return self._signature.args_info(self._program.donated)
+
+    @property
+    def out_info(self):
+        """The results' types: a pytree of ``jax.ShapeDtypeStruct`` shaped as the output."""
+        types = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in self._program.jaxpr.out_avals
+        ]
+        return jax.tree_util.tree_unflatten(self._signature.out_tree, types)
+
+    def lower(self) -> Lowered:
+        """Run every pass; the IR after each one is the result's."""
+        lowered = _through_passes(self._program, self._passes, self._signature, self._seconds)
+        _warn_of_idle_meshes(lowered)
+        return lowered
+
+
+class Wrapped:
+    """``mpmdc.compile(fn, meshes)``, as ``jax.jit(fn)``: call it like ``fn``; ``trace``
+    and ``lower`` show what it does."""
 
     def __init__(
         self,
@@ -293,7 +414,9 @@ class Compiled:
         out_specs=None,
         out_shardings=None,
         static_argnums=(),
+        static_argnames=(),
         donate_argnums=(),
+        donate_argnames=(),
         stage_to_mesh=None,
         schedule=None,
         backend: str | None = None,
@@ -308,6 +431,20 @@ class Compiled:
         self.out_shardings = out_shardings
         self.static_argnums = _normalize_argnums(static_argnums, "static_argnums")
         self.donate_argnums = _normalize_argnums(donate_argnums, "donate_argnums")
+        static_names = _normalize_argnames(static_argnames, "static_argnames")
+        donate_names = _normalize_argnames(donate_argnames, "donate_argnames")
+        # What the numbers and names mean in the other form: parameters named in the
+        # ``*_argnames`` when passed by position, and those numbered when passed by name.
+        params = _parameters(fn)
+        self._positional = _positional_names(params)
+        self._static_by_name, more_static = _by_other_name(
+            fn, params, self.static_argnums, static_names, "static_argnames"
+        )
+        self._donate_by_name, more_donated = _by_other_name(
+            fn, params, self.donate_argnums, donate_names, "donate_argnames"
+        )
+        self.static_argnames = tuple(dict.fromkeys(static_names + more_static))
+        self.donate_argnames = tuple(dict.fromkeys(donate_names + more_donated))
         self.stage_to_mesh = self._checked_stage_to_mesh(stage_to_mesh)
         # Checked now, as a bad name is a mistake in this call, not in the traced function.
         self.schedule = None if schedule is None else schedules.get(schedule)
@@ -341,43 +478,65 @@ class Compiled:
             out.append(int(m))
         return tuple(out)
 
-    def _split_args(self, args):
-        static = (
-            _check_argnums(self.static_argnums, len(args), "static_argnums")
-            if self.static_argnums
-            else ()
+    def _numbered(self, argnums, by_name, nargs: int, kwargs, what: str) -> tuple[int, ...]:
+        """The positional arguments of a call with ``nargs`` of them and keywords ``kwargs``
+        that ``argnums`` (each in range, but for a parameter passed by keyword, which its
+        name selects) or a parameter name (``by_name``, where passed by position) selects."""
+        by_keyword = {i for i, name in enumerate(self._positional) if name in kwargs}
+        given = [a for a in argnums if a not in by_keyword]
+        checked = _check_argnums(given, nargs, what) if given else ()
+        return tuple(sorted(set(checked) | {i for i in by_name if i < nargs}))
+
+    def _split_args(self, args, kwargs) -> _Call:
+        static = self._numbered(
+            self.static_argnums, self._static_by_name, len(args), kwargs, "static_argnums"
         )
-        donate = (
-            _check_argnums(self.donate_argnums, len(args), "donate_argnums")
-            if self.donate_argnums
-            else ()
+        donate = self._numbered(
+            self.donate_argnums, self._donate_by_name, len(args), kwargs, "donate_argnums"
         )
-        if set(static) & set(donate):
-            raise ArgumentError(
-                f"arguments {sorted(set(static) & set(donate))} are both static and donated."
-            )
-        static_values = tuple((i, args[i]) for i in static)
+        static_names = tuple(sorted(k for k in kwargs if k in self.static_argnames))
+        donate_names = tuple(sorted(k for k in kwargs if k in self.donate_argnames))
+        for both, what in (
+            (sorted(set(static) & set(donate)), "arguments"),
+            (sorted(set(static_names) & set(donate_names)), "keyword arguments"),
+        ):
+            if both:
+                raise ArgumentError(f"{what} {both} are both static and donated.")
+        static_args = tuple((i, args[i]) for i in static)
+        static_kwargs = tuple((k, kwargs[k]) for k in static_names)
         try:
-            hash(static_values)
+            hash((static_args, static_kwargs))
         except TypeError:
+            named = [f"args[{i}]" for i in static] + [f"kwargs[{k!r}]" for k in static_names]
             raise ArgumentError(
-                f"static arguments {list(static)} must be hashable (like jax.jit's static_argnums)."
+                f"static arguments {', '.join(named)} must be hashable (like jax.jit's "
+                f"static_argnums and static_argnames)."
             ) from None
-        dynamic = tuple((i, a) for i, a in enumerate(args) if i not in static)
-        return static_values, dynamic, donate
+        return _Call(
+            static_args=static_args,
+            static_kwargs=static_kwargs,
+            dynamic=tuple((i, a) for i, a in enumerate(args) if i not in static),
+            kwargs={k: v for k, v in kwargs.items() if k not in static_names},
+            donate=donate,
+            donate_names=donate_names,
+        )
 
     def _signature_key(self, args, kwargs):
         """What the executable cache is keyed on: static values, pytree structure, each
         leaf's shape, dtype, weak type and sharding spec (as ``jax.jit``), donated arguments."""
-        static_values, dynamic, donate = self._split_args(args)
-        leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in dynamic), kwargs))
+        call = self._split_args(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (tuple(a for _, a in call.dynamic), call.kwargs)
+        )
         try:
             types = tuple(map(leaf_type, leaves))
         except ArgumentError:
-            _, paths, _ = _flat_arguments(dynamic, kwargs)
+            _, paths, _ = _flat_arguments(call.dynamic, call.kwargs)
             types = tuple(map(leaf_type, leaves, paths))  # raises, naming the argument
         specs = tuple(map(_committed_spec, leaves))
-        return (static_values, treedef, types, specs, donate), leaves
+        static = (call.static_args, call.static_kwargs)
+        donated = (call.donate, call.donate_names)
+        return (static, treedef, types, specs, donated), leaves
 
     def _executable(self, args, kwargs):
         key, leaves = self._signature_key(args, kwargs)
@@ -387,15 +546,16 @@ class Compiled:
             backend.check_can_run(self.meshes)
             # XLA compiles each module while the `lower` pass lowers the next.
             with FragmentCompiler(backend) as compiler, handing_modules_to(compiler.offer):
-                exe = self._lower(args, kwargs, self._passes_for_call())._compile_with(compiler)
+                lowered = self._traced(args, kwargs, self._passes_for_call()).lower()
+                exe = lowered._compile_with(compiler)
             self._cache[key] = exe
         return exe, leaves
 
     def _served_by_cache(self, key, args, kwargs):
         """An executable built for other committed specs that serves ``key`` (see
         :func:`_serves`), remembered under ``key``; ``None`` if none does."""
-        static_values, _, _ = self._split_args(args)
-        given = self._flat_in_specs(args, dict(static_values), kwargs)
+        call = self._split_args(args, kwargs)
+        given = self._flat_in_specs(args, dict(call.static_args), call.kwargs)
         for exe_key, exe in list(self._cache.items()):
             if _serves(exe_key, exe, key, given):
                 self._cache[key] = exe
@@ -417,37 +577,43 @@ class Compiled:
 
     def input_shardings(self, *args, **kwargs):
         """Where a call with these arguments (arrays or ``ShapeDtypeStruct``s) runs each
-        argument: ``(args, kwargs)`` pytrees of ``Sharding`` as ``Executable.input_shardings``
-        (static arguments left out). Compiles for these types if no call has yet."""
+        argument: ``(args, kwargs)`` pytrees of ``Sharding`` as ``Compiled.input_shardings``
+        (static arguments left out), e.g. ``jax.device_put(args, step.input_shardings(*args)[0])``.
+        Compiles for these types if no call has yet."""
         return self._executable(args, kwargs)[0].input_shardings
 
     def output_shardings(self, *args, **kwargs):
         """Where a call with these arguments puts each output (a pytree of ``Sharding``)."""
         return self._executable(args, kwargs)[0].output_shardings
 
+    def trace(self, *args, **kwargs) -> Traced:
+        """Trace with arrays or ``jax.ShapeDtypeStruct``s (as ``jax.jit(fn).trace``)."""
+        return self._traced(args, kwargs, self.passes)
+
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
-        return self._lower(args, kwargs, self.passes)
+        return self._traced(args, kwargs, self.passes).lower()
 
-    @cycles_collected_after()  # (tracing too: see its docstring)
-    def _lower(self, args, kwargs, passes) -> Lowered:
-        static_values, dynamic, donate = self._split_args(args)
-        static = dict(static_values)
-        leaves, in_paths, in_tree = _flat_arguments(dynamic, kwargs)
+    @cycles_collected_after()  # (see its docstring)
+    def _traced(self, args, kwargs, passes) -> Traced:
+        """The program of a call with ``args`` and ``kwargs``, before any of ``passes``."""
+        call = self._split_args(args, kwargs)
+        static = dict(call.static_args)
+        leaves, in_paths, in_tree = _flat_arguments(call.dynamic, call.kwargs)
         in_types = tuple(map(leaf_type, leaves, in_paths))
         started = time.perf_counter()
-        closed, loop, out_tree, out_paths = self._trace(in_tree, static, in_types)
+        closed, loop, out_tree, out_paths = self._trace(in_tree, call, in_types)
         out_specs, wanted_out_meshes = self._output_specs(out_tree, out_paths)
         program = Program(
             jaxpr=closed,
             meshes=self.meshes,
             stage_to_mesh=self.stage_to_mesh,
-            in_specs=self._input_specs(args, static, kwargs, leaves),
+            in_specs=self._input_specs(args, static, call.kwargs, leaves),
             out_specs=out_specs,
             wanted_out_meshes=wanted_out_meshes,
             in_paths=tuple(in_paths),
             out_paths=tuple(out_paths),
-            donated=_donated(dynamic, kwargs, donate),
+            donated=call.donated(),
             backend=self.backend,
             schedule=(self.schedule or loop.schedule) if loop else None,
             microbatches=loop.microbatches if loop else None,
@@ -455,11 +621,10 @@ class Compiled:
         signature = Signature(
             in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree
         )
-        lowered = _through_passes(program, passes, signature, started)
-        _warn_of_idle_meshes(lowered)
-        return lowered
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return Traced(program, signature, passes, name, time.perf_counter() - started)
 
-    def _trace(self, in_tree, static: dict, in_types):
+    def _trace(self, in_tree, call: _Call, in_types):
         """``(closed jaxpr, accumulate loop or None, output treedef, output paths)`` of
         ``fn`` traced on abstract values of ``in_types``, static arguments put back."""
         out_store = {}
@@ -467,10 +632,10 @@ class Compiled:
         def flat_fn(*leaves):
             dyn, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
             full = list(dyn)
-            for i in sorted(static):
-                full.insert(i, static[i])
+            for i, value in call.static_args:  # in increasing order of i
+                full.insert(i, value)
             out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(
-                self.fn(*full, **kw)
+                self.fn(*full, **kw, **dict(call.static_kwargs))
             )
             return out_leaves
 
@@ -575,13 +740,16 @@ def compile(
     out_specs: Any = None,
     out_shardings: Any = None,
     static_argnums=(),
+    static_argnames=(),
     donate_argnums=(),
+    donate_argnames=(),
     stage_to_mesh=None,
     schedule=None,
     backend: str | None = None,
     passes=None,
-) -> Compiled:
-    """Compile ``fn`` for pipeline execution over ``meshes`` (lazily, like ``jax.jit``).
+) -> Wrapped:
+    """Compile ``fn`` for pipeline execution over ``meshes`` (lazily, like ``jax.jit``);
+    returns the :class:`Wrapped` function.
 
     ``in_specs``/``out_specs`` are pytrees (or prefixes) of ``PartitionSpec`` over the
     mesh axes, the sharding inside whichever mesh holds each value. ``out_shardings``
@@ -594,15 +762,22 @@ def compile(
     or per-mesh action lists) orders the microbatches of ``fn``'s ``mpmdc.accumulate``
     loop, overriding the schedule named there: the schedule goes with the layout
     (meshes, ``stage_to_mesh``), so changing the layout needs no edit of the model.
+
+    ``static_argnums``/``static_argnames`` and ``donate_argnums``/``donate_argnames`` are
+    ``jax.jit``'s: a parameter given by number is also static (or donated) when passed
+    by keyword, and one given by name also when passed by position. ``backend`` (a
+    registered name, default the meshes' platform's) lowers, compiles and runs.
     """
-    return Compiled(
+    return Wrapped(
         fn,
         meshes,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shardings=out_shardings,
         static_argnums=static_argnums,
+        static_argnames=static_argnames,
         donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
         stage_to_mesh=stage_to_mesh,
         schedule=schedule,
         backend=backend,

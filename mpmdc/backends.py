@@ -19,6 +19,7 @@ from mpmdc.errors import BackendError
 from mpmdc.lowering.send_recv import IN_PROGRAM_PLATFORMS
 
 TRANSFER_KINDS = ("device_put", "in-program")
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # JAX's lowering platforms, one built-in backend each
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,33 @@ def get(name: str) -> Backend:
         ) from None
 
 
+def choose(platform: str | None = None, backend: str | None = None, *, default: str) -> str:
+    """The backend to emit StableHLO with: the registered ``backend``; for ``platform``
+    (one of :data:`PLATFORMS`) ``default`` where it lowers for that platform (keeping its
+    transfers and compiler options), else the platform's built-in backend; ``default``
+    when neither is given. A backend that is no platform (an in-program transfer variant,
+    say) given as ``platform`` is a ``BackendError`` saying to pass it as ``backend``."""
+    if platform is not None and backend is not None:
+        raise BackendError(
+            f"give a platform ({platform!r}) or a backend ({backend!r}), not both: a backend "
+            f"already names its platform."
+        )
+    if backend is not None:
+        return get(backend).name
+    if platform is None:
+        return default
+    if platform not in PLATFORMS:
+        hint = (
+            f"; {platform!r} is a registered backend: choose it with backend={platform!r}"
+            if platform in available()
+            else ""
+        )
+        raise BackendError(
+            f"unknown platform {platform!r}; platforms: {', '.join(PLATFORMS)}{hint}."
+        )
+    return default if get(default).platform == platform else platform
+
+
 def for_platform(device_platform: str, platform_version: str = "") -> str:
     """The built-in backend name for a JAX device platform (``gpu`` means CUDA or ROCm)."""
     if device_platform == "gpu":
@@ -163,5 +191,5 @@ def for_platform(device_platform: str, platform_version: str = "") -> str:
     return device_platform
 
 
-for _name in ("cpu", "cuda", "rocm", "tpu"):
+for _name in PLATFORMS:
     register(Backend(_name, _name))

@@ -1,7 +1,7 @@
 """Rendering a ``Lowered`` program for ``mpmdc dump``: printed stages and dump folders.
 
 A dump folder holds ``NN.<stage>.txt`` for every stage in pipeline order and
-``<fragment>.<platform>.mlir`` for every fragment and requested platform. It is
+``<fragment>.<platform>.mlir`` for every fragment and requested platform (or backend). It is
 rendered completely in memory, written to a temporary sibling folder and renamed
 into place, so a failure never leaves a half-written folder behind.
 """
@@ -24,27 +24,35 @@ def stage_header(stage: str) -> str:
     return f"// ----- {stage}"
 
 
-def render_stages(lowered, stage: str, platforms: tuple[str, ...]) -> str:
+def targets(platforms: tuple[str, ...], backends: tuple[str, ...]) -> tuple[dict, ...]:
+    """What to emit StableHLO for, as keyword arguments of ``Lowered.stablehlo``: each
+    ``--platform`` then each ``--backend``."""
+    return tuple({"platform": p} for p in platforms) + tuple({"backend": b} for b in backends)
+
+
+def render_stages(lowered, stage: str, emit_for: tuple[dict, ...]) -> str:
     """Text of ``stage`` (or of every stage for ``"all"``, each under a header).
 
-    The ``stablehlo`` stage is shown once per platform in ``platforms`` (default: the
-    program's own backend).
+    The ``stablehlo`` stage is shown once per entry of ``emit_for`` (:func:`targets`;
+    none: the program's own backend).
     """
     stages = lowered.stages if stage == "all" else (stage,)
     chunks = []
     for name in stages:
-        for platform in platforms if name == "stablehlo" and platforms else (None,):
-            text = lowered.as_text(name, platform=platform)
+        for target in emit_for if name == "stablehlo" and emit_for else ({},):
+            text = lowered.as_text(name, **target)
             chunks.append(f"{stage_header(name)}\n{text}" if stage == "all" else text)
     return "".join(chunks)
 
 
-def dump_files(lowered, platforms: tuple[str, ...]) -> dict[str, str]:
-    """``{file name: contents}`` of a dump folder."""
+def dump_files(lowered, emit_for: tuple[dict, ...]) -> dict[str, str]:
+    """``{file name: contents}`` of a dump folder: every stage, and every module for each
+    entry of ``emit_for`` (:func:`targets`), named by its platform or backend."""
     files = {f"{i:02d}.{name}.txt": lowered.as_text(name) for i, name in enumerate(lowered.stages)}
-    for platform in platforms:
-        for fragment, module in lowered.stablehlo(platform).items():
-            files[f"{fragment}.{platform}.mlir"] = module
+    for target in emit_for:
+        (label,) = target.values()
+        for fragment, module in lowered.stablehlo(**target).items():
+            files[f"{fragment}.{label}.mlir"] = module
     return files
 
 

@@ -17,7 +17,7 @@ import jax
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed, schedules
 from mpmdc.cli.demo import run as run_demo
-from mpmdc.cli.dump import dump_files, render_stages, stage_header, write_dump_dir
+from mpmdc.cli.dump import dump_files, render_stages, stage_header, targets, write_dump_dir
 from mpmdc.cli.launch import launch
 from mpmdc.cli.parsing import DumpOptions, find_target, load_module, lowered_from_target
 from mpmdc.errors import (
@@ -75,8 +75,8 @@ fragment, each under a header naming fragment, mesh and backend). Output is
 deterministic: no addresses, device ids or source paths.
 
 The command runs on virtual CPU devices (8, or as many as --meshes needs) unless
-JAX_PLATFORMS says otherwise; --platform only chooses what StableHLO is emitted
-for, so TPU, CUDA and ROCm modules can be produced on any machine.
+JAX_PLATFORMS says otherwise; --platform and --backend only choose what StableHLO
+is emitted for, so TPU, CUDA and ROCm modules can be produced on any machine.
 """
 
 _DUMP_EPILOG = """\
@@ -89,9 +89,9 @@ examples:
   mpmdc dump tests/programs/mlp4_grad.py:lowered --passes "inline,partition,dce,split,lower{backend=tpu}" --stage all
 
 --dump-dir writes NN.<stage>.txt for every stage and <fragment>.<platform>.mlir
-for every fragment and --platform (default: the program's backend), all at once:
-on failure nothing is written. An existing folder is replaced only if it holds
-nothing but an earlier dump.
+for every fragment and --platform or --backend (default: the program's backend), all
+at once: on failure nothing is written. An existing folder is replaced only if it
+holds nothing but an earlier dump.
 
 exit status: 0 success, 1 compile or user-code failure, 2 usage mistake.
 """
@@ -146,6 +146,7 @@ def _dump(args) -> int:
         target=args.target,
         stage=args.stage,
         platforms=tuple(args.platform or ()),
+        backends=tuple(args.backend or ()),
         dump_dir=args.dump_dir,
         list_stages=args.list_stages,
         transfers=args.transfers,
@@ -155,11 +156,23 @@ def _dump(args) -> int:
     )
     _start_jax(options.meshes.devices_needed if options.meshes else 0)
     module = _user_code(lambda: load_module(options.file), options)
+    # Checked once the file is loaded: it may register backends.
     for platform in options.platforms:
-        if platform not in backends.available():
-            raise UsageError(
-                f"unknown platform {platform!r}; available backends: {', '.join(backends.available())}"
+        if platform not in backends.PLATFORMS:
+            hint = (
+                f"; {platform!r} is a registered backend: choose it with --backend {platform}"
+                if platform in backends.available()
+                else ""
             )
+            raise UsageError(
+                f"unknown platform {platform!r}; platforms: {', '.join(backends.PLATFORMS)}{hint}"
+            )
+    for name in options.backends:
+        if name not in backends.available():
+            raise UsageError(
+                f"unknown backend {name!r}; available backends: {', '.join(backends.available())}"
+            )
+    emit_for = targets(options.platforms, options.backends)
     target = find_target(module, options.file, options.target_name)
     with verifying():  # a dump is for looking closely: every pass's output is checked
         lowered = _user_code(lambda: lowered_from_target(target, options), options)
@@ -173,8 +186,8 @@ def _dump(args) -> int:
         sys.stdout.write(lowered.transfer_report().as_text())
         return EXIT_OK
     if options.dump_dir is not None:
-        platforms = options.platforms or (lowered.program(lowered.stages[-1]).backend,)
-        files = dump_files(lowered, platforms)
+        own = {"backend": lowered.program(lowered.stages[-1]).backend}
+        files = dump_files(lowered, emit_for or (own,))
         write_dump_dir(options.dump_dir, files)
         print(f"wrote {len(files)} files to {options.dump_dir}")
         return EXIT_OK
@@ -182,7 +195,7 @@ def _dump(args) -> int:
         raise UsageError(
             f"unknown stage {options.stage!r}; stages: all, {', '.join(lowered.stages)}"
         )
-    sys.stdout.write(render_stages(lowered, options.stage, options.platforms))
+    sys.stdout.write(render_stages(lowered, options.stage, emit_for))
     return EXIT_OK
 
 
@@ -312,9 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument(
         "--platform",
         action="append",
-        metavar="BACKEND",
-        help="backend to emit StableHLO for: cpu, cuda, rocm, tpu or a registered one; "
-        "repeat for several (default: the program's backend)",
+        metavar="PLATFORM",
+        help="platform to emit StableHLO for: cpu, cuda, rocm or tpu; repeat for several "
+        "(default: the program's backend)",
+    )
+    dump.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME",
+        help="registered backend to emit StableHLO with, such as an in-program transfer "
+        "variant (`mpmdc backends` lists them); repeat for several",
     )
     dump.add_argument(
         "--dump-dir", type=Path, metavar="DIR", help="write every stage and module into DIR"

@@ -116,6 +116,7 @@ class DumpOptions(BaseModel):
     target: str
     stage: str = "after-split"
     platforms: tuple[str, ...] = ()
+    backends: tuple[str, ...] = ()
     dump_dir: Path | None = None
     list_stages: bool = False
     transfers: bool = False

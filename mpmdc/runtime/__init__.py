@@ -1,7 +1,7 @@
 """Running a lowered program: meshes, executables, transfers, memory, peers.
 
 - ``meshes``: :func:`mpmdc.make_meshes` and the checks on user-given meshes;
-- ``executable``: :class:`Executable`, one compiled executable per distinct fragment
+- ``executable``: :class:`Compiled`, one compiled executable per distinct fragment
   and mesh, called in program order (one process or many);
 - ``compiling``: each distinct module compiled once, as soon as it is lowered, and
   loaded onto other meshes of one shape;
@@ -13,6 +13,6 @@ Layer 5: imports :mod:`mpmdc.passes`, :mod:`mpmdc.backends`, :mod:`mpmdc.distrib
 peers (the same layer) and below; never :mod:`mpmdc.api` or :mod:`mpmdc.cli`.
 """
 
-from mpmdc.runtime.executable import Executable
+from mpmdc.runtime.executable import Compiled
 
-__all__ = ["Executable"]
+__all__ = ["Compiled"]

@@ -54,6 +54,15 @@ class Signature:
     in_paths: tuple[str, ...]
     out_tree: Any
 
+    def args_info(self, donated: tuple[bool, ...]):
+        """Each argument's type and whether it is ``donated`` (one flag per leaf), as
+        ``(args, kwargs)`` pytrees of ``jax.stages.ArgInfo`` (static arguments left out)."""
+        infos = [
+            jax.stages.ArgInfo(jax.core.ShapedArray(shape, dtype, weak_type=weak), d)
+            for (shape, dtype, weak), d in zip(self.in_types, donated)
+        ]
+        return jax.tree_util.tree_unflatten(self.in_tree, infos)
+
     def check(self, args, kwargs, leaves, treedef) -> None:
         """Raise ``ArgumentError`` naming the first argument that does not fit.
 
@@ -188,8 +197,9 @@ def _compile_here(program: Program, backend, here: list[bool], compiler=None) ->
         return keys, compiler.executables()
 
 
-class Executable:
-    """A compiled MPMD program: call it like the function it was lowered from."""
+class Compiled:
+    """A compiled MPMD program, as ``jax.stages.Compiled``: call it like the function it
+    was lowered from (static arguments left out, as they were fixed by ``lower``)."""
 
     _built_multiprocess = 0  # executables built in a multi-process run, numbering their checks
     _timed_runs = 0  # multi-process ``run_timed`` calls, numbering their barriers
@@ -209,6 +219,7 @@ class Executable:
             named(program.meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
         ]
         keys, self._executables = _compile_here(program, backend, here, compiler)
+        self._fragment_keys = keys  # equation index -> fragment key, for the analyses
         slots = _Slots()
         for v, c in zip(program.jaxpr.jaxpr.constvars, program.jaxpr.consts):
             slots(v, c)
@@ -237,9 +248,9 @@ class Executable:
             )
         self._initial = slots.initial
         if self.multiprocess:
-            Executable._built_multiprocess += 1
+            Compiled._built_multiprocess += 1
             distributed.check_agreement(
-                f"program-{Executable._built_multiprocess}",
+                f"program-{Compiled._built_multiprocess}",
                 program_entries(program, signature.in_types),
                 "the program they compiled",
             )
@@ -313,6 +324,64 @@ class Executable:
         """Where each output lives, a pytree of ``jax.sharding.Sharding`` (as
         ``jax.stages.Compiled.output_shardings``)."""
         return jax.tree_util.tree_unflatten(self.signature.out_tree, self._out_shardings)
+
+    @property
+    def args_info(self):
+        """Each argument's type and whether it is donated, as ``(args, kwargs)`` pytrees of
+        ``jax.stages.ArgInfo`` (as ``jax.stages.Compiled.args_info``; static arguments
+        left out)."""
+        return self.signature.args_info(self.program.donated)
+
+    def _fragments_by_mesh(self) -> dict[int, list]:
+        """``{mesh: [fragment key per fragment call of one step]}`` for meshes here, in
+        program order (a key repeats for each microbatch that runs it)."""
+        eqns = self.program.jaxpr.jaxpr.eqns
+        calls: dict[int, list] = {}
+        for i, key in self._fragment_keys.items():
+            calls.setdefault(eqns[i].params["mesh"], []).append(key)
+        return dict(sorted(calls.items()))
+
+    def cost_analysis(self) -> dict[int, dict[str, float]]:
+        """XLA's cost estimate of one call, per mesh: ``{mesh index: {"flops": ...,
+        "transcendentals": ..., "bytes accessed": ..., ...}}``.
+
+        Each figure is summed over the fragment calls the mesh makes in one step, so a
+        stage's fragment that runs once per microbatch counts once per microbatch. Only
+        XLA's figures for whole modules are kept (its per-operand ones such as
+        ``bytes accessed0{}`` do not add up across fragments). Meshes of other processes
+        are left out, as are fragments whose executable gives no estimate.
+        """
+        out: dict[int, dict[str, float]] = {}
+        for mesh, keys in self._fragments_by_mesh().items():
+            totals: dict[str, float] = {}
+            for key in keys:
+                for name, value in _xla_costs(self._executables[key]).items():
+                    totals[name] = totals.get(name, 0.0) + value
+            out[mesh] = dict(sorted(totals.items()))
+        return out
+
+    def memory_analysis(self) -> dict[int, dict[str, int]]:
+        """XLA's memory figures per mesh: ``{mesh index: {"generated_code_size_in_bytes":
+        ..., "argument_size_in_bytes": ..., "output_size_in_bytes": ...,
+        "alias_size_in_bytes": ..., "temp_size_in_bytes": ...}}``.
+
+        Code size is summed over the mesh's distinct executables (all stay loaded); the
+        other figures are the largest of any one fragment's, since a mesh runs its
+        fragments one after another. Buffers that live from one fragment to a later one
+        (activations kept for the backward) are :attr:`memory`'s. Meshes of other
+        processes, and fragments whose executable gives no figures, are left out.
+        """
+        out: dict[int, dict[str, int]] = {}
+        for mesh, keys in self._fragments_by_mesh().items():
+            distinct = dict.fromkeys(keys)  # each executable once, in program order
+            stats = [s for s in (_xla_memory(self._executables[k]) for k in distinct) if s]
+            if not stats:
+                continue
+            figures = {"generated_code_size_in_bytes": sum(s[0] for s in stats)}
+            for k, name in enumerate(_PER_FRAGMENT_MEMORY, start=1):
+                figures[name] = max(s[k] for s in stats)
+            out[mesh] = figures
+        return out
 
     @property
     def num_executables(self) -> int:
@@ -412,8 +481,8 @@ class Executable:
             return self._finish(env), timeline
         # Every process starts its clock as the last one arrives, so the merged
         # timeline of all processes lines up to a barrier's latency.
-        Executable._timed_runs += 1
-        topic = f"timed-{Executable._timed_runs}"
+        Compiled._timed_runs += 1
+        topic = f"timed-{Compiled._timed_runs}"
         distributed.barrier(topic)
         env = self._start(leaves)
         try:
@@ -424,6 +493,36 @@ class Executable:
             distributed.announce_failure(str(err))
             raise
         return self._finish(env), distributed.merge_timelines(topic, timeline)
+
+
+# Memory figures of one fragment that do not add up over a mesh's fragments: the mesh
+# needs the largest of them at any time (its fragments run one after another).
+_PER_FRAGMENT_MEMORY = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+)
+
+
+def _xla_costs(executable) -> dict[str, float]:
+    """XLA's whole-module cost figures of one fragment's executable (``{}`` for one
+    that gives none, as a backend's own callable may not)."""
+    analyse = getattr(executable, "cost_analysis", None)
+    costs = analyse() if analyse is not None else None
+    if isinstance(costs, (list, tuple)):  # one entry per device program in older JAX
+        costs = costs[0] if costs else None
+    return {k: float(v) for k, v in (costs or {}).items() if "{" not in k}
+
+
+def _xla_memory(executable) -> tuple[int, ...] | None:
+    """``(generated code size, *_PER_FRAGMENT_MEMORY)`` of one fragment's executable, or
+    ``None`` where it gives no figures."""
+    analyse = getattr(executable, "memory_analysis", None)
+    stats = analyse() if analyse is not None else None
+    if stats is None:
+        return None
+    return (stats.generated_code_size_in_bytes, *(getattr(stats, n) for n in _PER_FRAGMENT_MEMORY))
 
 
 def _fault(step: _Step, err: Exception, among_processes: bool = False) -> MpmdRuntimeError:

@@ -30,7 +30,7 @@ Costs = Mapping[str, float] | Callable[[Action], float]
 
 
 def measured_costs(timeline: Timeline) -> Callable[[Action], float]:
-    """Costs for :func:`simulate` from a measured run (``Executable.run_timed``).
+    """Costs for :func:`simulate` from a measured run (``Compiled.run_timed``).
 
     Each action costs what its fragment took; an action without a fragment of its own
     (the last stage's backward, done inside its forward) costs nothing.

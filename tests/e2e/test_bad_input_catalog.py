@@ -232,6 +232,12 @@ MISTAKES = [
         lambda w: lower(two_stage, w, donate_argnums=5),
     ),
     Mistake(
+        "static_argnames naming no parameter",
+        errors.ArgumentError,
+        r"static_argnames names \['scale'\], but two_stage takes no keyword argument so named",
+        lambda w: mpmdc.compile(two_stage, w.meshes, static_argnames="scale"),
+    ),
+    Mistake(
         "reusing an argument donated by an earlier call",
         errors.ArgumentError,
         r"argument args\[0\]\[1\] was donated to an earlier call",
@@ -338,6 +344,12 @@ MISTAKES = [
         errors.BackendError,
         r"unknown backend 'metal'; available backends: .*cpu",
         lambda w: mpmdc.compile(two_stage, w.meshes, backend="metal"),
+    ),
+    Mistake(
+        "a backend that is no platform given as the platform",
+        errors.BackendError,
+        "choose it with backend='catalog-p2p'",
+        lambda w: w.step.lower(w.w, w.x).stablehlo(platform="catalog-p2p"),
     ),
     Mistake(
         "running a TPU backend on CPU meshes",

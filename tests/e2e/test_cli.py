@@ -63,6 +63,18 @@ def test_all_stages_each_under_a_header(capsys, mlp2):
     assert out.index("// ----- after-split") < out.index("// ----- stablehlo")
 
 
+def test_a_backend_that_is_no_platform_is_chosen_with_backend(capsys):
+    # The program registers cuda-in-program (CUDA with send/recv transfers) as it loads.
+    program = "tests/programs/in_program_transfers.py:lowered"
+    status, _, err = run(capsys, "dump", program, "--platform", "cuda-in-program")
+    assert status == 2 and "choose it with --backend cuda-in-program" in err
+    status, out, err = run(
+        capsys, "dump", program, "--stage", "stablehlo", "--backend", "cuda-in-program"
+    )
+    assert status == 0, err
+    assert "(cuda-in-program)" in out and "stablehlo.send" in out
+
+
 def test_stablehlo_per_platform_names_fragment_and_mesh(capsys, mlp2):
     status, out, _ = run(
         capsys, "dump", MLP2, "--stage", "stablehlo", "--platform", "tpu", "--platform", "rocm"
@@ -169,6 +181,10 @@ def test_plain_function_with_args_and_meshes(capsys, plain_file):
         ),
         (
             ["dump", MLP2, "--stage", "stablehlo", "--platform", "metal"],
+            ["'metal'", "platforms: cpu, cuda, rocm, tpu"],
+        ),
+        (
+            ["dump", MLP2, "--stage", "stablehlo", "--backend", "metal"],
             ["'metal'", "available backends: cpu, cuda, ", "tpu"],
         ),
         (["dump", "tests/programs/missing.py:lowered"], "no such file: tests/programs/missing.py"),

@@ -1,8 +1,8 @@
 """Golden tests: every stage's text and every fragment's StableHLO for each example program.
 
 The programs live in ``tests/programs/`` (each defines ``lowered()``; the same
-files work with ``mpmdc dump``). A program may set ``GOLDEN_PLATFORMS`` to emit
-for more backends than the four built-in ones.
+files work with ``mpmdc dump``). A program may set ``GOLDEN_BACKENDS`` to pin the
+modules of other backends than the four built-in ones (one per platform).
 
 ``golden/<program>/`` holds ``<stage>.txt`` for every stage and each distinct module
 once (``module_files``): ``<fragment>.mlir`` where every platform emits the same text,
@@ -21,7 +21,7 @@ from mpmdc.cli.parsing import load_module
 
 PROGRAM_DIR = Path(__file__).resolve().parents[1] / "programs"
 PROGRAMS = sorted(p.stem for p in PROGRAM_DIR.glob("*.py") if not p.name.startswith("_"))
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+BACKENDS = ("cpu", "cuda", "rocm", "tpu")  # one per platform
 # Golden folders that belong to other tests, not to a program here.
 NOT_PROGRAMS = {"error_catalog"}  # tests/e2e/test_bad_input_catalog.py
 
@@ -36,9 +36,9 @@ def render(program: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     lowered = module.lowered()
     stages = {f"{stage}.txt": lowered.as_text(stage) for stage in lowered.stages}
     modules: dict[str, dict[str, str]] = {}
-    for platform in getattr(module, "GOLDEN_PLATFORMS", PLATFORMS):
-        for fragment, text in lowered.stablehlo(platform).items():
-            modules.setdefault(fragment, {})[platform] = text
+    for backend in getattr(module, "GOLDEN_BACKENDS", BACKENDS):
+        for fragment, text in lowered.stablehlo(backend=backend).items():
+            modules.setdefault(fragment, {})[backend] = text
     return stages, modules
 
 

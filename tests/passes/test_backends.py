@@ -184,27 +184,27 @@ _OP = re.compile(
 )
 
 
-def channel_ops(lowered, platform):
-    """``{(op, channel): (fragment mesh, src, dst)}`` over every module."""
+def channel_ops(lowered, backend):
+    """``{(op, channel): (fragment mesh, src, dst)}`` over every module of ``backend``."""
     mesh_of = {
         e.params["name"]: e.params["mesh"]
         for e in lowered.program("after-split").jaxpr.jaxpr.eqns
         if e.primitive.name == "fragment"
     }
     ops = {}
-    for name, module in lowered.stablehlo(platform).items():
+    for name, module in lowered.stablehlo(backend=backend).items():
         for op, channel, dst, src in _OP.findall(module):
             assert (op, int(channel)) not in ops, f"channel {channel} used twice for {op}"
             ops[(op, int(channel))] = (mesh_of[name], int(src), int(dst))
     return ops
 
 
-@pytest.mark.parametrize("platform", ["test-cuda-p2p", "test-rocm-p2p"])
-def test_every_send_has_one_recv_with_its_channel(meshes4, platform):
+@pytest.mark.parametrize("backend", ["test-cuda-p2p", "test-rocm-p2p"])
+def test_every_send_has_one_recv_with_its_channel(meshes4, backend):
     params = [(jnp.ones((8, 8)), jnp.ones(8))] * 4
-    step = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4, backend=platform)
+    step = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4, backend=backend)
     lowered = step.lower(params, jnp.ones((4, 8)), jnp.ones((4, 8)))
-    ops = channel_ops(lowered, platform)
+    ops = channel_ops(lowered, backend)
     sends = {c: v for (op, c), v in ops.items() if op == "send"}
     recvs = {c: v for (op, c), v in ops.items() if op == "recv"}
     assert sends.keys() == recvs.keys() and len(sends) == 6  # 3 forward + 3 backward boundaries
@@ -231,7 +231,7 @@ def test_send_recv_channels_do_not_collide_with_collectives(meshes2):
     lowered = mpmdc.compile(jax.value_and_grad(loss), meshes2).lower(
         jnp.ones((8, 8)), jnp.ones((8, 8))
     )
-    modules = lowered.stablehlo("test-cuda-p2p")
+    modules = lowered.stablehlo(backend="test-cuda-p2p")
     collective = set(
         re.findall(r"all_reduce.*?channel_handle<handle = (\d+)", "".join(modules.values()))
     )

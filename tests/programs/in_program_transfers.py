@@ -13,7 +13,7 @@ import mpmdc
 from mpmdc import backends
 
 IN_PROGRAM = ("cuda-in-program", "rocm-in-program")
-GOLDEN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu", *IN_PROGRAM)
+GOLDEN_BACKENDS = ("cpu", "cuda", "rocm", "tpu", *IN_PROGRAM)
 
 for _name, _platform in zip(IN_PROGRAM, ("cuda", "rocm")):
     backends.register(backends.Backend(_name, _platform, transfers="in-program"))

@@ -9,7 +9,7 @@ modules are pinned for every platform.
 
 from _pipeline import lowered_under
 
-GOLDEN_PLATFORMS = ("cpu",)
+GOLDEN_BACKENDS = ("cpu",)
 
 
 def lowered():

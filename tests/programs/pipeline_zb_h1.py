@@ -7,7 +7,7 @@ weight gradients into 1F1B's bubbles. Modules are pinned for CPU only.
 
 from _pipeline import lowered_under
 
-GOLDEN_PLATFORMS = ("cpu",)
+GOLDEN_BACKENDS = ("cpu",)
 
 
 def lowered():
