@@ -46,6 +46,12 @@ def stage_name(pass_name: str) -> str:
     return "stablehlo" if pass_name == "lower" else f"after-{pass_name}"
 
 
+def stage_names(passes: Iterable[str | Pass] | str | None) -> tuple[str, ...]:
+    """The dump stages a pipeline of ``passes`` (as :func:`resolve` takes them) gives,
+    known without running it: ``input``, then one per pass."""
+    return ("input", *(stage_name(p.name) for p in resolve(passes)))
+
+
 def resolve(passes: Iterable[str | Pass] | str | None) -> list[Pass]:
     """Pass objects for pass objects or texts (``name`` or ``name{option=value}``), or for
     one comma-separated text of them; ``None`` is the default pipeline."""

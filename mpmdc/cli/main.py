@@ -28,7 +28,7 @@ from mpmdc.errors import (
     UsageError,
 )
 from mpmdc.passes import PASSES
-from mpmdc.pipeline import DEFAULT_PIPELINE, verifying
+from mpmdc.pipeline import DEFAULT_PIPELINE, stage_names, verifying
 from mpmdc.schedules import UNIT_COSTS, Layout, bubble_formula, simulate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -174,14 +174,15 @@ def _dump(args) -> int:
             )
     emit_for = targets(options.platforms, options.backends)
     target = find_target(module, options.file, options.target_name)
+    if options.list_stages:
+        # The pass pipeline names the stages: nothing needs tracing or lowering.
+        print("\n".join(stage_names(options.passes)))
+        return EXIT_OK
     with verifying():  # a dump is for looking closely: every pass's output is checked
         lowered = _user_code(lambda: lowered_from_target(target, options), options)
         if options.passes is not None:
             lowered = lowered.rerun(options.passes)
 
-    if options.list_stages:
-        print("\n".join(lowered.stages))
-        return EXIT_OK
     if options.transfers:
         sys.stdout.write(lowered.transfer_report().as_text())
         return EXIT_OK
@@ -339,7 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument(
         "--dump-dir", type=Path, metavar="DIR", help="write every stage and module into DIR"
     )
-    dump.add_argument("--list-stages", action="store_true", help="print the stage names and exit")
+    dump.add_argument(
+        "--list-stages",
+        action="store_true",
+        help="print the stage names of the pass pipeline (--passes, or the default one) and "
+        "exit, without tracing or lowering",
+    )
     dump.add_argument(
         "--transfers",
         action="store_true",

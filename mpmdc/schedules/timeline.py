@@ -56,6 +56,21 @@ class Timeline:
         """Idle share of all meshes' time up to the makespan."""
         return self.bubble_time / self.makespan if self.makespan else 0.0
 
+    @property
+    def busy_times(self) -> tuple[float, ...]:
+        """Per mesh, the time its slots take."""
+        return tuple(sum(s.end - s.start for s in slots) for slots in self.meshes)
+
+    def __repr__(self) -> str:
+        """A one-line summary (a step's slots run to tens of kilobytes; :meth:`ascii`
+        draws them)."""
+        busy = ", ".join(f"{t:.4g}" for t in self.busy_times)
+        slots = sum(map(len, self.meshes))
+        return (
+            f"Timeline(makespan={self.makespan:.4g}, bubble_fraction={self.bubble_fraction:.3f}, "
+            f"busy_times=({busy}), {slots} slots on {len(self.meshes)} meshes; .ascii() draws them)"
+        )
+
     def ascii(self, width_per_unit: int | None = None, max_columns: int = 240) -> str:
         """One row per mesh; each action a box starting with its label, idle time ``.``.
 

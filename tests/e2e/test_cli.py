@@ -47,6 +47,15 @@ def test_list_stages(capsys, mlp2):
     assert tuple(out.split()) == mlp2.stages
 
 
+def test_list_stages_neither_traces_nor_lowers(capsys, tmp_path):
+    # The names come from the pass pipeline: the target is found but never called.
+    target = tmp_path / "slow.py"
+    target.write_text("def lowered():\n    raise RuntimeError('lowered')\n")
+    status, out, err = run(capsys, "dump", f"{target}:lowered", "--list-stages")
+    assert status == 0, err
+    assert out.split()[0] == "input" and out.split()[-1] == "stablehlo"
+
+
 def test_one_stage_is_the_lowered_text(capsys, mlp2):
     status, out, _ = run(capsys, "dump", MLP2, "--stage", "after-partition")
     assert status == 0

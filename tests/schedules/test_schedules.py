@@ -128,6 +128,15 @@ def test_timeline_ascii_and_chrome_trace():
     assert last["ts"] + last["dur"] == pytest.approx(t.makespan * 1000)
 
 
+def test_a_timelines_repr_is_a_summary_that_points_to_ascii():
+    t = timeline("1f1b", 8, 32)  # 512 slots
+    assert t.busy_times == (96.0,) * 8  # 32 forwards (1) and backwards (2) per mesh
+    assert repr(t) == (
+        "Timeline(makespan=117, bubble_fraction=0.179, busy_times=(96, 96, 96, 96, 96, 96, "
+        "96, 96), 512 slots on 8 meshes; .ascii() draws them)"
+    )
+
+
 def test_schedule_command(capsys, tmp_path):
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
     status = cli.main(
