@@ -12,10 +12,17 @@ Each group becomes a conditional of its own on the same index operand, reading o
 the operands its branches need, so ``partition`` places each next to its values and
 each mesh runs the branches' work for its own values.
 
-Results that truly share work (a global norm computed inside a branch) stay in one
-conditional; ``partition`` warns where such a conditional reads several meshes' arrays.
-A conditional with effects (callbacks, ordered effects) stays whole, so its effects
-happen once.
+Arrays that share only scalar reductions (a global norm computed inside a branch:
+every update needs every array's partial sum) cannot be cut into conditionals without
+a cycle between them. Where their branches are elementwise (no matrix product,
+convolution or loop: an optimizer's), the group is predicated instead: every branch's
+equations are inlined and each result is a ``select_n`` on the index, so ``partition``
+places each array's share of the work, and of the reduction, on that array's mesh,
+and only partial sums move. Both branches then run; for an optimizer's elementwise
+work that costs less than moving its state. Results sharing costly work stay in one
+conditional; ``partition`` warns where such a conditional reads several meshes'
+arrays. A conditional with effects (callbacks, ordered effects) stays whole, so its
+effects happen once.
 """
 
 from __future__ import annotations
