@@ -12,7 +12,7 @@ from jax.experimental import checkify
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.program import Program, find_eqns
-from mpmdc.ir.sharding import named
+from mpmdc.ir.sharding import named, program_spec_forms
 
 
 def _throw(error) -> None:
@@ -59,15 +59,22 @@ def _fragment_jit(eqn, program: Program):
     are weakly typed too, as under ``jax.jit``.
     """
     mesh = program.meshes[eqn.params["mesh"]]
+    forms = program_spec_forms(program)
     args = [
         jax.ShapeDtypeStruct(
-            v.aval.shape, v.aval.dtype, sharding=named(mesh, spec), weak_type=v.aval.weak_type
+            v.aval.shape,
+            v.aval.dtype,
+            sharding=named(mesh, spec, v.aval.ndim, forms),
+            weak_type=v.aval.weak_type,
         )
         for v, spec in zip(eqn.invars, eqn.params["in_specs"])
     ]
     jitted = jax.jit(
         _fragment_function(eqn),
-        out_shardings=[named(mesh, spec) for spec in eqn.params["out_specs"]],
+        out_shardings=[
+            named(mesh, spec, v.aval.ndim, forms)
+            for v, spec in zip(eqn.outvars, eqn.params["out_specs"])
+        ],
         donate_argnums=eqn.params["donate_argnums"],
     )
     return jitted, args

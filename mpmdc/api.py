@@ -172,10 +172,13 @@ def _committed_spec(leaf) -> PartitionSpec | None:
 
 
 def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
-    """``_committed_spec(leaf)`` if every mesh can shard the leaf that way (any of them
-    may hold it): the argument's default ``in_spec``."""
-    spec = _committed_spec(leaf)
-    if spec is None or any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
+    """The committed spec as written (see :func:`_committed_spec`) if every mesh can
+    shard the leaf that way (any of them may hold it): the argument's default
+    ``in_spec``."""
+    if _committed_spec(leaf) is None:
+        return None
+    spec = leaf.sharding.spec
+    if any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
         return None
     return spec
 
@@ -189,7 +192,7 @@ def _serves(exe_key, exe: Compiled, key, given) -> bool:
     if exe_key[:3] != key[:3] or exe_key[4] != key[4]:
         return False
     return all(
-        now == then or user is not None or (then is None and now == chosen)
+        now == then or user is not None or (then is None and now == canonical_spec(chosen))
         for now, then, chosen, user in zip(key[3], exe_key[3], exe.program.in_specs, given)
     )
 
@@ -274,6 +277,8 @@ class Lowered:
         self._order = tuple(name for name, _ in dumps)
         self.signature = signature
         self._by_backend: dict[str, Program] = {}
+        # Told of the result of compile(): the function lowered keeps it for its calls.
+        self._compiled_hook: Callable[[Compiled], None] | None = None
         # Wall time per stage: ``input`` is tracing, ``after-<pass>`` that pass.
         self.seconds: dict[str, float] = dict(seconds or {})
 
@@ -351,8 +356,12 @@ class Lowered:
         """Compile every fragment for its mesh; returns the callable :class:`Compiled`.
 
         Compiles the modules of the ``stablehlo`` stage (lowering first, with the
-        ``lower`` pass, if this pipeline stopped before it)."""
-        return self._compile_with(None)
+        ``lower`` pass, if this pipeline stopped before it). The function it was lowered
+        from runs calls with the same argument types on the result, as ``jax.jit`` does."""
+        compiled = self._compile_with(None)
+        if self._compiled_hook is not None:
+            self._compiled_hook(compiled)
+        return compiled
 
     def _compile_with(self, compiler: FragmentCompiler | None) -> Compiled:
         """:meth:`compile`, finishing what ``compiler`` started while lowering."""
@@ -591,8 +600,12 @@ class Wrapped:
         return self._traced(args, kwargs, self.passes)
 
     def lower(self, *args, **kwargs) -> Lowered:
-        """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass."""
-        return self._traced(args, kwargs, self.passes).lower()
+        """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass. Calls with
+        these argument types run on what the result's ``compile()`` returns."""
+        lowered = self._traced(args, kwargs, self.passes).lower()
+        key = self._signature_key(args, kwargs)[0]
+        lowered._compiled_hook = lambda compiled: self._cache.setdefault(key, compiled)
+        return lowered
 
     @cycles_collected_after()  # (see its docstring)
     def _traced(self, args, kwargs, passes) -> Traced:
@@ -656,7 +669,7 @@ class Wrapped:
     def _input_specs(self, args, static: dict, kwargs, leaves) -> tuple:
         """Per flat input, ``in_specs``' entry, else the argument's own sharding."""
         return tuple(
-            canonical_spec(spec if spec is not None else _sharding_spec(leaf, self.meshes))
+            spec if spec is not None else _sharding_spec(leaf, self.meshes)
             for spec, leaf in zip(self._flat_in_specs(args, static, kwargs), leaves)
         )
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import networkx as nx
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec
 from mpmdc.passes.base import register
 
 from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
@@ -40,7 +39,7 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.ir.sharding import fit_spec
+from mpmdc.ir.sharding import fit_spec, full_rank
 from mpmdc.ir.spec_rules import propagate_specs
 
 
@@ -286,9 +285,11 @@ def split(program: Program) -> Program:
     new = make_closed_jaxpr(
         jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info
     )
-    # Every output's spec is now known: the caller's, or the one its computation gave it.
+    # Every output's spec is now known: the caller's as written, or the one its
+    # computation gave it, naming every dimension as jax.jit writes computed shardings.
     out_specs = tuple(
-        emitter.spec_of.get(v, PartitionSpec()) if is_var(v) else PartitionSpec() for v in final
+        given if given is not None else full_rank(emitter.spec_of.get(v), v.aval.ndim)
+        for v, given in zip(final, program.out_specs)
     )
     in_specs = tuple(emitter.spec_of[v] for v in jaxpr.invars)
     return program.replace(jaxpr=new, in_specs=in_specs, out_specs=out_specs, is_split=True)

@@ -76,6 +76,42 @@ def fit_spec(spec: PartitionSpec | None, mesh: Mesh, shape) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def named(mesh: Mesh, spec: PartitionSpec | None) -> NamedSharding:
-    """``NamedSharding`` on ``mesh``; ``None`` means replicated."""
-    return NamedSharding(mesh, spec if spec is not None else PartitionSpec())
+def spec_forms(specs, values) -> dict:
+    """``{(canonical spec, rank): the spec as written}`` for the sharded ``specs`` of
+    ``values`` (a program's inputs, then its outputs: ``in_specs``, committed arguments,
+    ``out_specs``, the first one written wins): :func:`named` writes an equal spec of a
+    value of that rank the same way."""
+    forms: dict = {}
+    for spec, v in zip(specs, values):
+        canonical = canonical_spec(spec)
+        if canonical is not None and any(e is not None for e in canonical):
+            forms.setdefault((canonical, v.aval.ndim), spec)
+    return forms
+
+
+def full_rank(spec: PartitionSpec | None, ndim: int) -> PartitionSpec:
+    """``spec`` naming every dimension of a value of ``ndim`` dimensions where it shards
+    something (``P("x", None)`` for a matrix), else ``P()``."""
+    spec = canonical_spec(spec)
+    if spec is None or all(e is None for e in spec):
+        return PartitionSpec()
+    entries = (*spec, *(None,) * (ndim - len(spec)))
+    return PartitionSpec(*entries, unreduced=spec.unreduced, reduced=spec.reduced)
+
+
+def named(
+    mesh: Mesh, spec: PartitionSpec | None, ndim: int, forms: dict | None = None
+) -> NamedSharding:
+    """``NamedSharding`` on ``mesh`` for a value of ``ndim`` dimensions; ``None`` means
+    replicated. A spec the caller wrote (in ``forms``, see :func:`spec_forms`) is
+    written as they wrote it, any other that shards something names every dimension
+    (``P("x", None)`` for a matrix): as ``jax.jit`` writes its shardings, so a weight
+    updated by a step compares equal to the one passed in."""
+    form = (forms or {}).get((canonical_spec(spec), ndim))
+    return NamedSharding(mesh, form if form is not None else full_rank(spec, ndim))
+
+
+def program_spec_forms(program) -> dict:
+    """:func:`spec_forms` of a split program's inputs and outputs."""
+    jaxpr = program.jaxpr.jaxpr
+    return spec_forms([*program.in_specs, *program.out_specs], [*jaxpr.invars, *jaxpr.outvars])

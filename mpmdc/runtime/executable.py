@@ -37,7 +37,7 @@ from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, is_var
 from mpmdc.ir.pytrees import first_difference, skeleton
-from mpmdc.ir.sharding import named
+from mpmdc.ir.sharding import named, program_spec_forms
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.memory import MeshMemory, memory_profile
 from mpmdc.runtime.peers import Progress, program_entries
@@ -215,8 +215,10 @@ class Compiled:
         backend.check_can_run(program.meshes)
         self.multiprocess = distributed.is_multiprocess()
         here = [is_here(m) for m in program.meshes]
+        forms = program_spec_forms(program)
         self._in_shardings = [
-            named(program.meshes[m], s) for m, s in zip(program.in_meshes, program.in_specs)
+            named(program.meshes[m], s, v.aval.ndim, forms)
+            for v, m, s in zip(program.jaxpr.jaxpr.invars, program.in_meshes, program.in_specs)
         ]
         keys, self._executables = _compile_here(program, backend, here, compiler)
         self._fragment_keys = keys  # equation index -> fragment key, for the analyses
@@ -240,7 +242,7 @@ class Compiled:
         ]
         self._out_shardings, self._outputs = [], []
         for v, m, spec in zip(program.jaxpr.jaxpr.outvars, program.out_meshes, program.out_specs):
-            sharding = named(program.meshes[m], spec)
+            sharding = named(program.meshes[m], spec, v.aval.ndim, forms)
             self._out_shardings.append(sharding)
             # An output living elsewhere is a global array with no shard here.
             self._outputs.append(
@@ -257,6 +259,7 @@ class Compiled:
 
     def _plan_steps(self, slots: _Slots, backend, here: list[bool], keys: dict) -> list[_Step]:
         """One step per top-level equation this process takes part in, in program order."""
+        forms = program_spec_forms(self.program)
         jaxpr = self.program.jaxpr.jaxpr
         meshes = self.program.meshes
         releases = release_plan(jaxpr)
@@ -283,7 +286,10 @@ class Compiled:
                     backend,
                     meshes[src],
                     meshes[mesh],
-                    [named(meshes[mesh], s) for s in eqn.params["dst_specs"]],
+                    [
+                        named(meshes[mesh], s, v.aval.ndim, forms)
+                        for v, s in zip(eqn.invars, eqn.params["dst_specs"])
+                    ],
                     [v.aval for v in eqn.invars],
                     name,
                     [donated_at.get(v, -1) > i for v in eqn.invars],

@@ -85,10 +85,12 @@ def test_tensor_parallel_weights_and_adam_state_keep_their_specs(tp_meshes):
     assert _specs_of(new_state[0].nu) == _want_specs(2)
     said = step.output_shardings(params, opt_state, x, y)[1]
     assert jax.tree.map(lambda s: mpmdc.ir.sharding.canonical_spec(s.spec), said) == _want_specs(2)
-    # Each stage's weights stay on its own mesh.
+    # Each stage's weights stay on its own mesh, with shardings equal to the arguments'
+    # (``P("model", None)`` is returned as given, as ``jax.jit`` returns it).
     for i, p in enumerate(new_params):
-        for a in p.values():
+        for k, a in p.items():
             assert a.sharding.mesh == tp_meshes[i]
+            assert a.sharding == params[i][k].sharding, (i, k, a.sharding)
     # (On one device: jax.jit cannot take arguments committed to two meshes.)
     host = jax.device_put((params, opt_state, x, y), jax.devices()[0])
     want = jax.jit(_step)(*host)
@@ -106,7 +108,9 @@ def test_in_specs_given_come_back_as_given(tp_meshes):
     assert _specs_of(new_params) == _want_specs(2)
 
 
-@pytest.mark.parametrize("layout", ["committed", "in_specs", "uncommitted", "placed_by_recipe"])
+@pytest.mark.parametrize(
+    "layout", ["committed", "in_specs", "uncommitted", "placed_by_recipe", "placed_by_compiled"]
+)
 def test_a_training_loop_compiles_once(tp_meshes, layout):
     params, (x, y) = _params(2), _batch()
     in_specs = None
@@ -119,13 +123,15 @@ def test_a_training_loop_compiles_once(tp_meshes, layout):
     state = (params, opt_state)
     if layout == "placed_by_recipe":
         state = jax.device_put(state, step.input_shardings(*state, x, y)[0][:2])
+    elif layout == "placed_by_compiled":  # lower().compile() serves the calls, as in jax.jit
+        state = jax.device_put(state, step.lower(*state, x, y).compile().input_shardings[0][:2])
     with XlaCompiles() as first:
         _, *state = step(*state, x, y)
     with XlaCompiles() as later:
         for _ in range(3):
             _, *state = step(*state, x, y)
     assert first.count == (
-        0 if layout == "placed_by_recipe" else step.lower(*state, x, y).compile().num_executables
+        0 if layout.startswith("placed") else step.lower(*state, x, y).compile().num_executables
     )
     assert later.count == 0
 
