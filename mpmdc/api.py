@@ -198,7 +198,14 @@ def _serves(exe_key, exe: Compiled, key, given) -> bool:
 
 
 def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
-    """Broadcast a spec pytree prefix over ``tree``; a mismatch is a ``SpecError``."""
+    """Broadcast a spec pytree prefix over ``tree``; a mismatch, or a leaf that is no
+    ``PartitionSpec`` (``"data"`` for ``P("data")``), is a ``SpecError``."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec_leaf)[0]:
+        if not _is_spec_leaf(leaf):
+            raise SpecError(
+                f"{what}{jax.tree_util.keystr(path)} is a {type(leaf).__name__} ({leaf!r:.40}), "
+                f"not a PartitionSpec; write jax.sharding.PartitionSpec({leaf!r:.40}) or None."
+            )
     try:
         return broadcast_prefix(specs, tree, _is_spec_leaf)
     except ValueError as err:

@@ -36,8 +36,15 @@ def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:
         return None
     if len(spec) > len(shape):
         return f"{spec} has {len(spec)} entries but the value has only {len(shape)} dimensions"
+    used: set[str] = set()
     for dim, entry in enumerate(spec):
         axes = axes_of(entry)
+        if twice := used.intersection(axes):
+            return (
+                f"{spec} splits two dimensions over axis {sorted(twice)[0]!r}; an axis "
+                f"shards one dimension at most"
+            )
+        used.update(axes)
         missing = [a for a in axes if a not in mesh.shape]
         if missing:
             return (

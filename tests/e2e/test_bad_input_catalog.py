@@ -206,6 +206,18 @@ MISTAKES = [
         lambda w: lower(two_stage, w, in_specs=(P(), P("model"))),
     ),
     Mistake(
+        "in_specs splitting two dimensions over one axis",
+        errors.SpecError,
+        r"args\[1\].*splits two dimensions over axis 'data'",
+        lambda w: lower(two_stage, w, in_specs=(P(), P("data", "data"))),
+    ),
+    Mistake(
+        "in_specs giving an axis name where a PartitionSpec goes",
+        errors.SpecError,
+        r"in_specs\[1\] is a str \('data'\), not a PartitionSpec",
+        lambda w: lower(two_stage, w, in_specs=(P(), "data")),
+    ),
+    Mistake(
         "out_shardings given as a PartitionSpec",
         errors.SpecError,
         r"out_shardings for out is P\('data',\), which is not a NamedSharding",
