@@ -10,6 +10,7 @@ with matching channel ids.
 """
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,25 @@ def test_a_donated_input_is_donated_by_its_last_reader_only(meshes2):
     modules = dict(out.modules)
     assert "tf.aliasing_output" in modules["s0_bwd"]
     assert not any("tf.aliasing_output" in modules[name] for name in ("s0_fwd", "s1_fwd"))
+
+
+def test_only_an_input_a_result_can_take_over_is_donated(meshes2):
+    """A donated input whose last reader makes no result of its shape, dtype and spec
+    is not donated there: XLA could not reuse its buffer and JAX would warn."""
+
+    def step(w, n, x):  # n (an int counter) is read last where only floats are made
+        loss = jnp.sum(mpmdc.stage(jnp.tanh(mpmdc.stage(x, 0) @ w), 1) * n)
+        return loss, w * 2
+
+    program = scheduled(step, meshes2, W, jnp.int32(3), X, donate_argnums=(0, 1))
+    out = lower(program)
+    n = program.jaxpr.jaxpr.invars[1]
+    for f in fragments(out):
+        donated = [f.invars[k] for k in f.params["donate_argnums"]]
+        assert n not in donated, f.params["name"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable"
+        mpmdc.compile(step, meshes2, donate_argnums=(0, 1))(W * 1, jnp.int32(3), X)
 
 
 @pytest.fixture
