@@ -12,7 +12,7 @@ from jax.experimental import checkify
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.program import Program, find_eqns
-from mpmdc.ir.sharding import named, program_spec_forms
+from mpmdc.ir.sharding import named
 
 
 def _throw(error) -> None:
@@ -52,14 +52,13 @@ def _fragment_function(eqn):
     return run
 
 
-def _fragment_jit(eqn, program: Program):
+def _fragment_jit(eqn, program: Program, forms: dict):
     """``(jitted function, argument types)`` for fragment ``eqn`` on its mesh.
 
     The argument types keep their weak type: results computed from a weakly typed value
     are weakly typed too, as under ``jax.jit``.
     """
     mesh = program.meshes[eqn.params["mesh"]]
-    forms = program_spec_forms(program)
     args = [
         jax.ShapeDtypeStruct(
             v.aval.shape,
@@ -80,7 +79,8 @@ def _fragment_jit(eqn, program: Program):
     return jitted, args
 
 
-def lower_fragment(program: Program, eqn, backend):
-    """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``)."""
-    jitted, args = _fragment_jit(eqn, program)
+def lower_fragment(program: Program, eqn, backend, forms: dict):
+    """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``);
+    ``forms`` (``program_spec_forms(program)``) writes its shardings as the caller did."""
+    jitted, args = _fragment_jit(eqn, program, forms)
     return backend.lower_fragment(jitted.trace(*args))

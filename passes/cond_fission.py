@@ -14,11 +14,11 @@ each mesh runs the branches' work for its own values.
 
 Arrays that share only scalar reductions (a global norm computed inside a branch:
 every update needs every array's partial sum) cannot be cut into conditionals without
-a cycle between them. Where their branches are elementwise (no matrix product,
-convolution or loop: an optimizer's), the group is predicated instead: every branch's
-equations are inlined and each result is a ``select_n`` on the index, so ``partition``
-places each array's share of the work, and of the reduction, on that array's mesh,
-and only partial sums move. Both branches then run; for an optimizer's elementwise
+a cycle between them. Where their branches only compute elementwise and reduce (no
+callback, loop or matrix product: an optimizer's), the group is predicated instead:
+every branch's equations are inlined and each result is a ``select_n`` on the index,
+so ``partition`` places each array's share of the work, and of the reduction, on that
+array's mesh, and only partial sums move. Both branches then run; for an optimizer's elementwise
 work that costs less than moving its state. Results sharing costly work stay in one
 conditional; ``partition`` warns where such a conditional reads several meshes'
 arrays. A conditional with effects (callbacks, ordered effects) stays whole, so its
@@ -42,16 +42,13 @@ from mpmdc.ir.program import (
 )
 
 
-def _is_scalar_work(eqn) -> bool:
-    """An equation on scalars only: repeating it in several groups is free."""
-    return (
-        all(getattr(v.aval, "shape", None) == () for v in (*eqn.invars, *eqn.outvars))
-        and not eqn.effects
-    )
-
-
 def _is_scalar(v) -> bool:
     return getattr(v.aval, "shape", None) == ()
+
+
+def _is_scalar_work(eqn) -> bool:
+    """An equation on scalars only: repeating it in several groups is free."""
+    return all(map(_is_scalar, (*eqn.invars, *eqn.outvars))) and not eqn.effects
 
 
 class _Groups:
@@ -112,22 +109,27 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
     return groups.groups(n)
 
 
-# Work worth skipping when a branch is not taken: a conditional over it stays one.
-_COSTLY = frozenset(
-    {
-        jprims.dot_general_p,
-        jprims.conv_general_dilated_p,
-        jprims.while_p,
-        jprims.scan_p,
-        jprims.cond_p,
-    }
+# What a predicated branch may do: arithmetic, comparisons, casts, shape changes and
+# reductions, which cost little when the branch is not taken and can neither fail nor
+# call out (no callbacks, custom calls, platform-dependent branches, loops or matrix
+# products), plus calls made of them.
+_PREDICABLE = frozenset(
+    getattr(jprims, f"{name}_p")
+    for name in (
+        "abs add and broadcast_in_dim ceil clamp convert_element_type copy cos div eq erf "
+        "exp exp2 expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max "
+        "min mul ne neg not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod "
+        "reduce_sum rem reshape round rsqrt select_n sign sin sqrt square squeeze sub tanh xor"
+    ).split()
 )
+_PREDICABLE_CALLS = frozenset({jprims.jit_p, jprims.custom_jvp_call_p})
 
 
-def _only_elementwise(jaxprs) -> bool:
-    """No matrix product, convolution or loop anywhere in ``jaxprs`` (nested included)."""
-    return not any(
-        eqn.primitive in _COSTLY or not _only_elementwise(jcore.jaxprs_in_params(eqn.params))
+def _predicable(jaxprs) -> bool:
+    """Every equation of ``jaxprs`` (calls followed) is in :data:`_PREDICABLE`."""
+    return all(
+        eqn.primitive in _PREDICABLE
+        or (eqn.primitive in _PREDICABLE_CALLS and _predicable(jcore.jaxprs_in_params(eqn.params)))
         for jaxpr in jaxprs
         for eqn in jaxpr.eqns
     )
@@ -153,6 +155,8 @@ def _predicated(eqn, branches, operands, outvars, consts: dict) -> list:
     the branches' elementwise work runs whichever is taken, so ``partition`` places each
     value's share of it (and of any reduction across values) on that value's mesh.
     ``consts`` gathers the branches' constants as new top-level constants."""
+    # (``lax.cond`` and ``lax.switch`` clamp the index into range, where ``select_n`` and
+    # XLA's case op would disagree on an index out of it.)
     eqns, cases = [], []
     for branch in branches:
         env = {}
@@ -188,11 +192,13 @@ def _fissioned(eqn, consts: dict) -> list:
     index, operands = eqn.invars[0], eqn.invars[1:]
     out = []
     for results in groups:
+        if all(isinstance(eqn.outvars[j], jcore.DropVar) for j in results):
+            continue  # nothing reads these results: no conditional for them
         new_branches, reads = _branches_for(branches, results)
         used = [a for a, r in zip(operands, reads) if r]
         outvars = [eqn.outvars[j] for j in results]
         split_further = sum(1 for g in finer if g[0] in results) > 1
-        if split_further and _only_elementwise(b.jaxpr for b in new_branches):
+        if split_further and _predicable(b.jaxpr for b in new_branches):
             out += _predicated(eqn, new_branches, used, outvars, consts)
         else:
             out.append(
@@ -210,10 +216,12 @@ def cond_fission(program: Program) -> Program:
     """Replace each top-level ``cond`` by one conditional per group of results that share
     no non-scalar work (see the module docstring)."""
     closed = program.jaxpr
-    eqns, consts = [], {}
+    eqns, consts, changed = [], {}, False
     for eqn in closed.jaxpr.eqns:
-        eqns.extend(_fissioned(eqn, consts) if eqn.primitive is jprims.cond_p else [eqn])
-    if len(eqns) == len(closed.jaxpr.eqns):
+        replaced = _fissioned(eqn, consts) if eqn.primitive is jprims.cond_p else [eqn]
+        changed |= len(replaced) != 1 or replaced[0] is not eqn
+        eqns.extend(replaced)
+    if not changed:
         return program
     jaxpr = closed.jaxpr
     new = make_closed_jaxpr(

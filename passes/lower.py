@@ -37,7 +37,7 @@ from mpmdc.errors import PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
-from mpmdc.ir.sharding import canonical_spec
+from mpmdc.ir.sharding import canonical_spec, program_spec_forms
 
 _module_sink: ContextVar = ContextVar("mpmdc_module_sink", default=None)
 
@@ -68,11 +68,12 @@ def lower(
     program = with_donations(program)
     sink = _module_sink.get()
     lowerings, module_keys = {}, []
+    forms = program_spec_forms(program)
     for eqn in program.jaxpr.jaxpr.eqns:
         if eqn.primitive is fragment_p and (meshes is None or eqn.params["mesh"] in meshes):
             key = fragment_key(eqn)
             if key not in lowerings:
-                lowerings[key] = lower_fragment(program, eqn, chosen)
+                lowerings[key] = lower_fragment(program, eqn, chosen, forms)
                 if sink is not None:
                     sink(key, eqn, program.meshes[eqn.params["mesh"]], chosen, lowerings[key])
                 module_keys.append((eqn.params["name"], key))

@@ -466,10 +466,8 @@ def _output_placements(outvars, eqns, producer, cheap, placement) -> list[Placem
             return [placement[j]]
         return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
 
-    return [
-        max(sources(v), key=Placement.order_key) if is_var(v) and sources(v) else None
-        for v in outvars
-    ]
+    found = [sources(v) if is_var(v) else [] for v in outvars]
+    return [max(s, key=Placement.order_key) if s else None for s in found]
 
 
 _PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
@@ -579,7 +577,7 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
 
 # Conditionals and loops are one equation each: where ``cond-fission`` could not cut one
 # per mesh, it runs where most of its bytes are and reads the rest across meshes.
-_CONTROL_FLOW = frozenset({jprims.cond_p, jprims.while_p})
+_CONTROL_FLOW = frozenset({jprims.cond_p, jprims.while_p, jprims.scan_p})
 
 
 def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
@@ -605,12 +603,12 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
                 others = ", ".join(f"mesh{m}" for m in elsewhere)
                 warnings.warn(
                     f"`{eqn.primitive.name}` at {compat.source_line(eqn)} runs on mesh{mesh} "
-                    f"and reads arrays living on {others} every call: its branches or body "
-                    f"share costly work (a matrix product, a loop) between values of several "
-                    f"meshes, so it cannot be cut per mesh. Compute that shared value outside "
-                    f"the conditional or loop to keep each stage's work on its mesh.",
+                    f"and reads arrays living on {others} every call: a loop, or a "
+                    f"conditional whose branches share costly work (a matrix product, a loop) "
+                    f"or have effects, is one piece of work on one mesh. Compute what reads "
+                    f"each stage's arrays outside it to keep each stage's work on its mesh.",
                     PlacementWarning,
-                    stacklevel=2,
+                    stacklevel=1,  # (the message names the user's line; no frame of theirs is on the stack)
                 )
         if is_marker(eqn):
             crossing.update(eqn.outvars)

@@ -39,7 +39,7 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.ir.sharding import fit_spec, full_rank
+from mpmdc.ir.sharding import fit_spec, named_spec, spec_forms
 from mpmdc.ir.spec_rules import propagate_specs
 
 
@@ -286,10 +286,14 @@ def split(program: Program) -> Program:
         jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info
     )
     # Every output's spec is now known: the caller's as written, or the one its
-    # computation gave it, naming every dimension as jax.jit writes computed shardings.
+    # computation gave it, written as the caller wrote an equal spec, else naming every
+    # dimension as jax.jit writes computed shardings.
+    in_specs = tuple(emitter.spec_of[v] for v in jaxpr.invars)
+    forms = spec_forms([*in_specs, *program.out_specs], [*jaxpr.invars, *jaxpr.outvars])
     out_specs = tuple(
-        given if given is not None else full_rank(emitter.spec_of.get(v), v.aval.ndim)
+        given
+        if given is not None
+        else named_spec(emitter.spec_of.get(v) if is_var(v) else None, v.aval.ndim, forms)
         for v, given in zip(final, program.out_specs)
     )
-    in_specs = tuple(emitter.spec_of[v] for v in jaxpr.invars)
     return program.replace(jaxpr=new, in_specs=in_specs, out_specs=out_specs, is_split=True)

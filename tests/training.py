@@ -50,8 +50,9 @@ def hand_written_sgd_step(params, x, y, microbatches=8):
     return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
 
-def assert_trees_close(got, want, rtol=2e-5, atol=1e-6):
-    """Same structure, leaves equal within ``rtol``/``atol``."""
+def assert_trees_close(got, want, rtol=0, atol=0):
+    """Same structure, leaves equal: bit for bit unless the caller passes ``rtol``/``atol``
+    measured for its program."""
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)

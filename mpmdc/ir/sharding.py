@@ -114,8 +114,14 @@ def named(
     written as they wrote it, any other that shards something names every dimension
     (``P("x", None)`` for a matrix): as ``jax.jit`` writes its shardings, so a weight
     updated by a step compares equal to the one passed in."""
+    return NamedSharding(mesh, named_spec(spec, ndim, forms))
+
+
+def named_spec(spec: PartitionSpec | None, ndim: int, forms: dict | None = None) -> PartitionSpec:
+    """The spec :func:`named` writes: as the caller wrote an equal one (``forms``), else
+    :func:`full_rank`."""
     form = (forms or {}).get((canonical_spec(spec), ndim))
-    return NamedSharding(mesh, form if form is not None else full_rank(spec, ndim))
+    return form if form is not None else full_rank(spec, ndim)
 
 
 def program_spec_forms(program) -> dict:

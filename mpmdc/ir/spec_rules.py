@@ -139,7 +139,7 @@ def _reshape(eqn, specs) -> list[Spec]:
     out = [None] * len(new)
     for i, entry in enumerate(spec):
         j = starts.get(math.prod(old[:i]))
-        if entry is None or old[i] == 1 or j is None:
+        if entry is None or old[i] <= 1 or j is None:
             continue
         if new[j] % old[i] == 0 or old[i] % new[j] == 0:
             out[j] = entry

@@ -215,7 +215,7 @@ class Compiled:
         backend.check_can_run(program.meshes)
         self.multiprocess = distributed.is_multiprocess()
         here = [is_here(m) for m in program.meshes]
-        forms = program_spec_forms(program)
+        forms = self._forms = program_spec_forms(program)
         self._in_shardings = [
             named(program.meshes[m], s, v.aval.ndim, forms)
             for v, m, s in zip(program.jaxpr.jaxpr.invars, program.in_meshes, program.in_specs)
@@ -259,7 +259,7 @@ class Compiled:
 
     def _plan_steps(self, slots: _Slots, backend, here: list[bool], keys: dict) -> list[_Step]:
         """One step per top-level equation this process takes part in, in program order."""
-        forms = program_spec_forms(self.program)
+        forms = self._forms
         jaxpr = self.program.jaxpr.jaxpr
         meshes = self.program.meshes
         releases = release_plan(jaxpr)

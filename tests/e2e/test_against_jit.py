@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_same_as_jit, mesh_index
+from helpers import assert_same_array, assert_same_as_jit, mesh_index
 
 import mpmdc
 
@@ -103,7 +103,9 @@ def test_pytrees_in_and_out(meshes2):
         return {"out": (h["h"] + h["extra"][0], h["extra"][1]), "list": [h["h"].sum()]}
 
     x, y = data()
-    assert_same_as_jit(fn, meshes2, {"x": x, "y": y}, (3.0,))
+    # The sum reads h materialized: noise floor 2.0e-07 relative (jax.jit against eager),
+    # margin 10x.
+    assert_same_as_jit(fn, meshes2, {"x": x, "y": y}, (3.0,), rtol=2e-6)
 
 
 def test_literal_and_passthrough_outputs(meshes2):
@@ -141,7 +143,7 @@ def test_kwargs_and_static_args(meshes2):
     step = mpmdc.compile(fn, meshes2, static_argnums=1)
     out = step(x, 2, y=y)
     ref = jax.jit(fn, static_argnums=1)(x, 2, y=y)
-    assert jnp.allclose(out, ref)
+    assert_same_array(out, ref)
 
 
 def stacked_layers_loss(stacks, x):

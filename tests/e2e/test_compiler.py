@@ -76,12 +76,12 @@ def test_as_text_is_identical_across_compilations(meshes4):
 
 def test_donated_inputs_are_consumed(meshes2):
     step = mpmdc.compile(lambda w, x: mlp_loss([w, w], x), meshes2, donate_argnums=1)
-    want = float(mlp_loss([WS[0], WS[0]], X))
+    want = jax.jit(lambda w, x: mlp_loss([w, w], x))(WS[0], X)
     x = jax.device_put(
         np.asarray(X), jax.sharding.NamedSharding(meshes2[0], jax.sharding.PartitionSpec())
     )
     out = step(WS[0], x)
-    np.testing.assert_allclose(float(out), want, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     assert x.is_deleted()
 
 
@@ -119,7 +119,7 @@ def test_what_runs_is_what_lower_shows_also_when_donating(meshes2, monkeypatch):
     ws = jax.device_put(ws, executable.input_shardings[0][0])
     got = executable(ws, X)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert all(w.is_deleted() for w in ws)
 
 
@@ -189,11 +189,11 @@ def test_the_first_call_compiles_each_module_while_the_next_is_lowered(meshes4, 
             compiled.append(lowered)
             return super().compile_fragment(lowered)
 
-    def lower_fragment(program, eqn, backend):
+    def lower_fragment(program, eqn, backend, forms):
         lowered_names.append(eqn.params["name"])
         if eqn.params["name"] == "s0_bwd":  # the last fragment
             waited.append(started.wait(30))
-        return original(program, eqn, backend)
+        return original(program, eqn, backend, forms)
 
     backends.register(Signalling("signalling-cpu", "cpu"))
     monkeypatch.setattr(lower_pass, "lower_fragment", lower_fragment)
@@ -201,7 +201,7 @@ def test_the_first_call_compiles_each_module_while_the_next_is_lowered(meshes4, 
     got = mpmdc.compile(step, meshes4, backend="signalling-cpu")(WS, X)
     assert waited == [True] and lowered_names[-1] == "s0_bwd"
     assert len(compiled) == 4  # 7 modules; s1's and s2's forward and s1's backward are loaded
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.jit(step)(WS, X)[0]), rtol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(jax.jit(step)(WS, X)[0]))
 
 
 def test_a_stage_with_a_callback_is_compiled_for_each_mesh(meshes4, monkeypatch):
@@ -287,7 +287,8 @@ def test_input_shardings_say_where_each_argument_runs(meshes4):
     got = executable(placed_ws, placed_x)
     want = jax.jit(jax.value_and_grad(mlp_loss))(WS, X)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+        # Noise floor 1.2e-07 relative (jax.jit against eager), margin 10x.
+        np.testing.assert_allclose(g, w, rtol=1.2e-6)
 
 
 def test_an_argument_already_where_it_runs_is_not_copied():
@@ -317,8 +318,8 @@ def test_vmap_and_grad_treat_stage_as_identity(fn_args):
     assert jax.tree_util.tree_all(
         jax.tree_util.tree_map(lambda a, b: bool(jnp.all(a == b)), mpmdc.stage(tree, 3), tree)
     )
-    np.testing.assert_allclose(jax.vmap(lambda v: mpmdc.stage(v, 1) * 2)(x), x * 2)
-    np.testing.assert_allclose(jax.grad(lambda v: jnp.sum(mpmdc.stage(v, 1) ** 2))(x), 2 * x)
-    np.testing.assert_allclose(
+    np.testing.assert_array_equal(jax.vmap(lambda v: mpmdc.stage(v, 1) * 2)(x), x * 2)
+    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(mpmdc.stage(v, 1) ** 2))(x), 2 * x)
+    np.testing.assert_array_equal(
         jax.hessian(lambda v: jnp.sum(mpmdc.stage(v, 0) ** 3))(x[0]), jnp.diag(6 * x[0])
     )

@@ -1,15 +1,13 @@
 """Flax and Optax programs as users write them, against ``jax.jit``; every parameter and
 optimizer-state leaf stays on the mesh of the stage that uses it.
 
-Tolerances: values crossing fragments are materialized, so XLA reassociates
-differently than in one ``jax.jit`` module; three Adam steps then magnify rounding in
-small gradients. Measured against ``jax.jit``: 1.7e-6 for the GPT (and two jit programs
-of the same step, the ``accumulate`` scan and a Python loop, differ by up to 3e-4 when
-attention has biases, whose gradient is rounding noise), so the bound is 1e-5. In bfloat16,
-XLA keeps excess precision inside one module (``xla_allow_excess_precision``), while a
-value crossing fragments is rounded to bfloat16: the loss agrees to bfloat16's rounding
-error (``2**-8`` relative), and each parameter's update (a gradient through two
-bfloat16 blocks) to 10% of that update's largest element (measured: at most 4%).
+Tolerances: values crossing fragments are materialized, so XLA fuses and sums them
+otherwise than in one ``jax.jit`` module, and Adam's steps magnify the rounding of small
+gradients. Each bound is ten times a noise floor: how far ``jax.jit`` of the same step is
+from itself run eagerly (every intermediate materialized) or with its microbatches in
+the other order, the larger, over the test's steps. In bfloat16, XLA keeps excess
+precision inside one module (``xla_allow_excess_precision``), while eager, like a
+fragment boundary, rounds each intermediate to bfloat16.
 """
 
 import importlib.util
@@ -104,7 +102,9 @@ def test_nnx_gpt_trains_with_clip_and_adamw_fed_back_and_donated(meshes4):
 
     want = train(jax.jit(step), params, opt_state, tokens(), steps=3)
     got = train(lowered.compile(), params, opt_state, tokens(), steps=3)
-    assert largest_difference(got, want) <= 1e-5
+    # Noise floor 9.8e-06 (jax.jit against eager over the three steps; 1.2e-07 against
+    # jax.jit with the microbatches swapped), margin 10x.
+    assert largest_difference(got, want) <= 1e-4
     assert_on_stage_meshes(got[:2], meshes4)
 
 
@@ -116,7 +116,10 @@ def test_nnx_gpt_with_dropout_keys_per_microbatch_in_bfloat16(meshes2):
     keys = jax.random.split(jax.random.key(3), MICROBATCHES)
     got = mpmdc.compile(step, meshes2)(params, opt_state, tokens(), keys)
     want = jax.jit(step)(params, opt_state, tokens(), keys)
-    np.testing.assert_allclose(got[2], want[2], rtol=2**-8)
+    # Noise floors (jax.jit against eager; 0 with the microbatches swapped): 1.6e-04
+    # relative for the loss, margin 10x; 1.8e-02 of a parameter's largest update for its
+    # update, margin 5.5x.
+    np.testing.assert_allclose(got[2], want[2], rtol=1.6e-3)
     for p, g, w in zip(*(jax.tree_util.tree_leaves(t) for t in (params, got[0], want[0]))):
         step_got, step_want = np.asarray(g) - np.asarray(p), np.asarray(w) - np.asarray(p)
         assert np.max(np.abs(step_got - step_want)) <= 0.1 * np.max(np.abs(step_want))
@@ -151,7 +154,9 @@ def test_optax_optimizers_keep_their_state_with_its_parameter(meshes2, name):
     got = train(
         mpmdc.compile(step, meshes2, donate_argnums=(0, 1)), params, opt_state, *batch(), steps=2
     )
-    assert largest_difference(got, want) <= 1e-5
+    # Noise floor 6.0e-08 (jax.jit against eager over the two steps, the largest over the
+    # optimizers; 0 against jax.jit with the microbatches swapped), margin 10x.
+    assert largest_difference(got, want) <= 6e-7
     for tree in got[:2]:
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             stages = [k.idx for k in path if isinstance(k, jax.tree_util.SequenceKey)]
@@ -186,7 +191,7 @@ def test_linen_model_through_apply(meshes4):
     opt_state = optimizer.init(params)
     got = mpmdc.compile(step, meshes4)(params, opt_state, x, y)
     want = jax.jit(step)(params, opt_state, x, y)
-    assert largest_difference(got, want) <= 1e-5
+    assert largest_difference(got, want) == 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(got[:2]):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         block = next((n for n in names if n.startswith(("block", "norm"))), None)

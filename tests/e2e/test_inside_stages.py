@@ -76,7 +76,10 @@ def test_shard_map_psum_inside_stage(meshes2):
         return jnp.sum(summed**2)
 
     w, x = jnp.eye(8) * 0.5, jnp.arange(32.0).reshape(4, 8) / 32
-    assert_same_as_jit(jax.value_and_grad(fn), meshes2, w, x)
+    # The cotangent comes back split over mesh 0's devices, so the weight gradient's sum
+    # over rows is two partial sums: noise floor 1.4e-07 relative (jax.jit against
+    # jax.jit computing x @ w by row halves), margin 10x.
+    assert_same_as_jit(jax.value_and_grad(fn), meshes2, w, x, rtol=1.4e-6)
     modules = mpmdc.compile(fn, meshes2).lower(w, x).stablehlo()
     assert "all_reduce" in modules["s1_fwd"]
     assert "all_reduce" not in modules["s0_fwd"]
@@ -98,4 +101,4 @@ def test_a_shard_map_runs_on_the_mesh_it_was_built_for(meshes2):
         p for e, p in zip(program.jaxpr.eqns, program.placements) if e.primitive.name == "shard_map"
     ]
     assert placement.stage == 0
-    np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(x) * 2)
+    np.testing.assert_array_equal(np.asarray(compiled(x)), np.asarray(x) * 2)

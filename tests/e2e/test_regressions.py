@@ -95,8 +95,10 @@ def test_shard_map_runs_on_its_own_mesh_also_in_the_backward(name):
 
     got = compiled(x)
     want = jax.jit(jax.value_and_grad(lambda x: body(x, lambda m: reference_mesh)))(x)
+    # Noise floor 1.2e-07 relative (jax.jit against eager, the largest over the cases),
+    # margin 10x.
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1.2e-6)
 
 
 # ------------------------------------------- programs users write
@@ -232,7 +234,10 @@ def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
             lambda xs: per_microbatch(w, xs), (batch, keys), microbatches=2, schedule="gpipe"
         )
 
-    assert_same_as_jit(loop, meshes, jnp.ones(4), jnp.ones((4, 4)), jax.random.split(key, 2))
+    # Noise floor 1.5e-07 relative (jax.jit against eager), margin 10x.
+    assert_same_as_jit(
+        loop, meshes, jnp.ones(4), jnp.ones((4, 4)), jax.random.split(key, 2), rtol=1.5e-6
+    )
 
 
 def test_a_wrong_pytree_is_named_in_a_line():

@@ -108,6 +108,8 @@ def test_costs_count_each_microbatchs_fragment_call(meshes2):
     for microbatches in (2, 4):
         compiled = mpmdc.compile(step, meshes2).lower(WS, jnp.ones((8, 8))).compile()
         flops[microbatches] = [c["flops"] for _, c in sorted(compiled.cost_analysis().items())]
+    # Not rounding: XLA's estimate counts some work per call (measured: 5.3% more for 4
+    # microbatches than for 2); 10% allowed.
     np.testing.assert_allclose(flops[4], flops[2], rtol=0.1)
 
 
@@ -119,9 +121,9 @@ def test_a_donated_argument_is_donated_by_position_and_by_keyword(meshes2):
     for kwargs in ({"donate_argnums": 1}, {"donate_argnames": "x"}):
         step = mpmdc.compile(fn, meshes2, **kwargs)
         by_position, by_keyword = (jax.device_put(X + 0, on_mesh0) for _ in range(2))
-        want = float(fn(WS[0], X))
-        np.testing.assert_allclose(float(step(WS[0], by_position)), want, rtol=2e-5)
-        np.testing.assert_allclose(float(step(WS[0], x=by_keyword)), want, rtol=2e-5)
+        want = float(jax.jit(fn)(WS[0], X))
+        assert float(step(WS[0], by_position)) == want
+        assert float(step(WS[0], x=by_keyword)) == want
         assert by_position.is_deleted() and by_keyword.is_deleted(), kwargs
         info = step.lower(WS[0], x=X).compile().args_info
         assert info[1]["x"].donated and not info[0][0].donated
@@ -138,15 +140,15 @@ def test_a_static_argument_by_name_is_in_the_cache_key(meshes2):
         traces.clear()
         step = mpmdc.compile(fn, meshes2, **kwargs)
         one, two = step(WS, X, scale=1.0), step(WS, X, scale=2.0)
-        np.testing.assert_allclose(float(two), 2 * float(one), rtol=1e-6)
+        assert float(two) == 2 * float(one)
         step(WS, X, scale=2.0)
         assert traces == [1.0, 2.0], kwargs
         # By position too (another call signature, so traced again, as under jax.jit).
-        np.testing.assert_allclose(float(step(WS, X, 2.0)), float(two), rtol=1e-6)
+        assert float(step(WS, X, 2.0)) == float(two)
         assert traces == [1.0, 2.0, 2.0], kwargs
     # A static argument is fixed by lower(): the compiled program takes the others.
     compiled = mpmdc.compile(fn, meshes2, static_argnames="scale").lower(WS, X, scale=3.0).compile()
-    np.testing.assert_allclose(float(compiled(WS, X)), 3 * float(one), rtol=1e-6)
+    assert float(compiled(WS, X)) == 3 * float(one)
 
 
 def test_an_argname_the_function_lacks_is_named(meshes2):

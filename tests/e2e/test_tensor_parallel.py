@@ -94,8 +94,10 @@ def test_tensor_parallel_weights_and_adam_state_keep_their_specs(tp_meshes):
     # (On one device: jax.jit cannot take arguments committed to two meshes.)
     host = jax.device_put((params, opt_state, x, y), jax.devices()[0])
     want = jax.jit(_step)(*host)
+    # Noise floor 3.0e-08 absolute (jax.jit tensor-parallel on one mesh against jax.jit on
+    # one device; jax.jit against eager the same), margin 10x.
     for g, w in zip(jax.tree.leaves((loss, new_params, new_state)), jax.tree.leaves(want)):
-        assert_same_array(g, w)
+        assert_same_array(g, w, atol=3e-7)
 
 
 def test_in_specs_given_come_back_as_given(tp_meshes):

@@ -104,5 +104,7 @@ def test_activations_of_a_batch_sharded_pipeline_stay_sharded_and_match_jax_jit(
     assert crossing[(4, 8)] == P("data")
     got = compiled(params, x)
     want = jax.jit(mlp_step)(params, x)
+    # Noise floor 9.5e-07 absolute (jax.jit against eager; 2.4e-07 against jax.jit with x
+    # split over data), margin 10x.
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-5)

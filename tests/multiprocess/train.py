@@ -32,13 +32,16 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from training import mlp_data, sgd_step  # noqa: E402
 
 SCHEDULE_STAGES = {"interleaved-1f1b": 8}
-# Adam divides by sqrt(v): a summation-order difference of one ulp in a gradient can
-# move an updated weight by 1e-5 after two steps (jax.jit against itself with another
-# order of the same sums differs that much too).
+# Absolute bounds per model (a case's own where given). The MLP's SGD steps equal
+# jax.jit's bit for bit. Adam divides by sqrt(v), so a one-ulp difference in a small
+# gradient moves its weight far more: noise floors over the two steps (jax.jit of the
+# step against eager and against itself with the microbatches reversed, the larger)
+# 2.0e-06 with 4 layers and 1.4e-04 with 8 (interleaved); margin 10x.
 TOLERANCE = {
-    "mlp": dict(rtol=2e-5, atol=2e-6),
-    "mixed": dict(rtol=2e-5, atol=2e-6),
-    "transformer": dict(rtol=1e-4, atol=2e-5),
+    "mlp": 0,
+    "mixed": 0,
+    "transformer": 2e-5,
+    "transformer:interleaved-1f1b": 1.4e-3,
 }
 
 
@@ -102,7 +105,8 @@ def run(out_dir: str, case: str, meshes):
         got = mpmdc.fetch(out)
         if checker:
             for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-                np.testing.assert_allclose(a, np.asarray(b), **TOLERANCE[model])
+                bound = TOLERANCE.get(case, TOLERANCE[model])
+                np.testing.assert_allclose(a, np.asarray(b), rtol=0, atol=bound)
             ref_args = feed(ref, ref_args)
         results.append(got)
         args = feed(out, args)

@@ -142,7 +142,7 @@ def f(w, x):
 
 w, x = jnp.ones((4, 4)) * 0.1, jnp.arange(8.0).reshape(2, 4)
 got = mpmdc.compile(f, mpmdc.make_meshes(2, {"d": 2}), backend="counting-cpu")(w, x)
-np.testing.assert_allclose(got, jax.jit(f)(w, x), rtol=1e-6)
+np.testing.assert_array_equal(got, jax.jit(f)(w, x))
 print("compiled fragments:", len(mpmdc_counting_backend.COMPILED))
 """
 
@@ -246,6 +246,6 @@ def test_in_program_backend_refuses_to_run_here(meshes2):
         step(*args())
     # The same program runs with the default device_put transfers.
     ws, x = args()
-    np.testing.assert_allclose(
-        mpmdc.compile(two_stage, meshes2)(ws, x), jax.jit(two_stage)(ws, x), rtol=2e-5
+    np.testing.assert_array_equal(
+        mpmdc.compile(two_stage, meshes2)(ws, x), jax.jit(two_stage)(ws, x)
     )

@@ -43,8 +43,14 @@ def test_in_specs_show_as_sdy_sharding(meshes2):
     batch_sharded = '#sdy.sharding<@mesh, [{"data"}, {}]>'
     assert batch_sharded in modules["s0_fwd"]  # x on mesh 0
     assert batch_sharded in modules["s1_fwd"]  # y on mesh 1
+    # Noise floor 4.8e-07 absolute (jax.jit with x and y split over data against jax.jit),
+    # margin 10x.
     _loss, _grads = assert_same_as_jit(
-        jax.value_and_grad(two_stage), meshes2, *args(), compile_kwargs={"in_specs": in_specs}
+        jax.value_and_grad(two_stage),
+        meshes2,
+        *args(),
+        atol=5e-6,
+        compile_kwargs={"in_specs": in_specs},
     )
 
 
@@ -55,7 +61,7 @@ def test_out_specs_shard_outputs(meshes2):
     x = jnp.arange(32.0).reshape(4, 8)
     out = mpmdc.compile(fn, meshes2, out_specs=P("data"))(x)
     assert out.sharding.spec == P("data")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2)
 
 
 def test_meshes_of_different_shapes():
@@ -64,12 +70,15 @@ def test_meshes_of_different_shapes():
     big = Mesh(np.array(devices[2:6]).reshape(2, 2), ("data", "model"))
     params, x, y = args()
     in_specs = ([P(), P(None, "model")], P("data"), P("data"))
+    # Noise floor 2.4e-07 absolute (jax.jit with the same shardings on the 2x2 mesh against
+    # jax.jit), margin 10x.
     _loss, grads = assert_same_as_jit(
         jax.value_and_grad(two_stage),
         [small, big],
         params,
         x,
         y,
+        atol=2.4e-6,
         compile_kwargs={"in_specs": in_specs},
     )
     assert mesh_index(grads[1], [small, big]) == 1

@@ -89,6 +89,29 @@ def test_arrays_sharing_only_a_scalar_reduction_are_selected_not_branched(meshes
             assert_same_array(got, want, rtol=2.4e-7, atol=0)
 
 
+def test_a_branch_that_calls_out_is_not_run_when_not_taken(meshes2):
+    """A callback (no declared effect) in a branch sharing a global sum: predicating it
+    would call it whichever branch is taken; the group stays a conditional."""
+
+    def checked(v):
+        if (v < 0).any():
+            raise ValueError("the untaken branch ran")
+        return v
+
+    def fn(flag, a, b):
+        def apply(a, b):
+            total = jnp.sum(a) + jnp.sum(b)
+            a = jax.pure_callback(checked, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+            return a / total, b / total
+
+        return jax.lax.cond(flag, apply, lambda a, b: (a, b), a, b)
+
+    after = cond_fission(input_program(fn, meshes2, True, A, B))
+    assert [e.primitive.name for e in after.jaxpr.jaxpr.eqns].count("select_n") == 0
+    got = run(after, False, -A, B)
+    assert_same_array(got[0], -A, rtol=0, atol=0)
+
+
 def test_a_conditional_with_effects_stays_whole(meshes2):
     def fn(flag, a, b):
         def apply(a, b):

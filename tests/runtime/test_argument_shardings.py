@@ -36,7 +36,9 @@ def test_a_committed_arrays_sharding_is_its_default_in_spec(meshes2):
         jax.tree_util.tree_leaves(got),
         jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(two_stage))(W, X)),
     ):
-        assert_same_array(g, w)
+        # Noise floor 1.2e-07 relative (jax.jit with x split over data against jax.jit),
+        # margin 10x.
+        assert_same_array(g, w, rtol=1.2e-6)
     # The call cache keys on the sharding: a replicated call compiles its own executable.
     (_, x_sharding) = step.input_shardings(W, x)[0]
     (_, replicated) = step.input_shardings(W, X)[0]
@@ -88,8 +90,9 @@ def test_out_shardings_say_where_results_live(meshes2):
     compiled = mpmdc.compile(step, meshes2, out_shardings=wanted)
     w_new, loss = compiled(W, x)
     assert loss.sharding.mesh == meshes2[0] and compiled.output_shardings(W, x)[1] == wanted[1]
+    # Noise floor 1.4e-07 relative (jax.jit with x split over data against jax.jit), margin 10x.
     for g, want in zip((w_new, loss), jax.jit(step)(W, X)):
-        assert_same_array(g, want)
+        assert_same_array(g, want, rtol=1.4e-6)
     # A result fed back can be asked to live with its input, sharded as it is.
     sharded = mpmdc.compile(lambda x: mpmdc.stage(x, 1) * 2, meshes2, out_shardings=x.sharding)
     out = sharded(x)

@@ -47,9 +47,12 @@ def test_reductions_and_pytree_prefixes(meshes2, microbatches):
 
     w, x = jnp.ones((4, 6)) * 0.1, jnp.arange(32.0).reshape(8, 4) / 10
     got = assert_same_as_jit(fn, meshes2, w, x)
+    # Against the whole batch at once: noise floors 8.6e-08 (rows, so their maximum too)
+    # and 7.9e-08 (total) relative (jax.jit of the loop over microbatch slices against the
+    # whole batch), margin 10x.
     np.testing.assert_allclose(got["rows"], jnp.tanh(x @ w), rtol=1e-6)
     np.testing.assert_allclose(got["peak"], jnp.tanh(x @ w).max(0), rtol=1e-6)
-    np.testing.assert_allclose(got["total"], jnp.tanh(x @ w).sum(), rtol=1e-5)
+    np.testing.assert_allclose(got["total"], jnp.tanh(x @ w).sum(), rtol=1e-6)
 
 
 def test_eager_call_works_too():

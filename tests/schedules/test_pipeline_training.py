@@ -57,7 +57,7 @@ def run_sgd(schedule, meshes, cache):
 def test_sgd_step_matches_the_hand_written_loop(schedule, meshes4, sgd_runs):
     params, _, _, (loss, new_params) = run_sgd(schedule, meshes4, sgd_runs)
     want = jax.jit(hand_written_sgd_step)(params, *mlp_data())
-    assert_trees_close((loss, new_params), want, rtol=2e-5)
+    assert_trees_close((loss, new_params), want)
     # The update of layer s runs on the mesh of stage s (s mod 4 when interleaved).
     assert [mesh_index(w, meshes4) for w, _ in new_params] == [
         s % 4 for s in range(len(new_params))
@@ -181,12 +181,15 @@ def test_transformer_with_tied_embedding_trains_three_adam_steps(meshes4):
     reference = jax.jit(hand_written_transformer_step)
     got, want = (params, state), (params, state)
     losses = []
+    # Noise floors over the three steps (jax.jit of the reference against itself with the
+    # microbatches reversed, and against eager; the larger): 1.3e-07 relative for the loss,
+    # 2.6e-06 absolute for parameters and Adam's state; margin 10x.
     for _ in range(3):
         *got, loss = step(*got, tokens)
         *want, want_loss = reference(*want, tokens)
-        assert_trees_close(loss, want_loss, rtol=1e-4)
+        assert_trees_close(loss, want_loss, rtol=1.3e-6)
         losses.append(float(loss))
-    assert_trees_close(tuple(got), tuple(want), rtol=1e-4, atol=1e-5)
+    assert_trees_close(tuple(got), tuple(want), atol=2.6e-5)
     assert losses[2] < losses[0]
     # The tied embedding's two gradient contributions (lookup on stage 0, logits on
     # stage 3) are summed across meshes and the update runs with the lookup.
