@@ -48,11 +48,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.runtime.compiling import XlaCompiles
 
 BLOCKS, STAGES, D_MODEL, HIDDEN, BATCH, STEPS = 4, 2, 256, 1024, 16, 10
 SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
 OPT = optax.adam(1e-3)
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def init_params():
@@ -92,25 +92,6 @@ def committed(params, meshes):
     ]
 
 
-class Compiles:
-    """Counts XLA compilations while active: JAX records one backend-compile event per
-    executable it builds (as ``XlaCompiles`` in tests/helpers.py)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def _listen(self, event, duration, **kwargs):
-        if event == COMPILE_EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
 def spec_text(spec) -> str:
     # Trailing Nones dropped, so P('model') and P('model', None) read alike.
     parts = list(spec)
@@ -131,7 +112,7 @@ def weight_specs(params) -> str:
 def run(name, fn, params, opt_state, x, y, devices) -> dict:
     times, compiles, specs = [], [], None
     for i in range(STEPS):
-        with Compiles() as c:
+        with XlaCompiles() as c:
             start = time.perf_counter()
             loss, params, opt_state = fn(params, opt_state, x, y)
             jax.block_until_ready((loss, params, opt_state))

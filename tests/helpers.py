@@ -8,6 +8,7 @@ from mpmdc.passes import FunctionPass
 
 import mpmdc
 from mpmdc.pipeline import DEFAULT_PIPELINE
+from mpmdc.runtime.compiling import XlaCompiles  # noqa: F401 (tests import it from here)
 
 
 def assert_same_as_jit(fn, meshes, *args, rtol=0, atol=0, compile_kwargs=None):
@@ -85,27 +86,6 @@ def mlp_loss(ws, x):
 def input_program(fn, meshes, *args, **compile_kwargs):
     """``fn``'s program before any pass (the ``input`` stage), to call passes on directly."""
     return mpmdc.compile(fn, meshes, passes=[], **compile_kwargs).lower(*args).program("input")
-
-
-class XlaCompiles:
-    """Counts XLA compilations while active (``with XlaCompiles() as c: ...; c.count``):
-    JAX records one backend-compile event per executable it builds."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-
-    def _listen(self, event, duration, **kwargs):
-        if event == self.EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def _crash(program):

@@ -92,3 +92,26 @@ def _can_share(a, b) -> bool:
     me = jax.process_index()
     own = all(d.process_index == me for mesh in (a, b) for d in mesh.devices.flat)
     return own and not jax.config.jax_compilation_cache_dir
+
+
+class XlaCompiles:
+    """Counts XLA compilations while active, of mpmdc or anything else in the process
+    (``with XlaCompiles() as c: step(...)``, then ``c.count``): JAX records one
+    backend-compile event per executable it builds. A training loop that feeds its
+    results back should count none after its first step."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
