@@ -176,3 +176,12 @@ def test_microbatches_an_explicit_sharding_cannot_split_are_named():
         r"\(4 devices\), which its microbatches of 2 rows cannot be",
     ):
         jax.jit(lambda x: mpmdc.accumulate(lambda mb: mb["x"].sum(), {"x": x}, microbatches=4))(x)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_under_disable_jit_it_is_the_same_loop(microbatches):
+    """Eager debugging (``jax.disable_jit``) runs the loop too, one microbatch included."""
+    w, x = jnp.ones((4, 3)) * 0.1, jnp.arange(32.0).reshape(8, 4) / 10
+    with jax.disable_jit():
+        got, want = _accumulated(w, x, microbatches), _sliced(w, x, microbatches)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
