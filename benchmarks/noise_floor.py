@@ -4,7 +4,8 @@ A 4-stage tanh MLP's loss and gradients (batch 32, width 64) three ways: ``jax.j
 ``jax.jit`` of the same loss summed as two half-batches (another reduction order, the
 floor: what rounding alone moves); mpmdc on 4 meshes, with and without a 2-microbatch
 ``accumulate``. Each figure is the largest difference over the results, relative to
-the largest magnitude of that result. The test tolerances are set from these figures.
+the largest magnitude of that result. docs/design.md quotes these figures; each test's
+tolerance comes from a floor measured on that test's own program, stated next to it.
 
     python benchmarks/noise_floor.py
 """
