@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -183,17 +183,27 @@ def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
     return spec
 
 
-def _serves(exe_key, exe: Compiled, key, given) -> bool:
+class _CallKey(NamedTuple):
+    """What the executable cache is keyed on (see ``Wrapped._signature_key``)."""
+
+    static: tuple
+    treedef: Any
+    types: tuple
+    specs: tuple  # per leaf: its committed spec, canonical, or None
+    donated: tuple
+
+
+def _serves(exe_key: _CallKey, exe: Compiled, key: _CallKey, given) -> bool:
     """Whether ``exe`` (built for ``exe_key``) is the program for a call keyed ``key``:
     every argument leaf has the spec it had then, or one the program ignores (an
     ``in_specs`` entry was ``given`` for it), or the spec the program chose for a leaf
     that had none (uncommitted). So arguments placed by ``step.input_shardings`` and
     results fed back run on the executable that placed them, as under ``jax.jit``."""
-    if exe_key[:3] != key[:3] or exe_key[4] != key[4]:
+    if exe_key._replace(specs=()) != key._replace(specs=()):
         return False
     return all(
         now == then or user is not None or (then is None and now == canonical_spec(chosen))
-        for now, then, chosen, user in zip(key[3], exe_key[3], exe.program.in_specs, given)
+        for now, then, chosen, user in zip(key.specs, exe_key.specs, exe.program.in_specs, given)
     )
 
 
@@ -552,7 +562,7 @@ class Wrapped:
         specs = tuple(map(_committed_spec, leaves))
         static = (call.static_args, call.static_kwargs)
         donated = (call.donate, call.donate_names)
-        return (static, treedef, types, specs, donated), leaves
+        return _CallKey(static, treedef, types, specs, donated), leaves
 
     def _executable(self, args, kwargs):
         key, leaves = self._signature_key(args, kwargs)

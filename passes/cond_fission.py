@@ -27,6 +27,9 @@ effects happen once.
 
 from __future__ import annotations
 
+import itertools
+
+import networkx as nx
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from jax.interpreters import partial_eval as pe
@@ -51,35 +54,6 @@ def _is_scalar_work(eqn) -> bool:
     return all(map(_is_scalar, (*eqn.invars, *eqn.outvars))) and not eqn.effects
 
 
-class _Groups:
-    """Union-find over result indices; more indices can be added as it grows."""
-
-    def __init__(self, n: int):
-        self.parent = list(range(n))
-
-    def add(self) -> int:
-        self.parent.append(len(self.parent))
-        return len(self.parent) - 1
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def union(self, members) -> None:
-        first, *rest = (self.find(i) for i in members)
-        for r in rest:
-            self.parent[r] = first
-
-    def groups(self, n: int) -> list[list[int]]:
-        """The groups of the first ``n`` indices."""
-        by_root: dict[int, list[int]] = {}
-        for i in range(n):
-            by_root.setdefault(self.find(i), []).append(i)
-        return sorted(by_root.values())
-
-
 def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
     """Result indices grouped so that no two groups need one non-scalar value.
 
@@ -87,7 +61,8 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
     results that read its value: it is a group of its own, as if its scalar could be
     handed to them. Results apart then but not otherwise share only such scalars."""
     n = len(branches[0].jaxpr.outvars)
-    groups = _Groups(n)
+    groups = nx.utils.UnionFind(range(n))
+    reductions = itertools.count(n)  # (ids of reductions' own groups, after the results)
     for branch in branches:
         needed_by: dict = {}
         for j, v in enumerate(branch.jaxpr.outvars):
@@ -100,13 +75,14 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
             if _is_scalar_work(eqn):
                 pass
             elif scalars_shared and all(map(_is_scalar, eqn.outvars)):
-                results = {groups.add()}
+                results = {next(reductions)}
             elif len(results) > 1:
-                groups.union(results)
+                groups.union(*results)
             for a in eqn.invars:
                 if is_var(a):
                     needed_by.setdefault(a, set()).update(results)
-    return groups.groups(n)
+    found = (sorted(j for j in group if j < n) for group in groups.to_sets())
+    return sorted(group for group in found if group)
 
 
 # What a predicated branch may do: arithmetic, comparisons, casts, shape changes and

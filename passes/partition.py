@@ -500,10 +500,11 @@ def _kin(paths: Sequence[str], known: Sequence) -> list:
     return out
 
 
-def _with_kin(out_placement, out_paths, default) -> list[Placement]:
-    """Outputs made from nothing placed go with their kin (:func:`_kin`), else with the
-    earliest stage."""
-    return [default if p is None else p for p in _kin(out_paths, out_placement)]
+def _with_kin(placements, paths, default) -> list[Placement]:
+    """``placements`` (of a program's inputs or outputs) where an unplaced one (an output
+    made from nothing placed, an input nobody reads) goes with its kin (:func:`_kin`),
+    else with the earliest stage."""
+    return [default if p is None else p for p in _kin(paths, placements)]
 
 
 def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement):
@@ -557,15 +558,15 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
     for v, p in zip(jaxpr.outvars, out_placement):
         if is_var(v) and v in in_index and v not in input_users:
             input_users[v] = [p]
-    # An input nobody reads lives with its kin (:func:`_kin`), else with the earliest stage.
-    in_placement = _kin(
-        program.in_paths,
+    in_placement = _with_kin(
         [
             min(input_users[v], key=Placement.order_key) if v in input_users else None
             for v in jaxpr.invars
         ],
+        program.in_paths,
+        default,
     )
-    in_meshes = [program.mesh_of_stage((p or default).stage) for p in in_placement]
+    in_meshes = [program.mesh_of_stage(p.stage) for p in in_placement]
     out_meshes = [
         in_meshes[in_index[v]] if is_var(v) and v in in_index else program.mesh_of_stage(p.stage)
         for v, p in zip(jaxpr.outvars, out_placement)
@@ -584,6 +585,8 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
     """A ``PlacementWarning`` for each conditional or loop reading arrays (not scalars)
     of several meshes, other than a stage marker's activation or cotangent (which cross
     meshes by design): placement is a result, never silent."""
+    if not any(eqn.primitive in _CONTROL_FLOW for eqn in eqns):
+        return
     mesh_of = dict(zip(program.jaxpr.jaxpr.invars, in_meshes))
     crossing = set()  # values entering a stage: moved between meshes by design
     for eqn in eqns:

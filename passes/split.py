@@ -39,7 +39,7 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.ir.sharding import fit_spec, named_spec, spec_forms
+from mpmdc.ir.sharding import fit_spec, named_spec, program_spec_forms
 from mpmdc.ir.spec_rules import propagate_specs
 
 
@@ -289,7 +289,7 @@ def split(program: Program) -> Program:
     # computation gave it, written as the caller wrote an equal spec, else naming every
     # dimension as jax.jit writes computed shardings.
     in_specs = tuple(emitter.spec_of[v] for v in jaxpr.invars)
-    forms = spec_forms([*in_specs, *program.out_specs], [*jaxpr.invars, *jaxpr.outvars])
+    forms = program_spec_forms(program.replace(in_specs=in_specs))
     out_specs = tuple(
         given
         if given is not None

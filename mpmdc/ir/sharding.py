@@ -125,6 +125,7 @@ def named_spec(spec: PartitionSpec | None, ndim: int, forms: dict | None = None)
 
 
 def program_spec_forms(program) -> dict:
-    """:func:`spec_forms` of a split program's inputs and outputs."""
+    """:func:`spec_forms` of a program's inputs and outputs (their specs as given, or as
+    ``split`` resolved them)."""
     jaxpr = program.jaxpr.jaxpr
     return spec_forms([*program.in_specs, *program.out_specs], [*jaxpr.invars, *jaxpr.outvars])
