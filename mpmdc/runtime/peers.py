@@ -98,11 +98,18 @@ class Progress:
         """Drop the oldest entries whose results are ready; return how many went."""
         done = 0
         while self.in_flight and all(a.is_ready() for a in self.in_flight[0].arrays):
-            entry = self.in_flight.pop(0)
+            entry = self.in_flight[0]
             try:
                 jax.block_until_ready(entry.arrays)
             except Exception as err:
+                # A transfer whose sender broke the connection: the sender announced why
+                # before it exited, so that cause is named rather than the broken link.
+                failed = distributed.peer_failures() if entry.step.senders else {}
+                if failed:
+                    peer = min(failed)
+                    raise self._stopped(f"process {peer} failed: {failed[peer]}") from None
                 raise self.fault(entry.step, err) from None
+            self.in_flight.pop(0)
             done += 1
         return done
 
