@@ -135,6 +135,11 @@ def load_on_devices(compiled, devices):
     )
 
 
+def current_trace():
+    """The trace JAX binds primitives with now (an object to compare by identity)."""
+    return _core.trace_ctx.trace
+
+
 def replay_in_trace(closed, *args):
     """``closed``'s equations emitted as they are into the jaxpr being traced, on
     ``args``; its outputs, or ``None`` outside a jaxpr trace (under ``vmap``, say).

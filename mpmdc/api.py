@@ -42,7 +42,7 @@ from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled, Signature, leaf_type
 from mpmdc.runtime.meshes import check_meshes
 from mpmdc.runtime.transfers import is_here
-from mpmdc.schedules.accumulate import unrolled
+from mpmdc.schedules.accumulate import recording_loops
 
 
 def _is_spec_leaf(x) -> bool:
@@ -664,16 +664,16 @@ class Wrapped:
             full = list(dyn)
             for i, value in call.static_args:  # in increasing order of i
                 full.insert(i, value)
-            out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(
-                self.fn(*full, **kw, **dict(call.static_kwargs))
-            )
+            with recording_loops() as out_store["loops"]:
+                out = self.fn(*full, **kw, **dict(call.static_kwargs))
+            out_leaves, out_store["paths"], out_store["tree"] = _checked_outputs(out)
             return out_leaves
 
         leaf_types = [
             jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types
         ]
-        with unrolled() as loops:
-            closed = jax.make_jaxpr(flat_fn)(*leaf_types)
+        closed = jax.make_jaxpr(flat_fn)(*leaf_types)
+        loops = out_store["loops"]
         if len(loops) > 1:
             raise AccumulateError(
                 f"the function runs mpmdc.accumulate {len(loops)} times (at "

@@ -1,8 +1,8 @@
 """``inline``: flatten call sites that hide stage markers.
 
 Nested ``jit``, ``closed_call``, ``checkpoint`` and custom-derivative calls whose
-bodies contain a ``stage`` marker are inlined so the markers become top-level
-equations that ``partition`` can see. Calls without markers stay whole (they are
+bodies contain a ``stage`` marker (or an ``accumulate`` loop's edges) are inlined so
+the markers become top-level equations that ``partition`` can see. Calls without markers stay whole (they are
 one unit of work on one mesh). A marker inside a loop, conditional or
 ``shard_map`` body cannot be placed and is reported with its source line.
 """
@@ -16,7 +16,7 @@ from mpmdc.passes.base import register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
 from mpmdc.ir.calls import REMAT_CALLS, call_body
-from mpmdc.ir.primitives import is_marker
+from mpmdc.ir.primitives import is_loop_edge, is_marker
 from mpmdc.ir.program import (
     Program,
     copy_eqn,
@@ -29,14 +29,26 @@ from mpmdc.ir.program import (
 )
 
 
+def _is_pipeline_marker(eqn) -> bool:
+    """A stage marker, or the edge of an ``accumulate`` loop kept rolled."""
+    return is_marker(eqn) or is_loop_edge(eqn)
+
+
 def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
-    return next(find_eqns(jaxpr.eqns, is_marker), None) is not None
+    return next(find_eqns(jaxpr.eqns, _is_pipeline_marker), None) is not None
 
 
 def _marker_inside(eqn, marker) -> PlacementError:
     """The error for ``marker`` found in the body of ``eqn`` (a loop, conditional or
     ``shard_map``), naming the marker's line, and for a loop what works instead."""
     name = eqn.primitive.name
+    if is_loop_edge(marker):
+        return PlacementError(
+            f"mpmdc.accumulate at {compat.source_line(marker)} runs inside `{name}` (at "
+            f"{compat.source_line(eqn)}); the microbatch loop must be outside loops, "
+            f"conditionals and shard_map bodies. Call mpmdc.accumulate at the top level of "
+            f"the compiled function."
+        )
     message = (
         f"mpmdc.stage(..., {marker.params['stage']}) at {compat.source_line(marker)} runs "
         f"inside `{name}` (at {compat.source_line(eqn)}); a stage marker must be outside "
@@ -102,7 +114,7 @@ def inline(program: Program) -> Program:
                 env.update({o: r for o, r in zip(eqn.outvars, results) if is_var(o)})
                 continue
             for sub in jcore.jaxprs_in_params(eqn.params):
-                marker = next(find_eqns(sub.eqns, is_marker), None)
+                marker = next(find_eqns(sub.eqns, _is_pipeline_marker), None)
                 if marker is not None:
                     raise _marker_inside(eqn, marker)
             if top:  # (its variables are unique already: only renamed operands change)

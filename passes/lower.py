@@ -35,6 +35,7 @@ from mpmdc.passes.in_program_transfers import in_program_transfers
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir.graph import release_plan
+from mpmdc.ir.loop import rolled_loop
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, make_closed_jaxpr
 from mpmdc.ir.sharding import canonical_spec, program_spec_forms
@@ -62,6 +63,10 @@ def lower(
     (per fragment of ``meshes`` only, when given: indices into the program's meshes)."""
     if not program.is_split:
         raise PassError("the `lower` pass needs a split program; run `split` before it.")
+    if rolled_loop(program.jaxpr.jaxpr.eqns) is not None:
+        raise PassError(
+            "the `lower` pass needs the microbatch loop stamped out; run `schedule` before it."
+        )
     chosen = backends.get(backend or program.backend)
     if chosen.transfers == "in-program":
         program = in_program_transfers(program)

@@ -64,6 +64,10 @@ from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.primitives import (
+    LOOP,
+    LoopEdge,
+    is_loop_edge,
+    is_loop_entry,
     is_marker,
     is_microbatch_marker,
     is_transposed_marker,
@@ -102,7 +106,7 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     # (The structural tests last: few equations get past the first.)
     return (
         candidate
-        and not (is_marker(eqn) or is_microbatch_marker(eqn) or eqn.effects)
+        and not (is_marker(eqn) or is_microbatch_marker(eqn) or is_loop_edge(eqn) or eqn.effects)
         and not any(True for _ in jcore.jaxprs_in_params(eqn.params))
     )
 
@@ -398,16 +402,36 @@ class _Placer:
 
 
 def _infer_microbatches(eqns, reads, producer, users, cheap):
-    """Microbatch per equation index (``None`` outside an ``accumulate`` loop and for cheap ones)."""
-    microbatch: list[int | None] = [None] * len(eqns)
+    """Microbatch per equation index (``None`` outside an ``accumulate`` loop and for
+    cheap ones; ``LOOP`` inside a rolled loop's iteration).
+
+    A loop edge is outside the loop; what reads the output of one entering it
+    (``SLICE``, ``CARRY``) is inside, and so is an equation with effects (a callback)
+    traced between the batch's slices and the first carry, where ``accumulate`` traced
+    its function: it runs once per microbatch, as under ``jax.jit``, whatever it reads."""
+    microbatch: list[int | str | None] = [None] * len(eqns)
+    slices = [i for i, e in enumerate(eqns) if is_loop_edge(e, LoopEdge.SLICE)]
+    after = [i for i, e in enumerate(eqns) if is_loop_edge(e) and i > slices[-1]] if slices else []
+    traced_inside = range(slices[-1], after[0] if after else len(eqns)) if slices else range(0)
     for i, eqn in enumerate(eqns):
         if is_microbatch_marker(eqn):
             microbatch[i] = eqn.params["index"]
+        elif is_loop_edge(eqn):
+            continue
+        elif any(a in producer and is_loop_entry(eqns[producer[a]]) for a in reads[i]) or (
+            eqn.effects and i in traced_inside
+        ):
+            microbatch[i] = LOOP
         else:  # cheap equations too, so values flow through them (their clones go with their users)
             found = [microbatch[producer[a]] for a in reads[i] if a in producer]
-            microbatch[i] = max((m for m in found if m is not None), default=None)
+            microbatch[i] = max((m for m in found if m is not None), default=None, key=_order)
     for i in reversed(range(len(eqns))):
-        if microbatch[i] is None and i not in cheap and not is_microbatch_marker(eqns[i]):
+        if (
+            microbatch[i] is None
+            and i not in cheap
+            and not is_microbatch_marker(eqns[i])
+            and not is_loop_edge(eqns[i])
+        ):
             # Slicing the batch stays before the loop, so every microbatch's forward
             # fragment has the same body (and shares one executable).
             of_users = {
@@ -419,6 +443,11 @@ def _infer_microbatches(eqns, reads, producer, users, cheap):
             if len(of_users) == 1:
                 microbatch[i] = of_users.pop()
     return microbatch
+
+
+def _order(microbatch) -> int:
+    # (A loop's iteration holds every microbatch; it has no others beside it.)
+    return 0 if microbatch == LOOP else microbatch
 
 
 def _cheap_equations(eqns, reads) -> set[int]:

@@ -1,13 +1,17 @@
-"""``schedule``: order a split program's fragment calls by its pipeline schedule.
+"""``schedule``: stamp out a split program's loop and order its fragment calls by the
+pipeline schedule.
 
-A program with an ``mpmdc.accumulate`` loop has one fragment per (stage, transpose
-count, microbatch), each standing for a schedule action: forward fragments for
-``F``, backward ones for ``B``. The pass
+A program with an ``mpmdc.accumulate`` loop holds one iteration of it (a rolled loop,
+:mod:`mpmdc.ir.loop`): one fragment per (stage, transpose count), each standing for a
+schedule action of every microbatch: forward fragments for ``F``, backward ones for
+``B``. (Under a transformation, ``accumulate`` unrolls its loop instead, and the
+program has those fragments per microbatch already.) The pass
 
 1. builds the pipeline's layout (stages, microbatches, mesh per stage) and asks the
    loop's schedule for its per-mesh action lists;
-2. for a schedule with ``I``/``W`` actions (zero-bubble), cuts each backward
-   fragment in two: the input-gradient part computes what earlier stages read (the
+2. stamps the iteration's fragments and transfers out per microbatch; for a
+   schedule with ``I``/``W`` actions (zero-bubble), each backward fragment it splits
+   is cut in two once: the input-gradient part computes what earlier stages read (the
    cotangents) and whatever that needs; the weight-gradient part is the rest and
    reads what it needs of the first part's values;
 3. checks the action lists against the data dependencies and times them with
@@ -34,6 +38,7 @@ from jax.sharding import PartitionSpec
 from mpmdc.passes.base import register
 
 from mpmdc.ir.graph import def_use
+from mpmdc.ir.loop import rolled_loop, stamp
 from mpmdc.ir.primitives import ActionKind, fragment_p, transfer_p
 from mpmdc.ir.program import (
     Program,
@@ -150,22 +155,61 @@ def split_backward(eqn, is_cotangent: list[bool]) -> list:
     return parts
 
 
-def _with_split_backwards(eqns, wanted: set[Action]):
+def _backward_splitter(eqns):
+    """``parts(eqn)``: backward fragment ``eqn`` of ``eqns`` cut by :func:`split_backward`,
+    its outputs read by another stage (directly or through transfers) being cotangents."""
     readers = _final_readers(eqns)
+
+    def parts(eqn) -> list:
+        stage = eqn.params["stage"]
+        is_cotangent = [any(r.params["stage"] != stage for r in readers(v)) for v in eqn.outvars]
+        return split_backward(eqn, is_cotangent)
+
+    return parts
+
+
+def _is_split(eqn, microbatch, wanted: set[Action]) -> bool:
+    """Whether the schedule runs backward fragment ``eqn`` on ``microbatch`` as I and W."""
+    return (
+        eqn.primitive is fragment_p
+        and eqn.params["kind"] is ActionKind.B
+        and Action(eqn.params["stage"], ActionKind.I, microbatch) in wanted
+    )
+
+
+def _with_split_backwards(eqns, wanted: set[Action]):
+    """An unrolled loop's ``eqns`` with the backwards the schedule splits cut in two."""
+    parts = _backward_splitter(eqns)
     out = []
     for eqn in eqns:
         action = action_of(eqn)
-        if (
-            action is None
-            or action.kind is not ActionKind.B
-            or Action(action.stage, ActionKind.I, action.microbatch) not in wanted
-        ):
+        if action is not None and _is_split(eqn, action.microbatch, wanted):
+            out += parts(eqn)
+        else:
             out.append(eqn)
-            continue
-        stage = eqn.params["stage"]
-        is_cotangent = [any(r.params["stage"] != stage for r in readers(v)) for v in eqn.outvars]
-        out += split_backward(eqn, is_cotangent)
     return out
+
+
+def _stamped(closed, microbatches: int, wanted: set[Action]):
+    """A rolled loop's program stamped out per microbatch (:func:`stamp`), each
+    microbatch's backwards cut in two where the schedule splits them; each backward
+    of the iteration is cut once, whatever the microbatch count."""
+    iteration = rolled_loop(closed.jaxpr.eqns).iteration
+    splitter = _backward_splitter(closed.jaxpr.eqns)
+    cut: dict[int, list] = {}
+
+    def iteration_of(i: int) -> list:
+        out = []
+        for k, eqn in enumerate(iteration):
+            if _is_split(eqn, i, wanted):
+                if k not in cut:
+                    cut[k] = splitter(eqn)
+                out += cut[k]
+            else:
+                out.append(eqn)
+        return out
+
+    return stamp(closed, microbatches, iteration_of)
 
 
 def _ordered(eqns, start: dict[Action, float]):
@@ -197,8 +241,12 @@ def schedule(program: Program) -> Program:
     per_mesh = program.schedule.actions(layout)
     timeline = simulate(per_mesh, layout)
     start = {slot.action: slot.start for row in timeline.meshes for slot in row}
+    if rolled_loop(program.jaxpr.jaxpr.eqns) is not None:
+        program = program.replace(jaxpr=_stamped(program.jaxpr, layout.microbatches, set(start)))
+        eqns = list(program.jaxpr.jaxpr.eqns)
+    else:
+        eqns = _with_split_backwards(list(program.jaxpr.jaxpr.eqns), set(start))
     jaxpr = program.jaxpr.jaxpr
-    eqns = _with_split_backwards(list(jaxpr.eqns), set(start))
     closed = make_closed_jaxpr(
         jaxpr.constvars,
         program.jaxpr.consts,

@@ -26,9 +26,19 @@ from __future__ import annotations
 
 import networkx as nx
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 from mpmdc.passes.base import register
 
-from mpmdc.ir.primitives import fragment_p, is_marker, is_microbatch_marker, transfer_p
+from mpmdc.ir.primitives import (
+    LOOP,
+    LoopEdge,
+    fragment_p,
+    is_loop_edge,
+    is_loop_entry,
+    is_marker,
+    is_microbatch_marker,
+    transfer_p,
+)
 from mpmdc.ir.program import (
     Placement,
     Program,
@@ -45,12 +55,18 @@ from mpmdc.ir.spec_rules import propagate_specs
 
 def _parts(eqns, reads, placements):
     """``(part of each equation, graph of the parts, values read in another part than
-    their own, the distinct placements)``: a part is ``(index into the distinct
-    placements, level)``; the parts are acyclic, one per placement where possible.
-    ``reads[i]``: the variables equation ``i`` reads."""
+    their own, the placement of each part's first index)``: a part is ``(index into those
+    placements, level)``; the parts are acyclic, one per placement where possible, and a
+    loop edge is a part of its own. ``reads[i]``: the variables equation ``i`` reads."""
     ids: dict = {}
+    distinct: list = []
     # (Small ints hash and compare much faster than placements.)
-    placement_id = [ids.setdefault(p, len(ids)) for p in placements]
+    placement_id = []
+    for eqn, p in zip(eqns, placements):
+        k = len(distinct) if is_loop_edge(eqn) else ids.setdefault(p, len(distinct))
+        if k == len(distinct):
+            distinct.append(p)
+        placement_id.append(k)
     producer: dict = {}
     level = []
     for i, eqn in enumerate(eqns):
@@ -73,7 +89,6 @@ def _parts(eqns, reads, placements):
                 graph.add_edge(part_of[j], part_of[i])
                 candidates.append((a, j, i))
 
-    distinct = list(ids)
     merged_into = {}
     by_placement: dict[int, list] = {}
     for node in sorted(graph.nodes, key=lambda n: (distinct[n[0]].order_key(), n[1])):
@@ -110,6 +125,7 @@ def _what_values_carry(jaxpr, env):
         if (
             is_marker(eqn)
             or is_microbatch_marker(eqn)
+            or is_loop_edge(eqn)
             or not depends.isdisjoint(vars_of(eqn.invars))
         ):
             depends.update(eqn.outvars)
@@ -151,15 +167,19 @@ def _ordered_parts(eqns, reads, placements, outvars):
     return [(distinct[k], level) for k, level in order], [members[p] for p in order], used_outside
 
 
-def _fragment_names(order) -> list[str]:
+def _fragment_names(order, is_edge) -> list[str | None]:
     """Each part's fragment name: its placement's label, numbered where a placement has
-    several parts (``s1_fwd_0``, ``s1_fwd_1``)."""
+    several parts (``s1_fwd_0``, ``s1_fwd_1``); ``None`` for a loop edge's part."""
     counts: dict[Placement, int] = {}
-    for part in order:
-        counts[part[0]] = counts.get(part[0], 0) + 1
+    for part, edge in zip(order, is_edge):
+        if not edge:
+            counts[part[0]] = counts.get(part[0], 0) + 1
     seen: dict[Placement, int] = {}
     names = []
-    for part in order:
+    for part, edge in zip(order, is_edge):
+        if edge:
+            names.append(None)
+            continue
         name = part[0].label
         if counts[part[0]] > 1:
             name += f"_{seen.get(part[0], 0)}"
@@ -195,10 +215,33 @@ class _Emitter:
         }
         self.copies: dict = {}
         self.eqns: list = []
+        # Values inside a rolled loop's iteration: moved once per microbatch, so never
+        # in one transfer with a loop-invariant value (moved once).
+        self.in_loop: set = set()
+        self.carry_stage: dict[int, int] = {}
+        self._seed_carry_specs(jaxpr, program.placements)
+
+    def _seed_carry_specs(self, jaxpr, placements) -> None:
+        """A rolled loop's running value has one spec throughout, the one its update
+        gives it (a gradient's), so iteration ``i + 1`` reads what iteration ``i``
+        wrote as it is: its start value is made with that spec too."""
+        result_of = {
+            e.params["carry"]: e.invars[0] for e in jaxpr.eqns if is_loop_edge(e, LoopEdge.RESULT)
+        }
+        for eqn, placement in zip(jaxpr.eqns, placements):
+            if is_loop_edge(eqn, LoopEdge.CARRY) and eqn.params["carry"] in result_of:
+                mesh = self.program.mesh_of_stage(placement.stage)
+                updated = result_of[eqn.params["carry"]]
+                spec = fit_spec(
+                    self.propagated.get(updated), self.program.meshes[mesh], updated.aval.shape
+                )
+                for v in (eqn.invars[0], eqn.outvars[0], updated):
+                    if is_var(v):
+                        self.out_spec_of.setdefault((v, mesh), spec)
 
     def bring(self, values, mesh: int) -> list:
         """``values`` as variables living on ``mesh``, adding transfers as needed."""
-        by_src: dict[int, list] = {}
+        by_src: dict[tuple[int, bool], list] = {}
         for v in values:
             if (
                 is_var(v)
@@ -206,8 +249,8 @@ class _Emitter:
                 and self.location[v] != mesh
                 and (v, mesh) not in self.copies
             ):
-                by_src.setdefault(self.location[v], []).append(v)
-        for src, vs in sorted(by_src.items()):
+                by_src.setdefault((self.location[v], v in self.in_loop), []).append(v)
+        for (src, in_loop), vs in sorted(by_src.items()):
             src_specs = tuple(self.spec_of[v] for v in vs)
             dst_specs = tuple(
                 fit_spec(spec, self.program.meshes[mesh], v.aval.shape)
@@ -226,7 +269,31 @@ class _Emitter:
                 self.copies[(v, mesh)] = out
                 self.location[out] = mesh
                 self.spec_of[out] = spec
+            if in_loop:
+                self.in_loop.update(outs)
         return [self.copies.get((v, mesh), v) for v in values]
+
+    def edge(self, eqn, placement: Placement) -> None:
+        """A loop edge on its placement's mesh (a ``RESULT`` on its ``CARRY``'s, so the
+        running value stays where it is), recording its stage, mesh and the specs on
+        each side."""
+        edge, carry, stage = eqn.params["edge"], eqn.params["carry"], placement.stage
+        if edge is LoopEdge.RESULT:
+            stage = self.carry_stage.get(carry, stage)
+        elif edge is LoopEdge.CARRY:
+            self.carry_stage[carry] = stage
+        mesh = self.program.mesh_of_stage(stage)
+        [operand] = self.bring(eqn.invars, mesh)
+        [out] = eqn.outvars
+        spec = self.out_spec_of.get((out, mesh), self.propagated.get(out))
+        out_spec = fit_spec(spec, self.program.meshes[mesh], out.aval.shape)
+        in_spec = self.spec_of[operand] if is_var(operand) else PartitionSpec()
+        params = dict(eqn.params, mesh=mesh, stage=stage, in_spec=in_spec, out_spec=out_spec)
+        self.eqns.append(eqn.replace(invars=[operand], params=params))
+        self.location[out] = mesh
+        self.spec_of[out] = out_spec
+        if is_loop_entry(eqn):
+            self.in_loop.add(out)
 
     def fragment(self, placement: Placement, name: str, body: list, used_outside: set) -> None:
         """One fragment running ``body`` on its placement's mesh, its operands brought there."""
@@ -258,6 +325,8 @@ class _Emitter:
         self.eqns.append(jcore.new_jaxpr_eqn(operands, outputs, fragment_p, params, inner.effects))
         self.location.update((v, mesh) for v in outputs)
         self.spec_of.update(zip(outputs, out_specs))
+        if placement.microbatch == LOOP:
+            self.in_loop.update(outputs)
 
     def outputs(self, outvars) -> list:
         """The program's outputs, each brought to the mesh it is returned on."""
@@ -279,8 +348,12 @@ def split(program: Program) -> Program:
     emitter = _Emitter(
         program, dict(zip(jaxpr.constvars, closed.consts)), _what_values_carry(jaxpr, env), outvars
     )
-    for part, indices, name in zip(order, members, _fragment_names(order)):
-        emitter.fragment(part[0], name, [eqns[i] for i in indices], used_outside)
+    is_edge = [is_loop_edge(eqns[indices[0]]) for indices in members]
+    for part, indices, name, edge in zip(order, members, _fragment_names(order, is_edge), is_edge):
+        if edge:
+            emitter.edge(eqns[indices[0]], part[0])
+        else:
+            emitter.fragment(part[0], name, [eqns[i] for i in indices], used_outside)
     final = emitter.outputs(outvars)
     new = make_closed_jaxpr(
         jaxpr.constvars, closed.consts, jaxpr.invars, final, emitter.eqns, jaxpr.debug_info

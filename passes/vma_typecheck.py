@@ -25,7 +25,7 @@ from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
-from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.primitives import fragment_p, loop_edge_p, transfer_p
 from mpmdc.ir.program import Program, find_eqns, is_var
 from mpmdc.ir.sharding import check_spec
 
@@ -99,10 +99,12 @@ def _check_locations(program: Program) -> None:
                 eqn.params["src"],
                 f"transfer mesh{eqn.params['src']}->mesh{eqn.params['dst']}",
             )
+        elif eqn.primitive is loop_edge_p:
+            here, what = eqn.params["mesh"], f"loop edge ({eqn.params['edge']})"
         else:
             raise TypeCheckError(
-                f"after split only fragment and transfer equations may appear at the top "
-                f"level, found `{eqn.primitive.name}`."
+                f"after split only fragment, transfer and loop edge equations may appear at "
+                f"the top level, found `{eqn.primitive.name}`."
             )
         for a in eqn.invars:
             if is_var(a) and a not in consts and location[a] != here:

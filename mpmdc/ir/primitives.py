@@ -201,6 +201,71 @@ mlir.register_lowering(microbatch_p, lambda ctx, *args, index: list(args))
 pe.dce_rules[microbatch_p] = _elementwise_dce()
 
 
+# ----------------------------------------------------------------- loop edges
+
+
+class LoopEdge(enum.StrEnum):
+    """Where a value crosses the boundary of an ``mpmdc.accumulate`` loop kept rolled:
+    the passes see one iteration (one microbatch's work) and ``schedule`` stamps it out."""
+
+    SLICE = "slice"  # the whole batch outside; microbatch i's rows inside iteration i
+    CARRY = "carry"  # the start value outside; the running value entering iteration i
+    RESULT = "result"  # the running value leaving iteration i; outside, the last one's
+    STACK = "stack"  # each iteration's value inside; outside, all of them stacked in order
+
+
+# (The microbatch of equations inside a rolled loop's one iteration.)
+LOOP = "loop"
+
+loop_edge_p = jcore.Primitive("loop_edge")
+loop_edge_p.multiple_results = True
+
+
+def loop_edge(value, edge: LoopEdge, microbatches: int, carry: int = -1):
+    """``value`` crossing a rolled loop's boundary at ``edge``; a ``CARRY`` and the
+    ``RESULT`` closing it share ``carry`` (the carry's number in its loop)."""
+    return loop_edge_p.bind(value, edge=edge, microbatches=microbatches, carry=carry)[0]
+
+
+def is_loop_edge(eqn, *edges: LoopEdge) -> bool:
+    """True for a loop edge equation (of one of ``edges``, where given)."""
+    return eqn.primitive is loop_edge_p and (not edges or eqn.params["edge"] in edges)
+
+
+def is_loop_entry(eqn) -> bool:
+    """A loop edge whose output is inside the loop (``SLICE``, ``CARRY``)."""
+    return is_loop_edge(eqn, LoopEdge.SLICE, LoopEdge.CARRY)
+
+
+def _loop_edge_abstract_eval(aval, *, edge, microbatches, **_):
+    if edge is LoopEdge.SLICE:
+        return [aval.update(shape=(aval.shape[0] // microbatches, *aval.shape[1:]))]
+    if edge is LoopEdge.STACK:
+        return [aval.update(shape=(aval.shape[0] * microbatches, *aval.shape[1:]))]
+    return [aval]
+
+
+def _loop_edge_impl(*_, edge, **__):
+    raise NotImplementedError(
+        f"a loop edge ({edge}) stands for a whole rolled loop and cannot be evaluated "
+        f"alone; evaluate the program after the `schedule` pass, which stamps the loop out."
+    )
+
+
+def _loop_edge_dce(used_outputs, eqn):
+    # Slices and carries stay even when nothing reads them: ``accumulate`` emits them
+    # before and right after tracing its function, and ``partition`` reads the loop's
+    # extent (where that function's callbacks were traced) off their positions.
+    if is_loop_entry(eqn):
+        return [True], eqn
+    return _elementwise_dce()(used_outputs, eqn)
+
+
+loop_edge_p.def_impl(_loop_edge_impl)
+loop_edge_p.def_abstract_eval(_loop_edge_abstract_eval)
+pe.dce_rules[loop_edge_p] = _loop_edge_dce
+
+
 # ------------------------------------------------------------------ fragment
 
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import StageError
-from mpmdc.ir.primitives import ActionKind, fragment_p
+from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
 
 if TYPE_CHECKING:  # only a type here; schedules are a layer above the IR
     from mpmdc.schedules import Schedule
@@ -33,11 +33,12 @@ if TYPE_CHECKING:  # only a type here; schedules are a layer above the IR
 @dataclass(frozen=True)
 class Placement:
     """Where one equation runs: pipeline stage, transpose count (0 forward, 1 backward...)
-    and, inside an ``mpmdc.accumulate`` loop, the microbatch (``None`` outside one)."""
+    and, inside an ``mpmdc.accumulate`` loop, the microbatch (``None`` outside one;
+    ``LOOP`` inside a rolled loop's one iteration, which stands for every microbatch)."""
 
     stage: int
     transpose: int
-    microbatch: int | None = None
+    microbatch: int | str | None = None
 
     @property
     def kind(self) -> ActionKind:
@@ -48,14 +49,23 @@ class Placement:
     def label(self) -> str:
         """Short deterministic name, e.g. ``s2_fwd``, ``s1_bwd`` or ``s1_bwd_mb3``."""
         kind = {0: "fwd", 1: "bwd"}.get(self.transpose, f"t{self.transpose}")
-        mb = "" if self.microbatch is None else f"_mb{self.microbatch}"
+        if self.microbatch is None:
+            mb = ""
+        elif self.microbatch == LOOP:
+            mb = "_loop"
+        else:
+            mb = f"_mb{self.microbatch}"
         return f"s{self.stage}_{kind}{mb}"
 
     def order_key(self) -> tuple[int, int, int]:
         """Pipeline execution order: forward stages ascending, then backward descending;
         work outside a microbatch loop before the loop's microbatches."""
         stage = self.stage if self.transpose % 2 == 0 else -self.stage
-        return (self.transpose, stage, -1 if self.microbatch is None else self.microbatch)
+        if self.microbatch is None:
+            microbatch = -1
+        else:
+            microbatch = 0 if self.microbatch == LOOP else self.microbatch
+        return (self.transpose, stage, microbatch)
 
 
 _PLACEMENT_KEY = "mpmdc.placement"

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.calls import CALL_BODIES, call_body
+from mpmdc.ir.primitives import loop_edge_p
 from mpmdc.ir.program import is_var
 from mpmdc.ir.sharding import axes_of
 
@@ -196,6 +197,8 @@ for _p in (
     jprims.dynamic_update_slice_p,
 ):
     register_spec_rule(_p, _first_operand)
+# (A loop edge keeps every dimension; a slice or stack changes only the leading one's size.)
+register_spec_rule(loop_edge_p, _first_operand)
 for _p in CALL_BODIES:
     register_spec_rule(_p, _call)
 register_spec_rule(jprims.dot_general_p, _dot_general)

@@ -2,11 +2,22 @@
 
 Under plain ``jax.jit`` (or eagerly) it is a sequential ``lax.scan`` over the
 microbatches, carrying the running reduction, so the training step that uses it is
-its own reference. While ``mpmdc.compile`` traces a function, the loop is unrolled
-instead: each microbatch's slice carries a ``microbatch`` marker, so ``partition``
-can tell the microbatches' work apart and the ``schedule`` pass can order their
-fragments, and the loop's schedule is recorded for that pass. Both forms reduce in the same order
-(microbatch 0 first), so they compute the same numbers.
+its own reference. While ``mpmdc.compile`` traces a function, the loop stays rolled:
+``fn`` is traced once, on one microbatch, between loop edges (``mpmdc.ir.primitives.LoopEdge``)
+that say which values are the batch's slices, which are running reductions carried
+from one microbatch to the next, and which are stacked; every other value ``fn``
+reads is loop-invariant. The passes see that one iteration, whatever the microbatch
+count, and the ``schedule`` pass stamps its fragments out per microbatch. The loop's
+schedule is recorded for that pass.
+
+Where anything but ``mpmdc.compile``'s own trace traces the call (``jax.grad`` of a
+function that calls ``accumulate``, a ``jax.jit`` or ``checkify`` around it), the loop
+is unrolled instead, each microbatch's slice marked with its index: a transformation
+would see one iteration where there are many (differentiating it would sum the gradient
+of a loop-invariant value over one microbatch, not all of them).
+
+Every form reduces in the same order (microbatch 0 first) from the same start, so
+they compute the same numbers.
 """
 
 from __future__ import annotations
@@ -16,13 +27,14 @@ import contextvars
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import AccumulateError
-from mpmdc.ir.primitives import mark_microbatch
+from mpmdc.ir.primitives import LoopEdge, loop_edge, mark_microbatch
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.schedules import library
 
@@ -31,31 +43,38 @@ REDUCTIONS = ("sum", "mean", "concat", "max")
 
 @dataclass(frozen=True)
 class Loop:
-    """What an unrolled ``accumulate`` call leaves for the ``schedule`` pass, and the
-    user's line that called it."""
+    """What an ``accumulate`` call traced for mpmdc leaves for the ``schedule`` pass,
+    and the user's line that called it."""
 
     schedule: library.Schedule
     microbatches: int
     called_at: str
 
 
-_unrolling: contextvars.ContextVar[list[Loop] | None] = contextvars.ContextVar(
-    "mpmdc_unroll_accumulate", default=None
+class _Recording(NamedTuple):
+    loops: list[Loop]
+    trace: object  # the trace mpmdc.compile traces the function with
+
+
+_recording: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar(
+    "mpmdc_accumulate_loops", default=None
 )
 
 
 @contextlib.contextmanager
-def unrolled():
-    """While active, ``accumulate`` unrolls its loop; yields the list of loops it ran.
-
-    ``mpmdc.compile`` traces under it.
+def recording_loops():
+    """While active, ``accumulate`` emits its loop for mpmdc's passes and records it in
+    the list this yields. ``mpmdc.compile`` enters it inside the trace of the function:
+    a loop traced by that trace itself stays rolled; one traced by any other (under
+    ``jax.grad``, inside a ``jax.jit`` or ``checkify``, whose jaxpr JAX may interpret
+    again) is unrolled.
     """
-    loops: list[Loop] = []
-    token = _unrolling.set(loops)
+    recording = _Recording([], compat.current_trace())
+    token = _recording.set(recording)
     try:
-        yield loops
+        yield recording.loops
     finally:
-        _unrolling.reset(token)
+        _recording.reset(token)
 
 
 def _error(problem: str) -> AccumulateError:
@@ -129,6 +148,49 @@ def _finish(kind: str, acc, microbatches: int):
     return acc / microbatches if kind == "mean" else acc
 
 
+def _start(kind: str, like):
+    """The running reduction's value before microbatch 0: the identity of ``kind``
+    (``0 + x == x`` and ``max(-inf, x) == x`` exactly). Built by an equation, not a
+    literal, so it is a value of its own that ``split`` passes into the loop."""
+    shape, dtype = jnp.shape(like), jnp.result_type(like)
+    if kind == "max":
+        if jnp.issubdtype(dtype, jnp.floating):
+            fill = -jnp.inf
+        elif jnp.issubdtype(dtype, jnp.integer):
+            fill = jnp.iinfo(dtype).min
+        else:
+            fill = False
+    else:
+        fill = 0
+    return jnp.reshape(jnp.full((1, *shape), fill, dtype), shape)
+
+
+def _rolled_reduction(kind: str, value, carry: int, microbatches: int):
+    """Reduce one output of the rolled loop's iteration: stacked for ``concat``, else a
+    running value carried from microbatch to microbatch (``carry`` numbers it)."""
+    if kind == "concat":
+        return loop_edge(value, LoopEdge.STACK, microbatches)
+    running = loop_edge(_start(kind, value), LoopEdge.CARRY, microbatches, carry)
+    total = _combine(kind, running, value)
+    return _finish(kind, loop_edge(total, LoopEdge.RESULT, microbatches, carry), microbatches)
+
+
+def _rolled(fn, leaves, tree, microbatches: int, reduce):
+    """The loop kept rolled for mpmdc: ``fn`` traced once on the batch's slices, its
+    results reduced across the loop's edges."""
+    slices = [loop_edge(x, LoopEdge.SLICE, microbatches) for x in leaves]
+    out_leaves, out_tree = jax.tree_util.tree_flatten(
+        fn(jax.tree_util.tree_unflatten(tree, slices))
+    )
+    out_leaves = [jnp.asarray(y) for y in out_leaves]
+    kinds = _checked_reductions(reduce, out_tree, [y.shape for y in out_leaves])
+    results = [
+        _rolled_reduction(kind, y, k, microbatches)
+        for k, (y, kind) in enumerate(zip(out_leaves, kinds))
+    ]
+    return jax.tree_util.tree_unflatten(out_tree, results)
+
+
 def _unrolled_reduction(kind: str, values: list, microbatches: int):
     """Reduce one output over the unrolled microbatches, marking where the loop ends.
 
@@ -145,9 +207,7 @@ def _unrolled_reduction(kind: str, values: list, microbatches: int):
     else:
         # Built by an equation (a scalar zero would be a literal, which `split` folds into
         # the first microbatch's fragment instead of passing it in).
-        shape, dtype = jnp.shape(values[0]), jnp.result_type(values[0])
-        zeros = jnp.reshape(jnp.zeros((1, *shape), dtype), shape)
-        total = mark_microbatch([zeros], None)[0]
+        total = mark_microbatch([_start(kind, values[0])], None)[0]
         for value in values:
             total = total + value
     return _finish(kind, mark_microbatch([total], None)[0], microbatches)
@@ -173,7 +233,8 @@ def _microbatch(leaves, sizes, i) -> list:
 
 
 def _unrolled(fn, leaves, sizes, tree, microbatches: int, reduce):
-    """The loop unrolled for mpmdc: ``fn`` traced once, its jaxpr replayed per microbatch.
+    """The loop unrolled for mpmdc (under a transformation): ``fn`` traced once, its
+    jaxpr replayed per microbatch.
 
     Replaying the equations (each keeping its source line; emitted as they are where
     mpmdc traces, so no primitive computes its output types again) costs a fraction
@@ -209,10 +270,12 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
         raise _error(f"microbatches must be a positive int, got {microbatches!r}.")
     schedule = library.get(schedule)
     leaves, sizes, tree = _batch_leaves(xs, microbatches)
-    loops = _unrolling.get()
+    recording = _recording.get()
 
-    if loops is not None:
-        loops.append(Loop(schedule, microbatches, compat.user_line()))
+    if recording is not None:
+        recording.loops.append(Loop(schedule, microbatches, compat.user_line()))
+        if compat.current_trace() is recording.trace:
+            return _rolled(fn, leaves, tree, microbatches, reduce)
         return _unrolled(fn, leaves, sizes, tree, microbatches, reduce)
 
     def run(i):

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.ir.program import fragment_key
 
 D, H, B = 8, 16, 8
 SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b1": P("model")}
@@ -171,3 +172,42 @@ def test_shardings_equal_jax_jits_on_one_mesh(opt_state_made):
             jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(values)
         ):
             assert g.is_equivalent_to(w, a.ndim), (what, jax.tree_util.keystr(path), g, w)
+
+
+def _accumulated_step(params, opt_state, x, y):
+    """``_step`` with the gradient summed over 4 microbatches by ``mpmdc.accumulate``."""
+    loss, grads = mpmdc.accumulate(
+        lambda mb: jax.value_and_grad(_loss)(params, *mb), (x, y), microbatches=4, reduce="mean"
+    )
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return loss, optax.apply_updates(params, updates), opt_state
+
+
+def test_gradients_accumulated_over_microbatches_keep_their_specs(tp_meshes):
+    """The running gradient sums of a rolled loop carry the gradients' tensor-parallel
+    specs from one microbatch to the next; each microbatch's fragments share one
+    executable and a loop fed back compiles nothing."""
+    params = _committed(_params(2), tp_meshes)
+    opt_state = OPT.init(params)
+    x = jax.random.normal(jax.random.key(1), (4 * B, D))
+    y = jnp.sin(x)
+    step = mpmdc.compile(_accumulated_step, tp_meshes)
+    loss, new_params, new_state = step(params, opt_state, x, y)
+    assert _specs_of(new_params) == _want_specs(2)
+    assert _specs_of(new_state[0].mu) == _want_specs(2)
+    compiled = step.lower(params, opt_state, x, y).compile()
+    calls = [
+        e
+        for e in compiled.program.jaxpr.jaxpr.eqns
+        if e.primitive.name == "fragment" and e.params["microbatch"] is not None
+    ]
+    assert len({fragment_key(e) for e in calls}) == len(calls) // 4
+    with XlaCompiles() as later:
+        step(new_params, new_state, x, y)
+    assert later.count == 0
+    host = jax.device_put((params, opt_state, x, y), jax.devices()[0])
+    want = jax.jit(_accumulated_step)(*host)
+    # Noise floor 3.0e-08 absolute as above (the loop adds the microbatches in jax.jit's
+    # order), margin 10x.
+    for g, w in zip(jax.tree.leaves((loss, new_params, new_state)), jax.tree.leaves(want)):
+        assert_same_array(g, w, atol=3e-7)

@@ -115,6 +115,8 @@ def programs(draw):
     mesh_size = draw(st.sampled_from([2, 1]))
     mode = draw(st.sampled_from(["accumulate", "value_and_grad", "plain"]))
     schedule = draw(st.sampled_from(["zb-h1", "1f1b", "gpipe"]))
+    # The rolled loop is stamped out per microbatch: counts from one to many.
+    microbatches = draw(st.sampled_from([2, 1, 3, 8, 64]))
     one_per_mesh = mode == "accumulate" and schedule != "gpipe"
     stages = num_meshes if one_per_mesh else draw(st.integers(1, 5))
     stage_to_mesh = None
@@ -194,6 +196,7 @@ def programs(draw):
         sharded=sharded,
         mode=mode,
         schedule=schedule,
+        microbatches=microbatches,
         stage_to_mesh=stage_to_mesh,
         with_key=with_key,
     )
@@ -298,7 +301,7 @@ def build(desc, meshes, record):
         def fn(*inputs):
             return jax.value_and_grad(lambda first, *rest: jnp.sum(body(first, *rest)))(*inputs)
     else:
-        batch = jnp.asarray(rng.normal(size=(2 * n, n)), jnp.float32)
+        batch = jnp.asarray(rng.normal(size=(desc["microbatches"] * n, n)), jnp.float32)
 
         def fn(*inputs):
             *inputs, batch = inputs
@@ -309,7 +312,10 @@ def build(desc, meshes, record):
                 )
 
             return mpmdc.accumulate(
-                per_microbatch, batch, microbatches=2, schedule=schedule_of(desc)
+                per_microbatch,
+                batch,
+                microbatches=desc["microbatches"],
+                schedule=schedule_of(desc),
             )
 
         key_args = [*key_args, batch]
@@ -404,6 +410,7 @@ def _describe(desc):
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")
     if desc["mode"] == "accumulate":
         event(f"schedule={schedule_of(desc)}")
+        event(f"microbatches={desc['microbatches']}")
 
 
 FUZZ_SETTINGS = dict(

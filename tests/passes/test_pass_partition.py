@@ -140,29 +140,21 @@ def test_backward_runs_on_the_forward_stage_mesh(meshes4):
     assert {"s0_fwd", "s3_fwd", "s2_bwd", "s0_bwd"} <= labels
 
 
-def test_work_inside_an_accumulate_loop_gets_its_microbatch(meshes2):
+def test_work_inside_an_accumulate_loop_belongs_to_its_iteration(meshes2):
     def fn(w, x):
         return mpmdc.accumulate(
             lambda xb: jnp.sum(jnp.sin(mpmdc.stage(xb, 0) @ w)), x, microbatches=2
         )
 
-    per_microbatch = [
-        ("microbatch", "s0_fwd_mb{i}"),
-        ("stage", "s0_fwd_mb{i}"),
-        ("dot_general", "s0_fwd_mb{i}"),
-        ("sin", "s0_fwd_mb{i}"),
-        ("reduce_sum", "s0_fwd_mb{i}"),
-    ]
-    want = []
-    for i in range(2):
-        want.append(("slice", "s0_fwd"))  # slicing the batch stays before the loop
-        want += [(prim, label.format(i=i)) for prim, label in per_microbatch]
-    want += [
+    assert labelled(placed(fn, meshes2, W, X)) == [
+        ("loop_edge", "s0_fwd"),  # the batch's slices enter the loop
+        ("stage", "s0_fwd_loop"),  # one microbatch's work, standing for every microbatch
+        ("dot_general", "s0_fwd_loop"),
+        ("sin", "s0_fwd_loop"),
+        ("reduce_sum", "s0_fwd_loop"),
         ("broadcast_in_dim", "s0_fwd"),  # the running sum's zeros, before the loop
         ("reshape", "s0_fwd"),
-        ("microbatch", "s0_fwd"),
-        ("add", "s0_fwd_mb0"),  # the running sum moves from one microbatch to the next
-        ("add", "s0_fwd_mb1"),
-        ("microbatch", "s0_fwd"),  # the loop's result
+        ("loop_edge", "s0_fwd"),  # ...entering it as the running sum
+        ("add", "s0_fwd_loop"),  # the running sum moves from one microbatch to the next
+        ("loop_edge", "s0_fwd"),  # the loop's result
     ]
-    assert labelled(placed(fn, meshes2, W, X)) == want

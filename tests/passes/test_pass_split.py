@@ -77,7 +77,7 @@ def test_the_split_program_computes_what_the_input_program_computes(meshes2):
         np.testing.assert_array_equal(g, w)
 
 
-def test_one_fragment_per_stage_transpose_and_microbatch(meshes2):
+def test_one_fragment_per_stage_and_transpose_and_one_loop_iteration(meshes2):
     _, out = split_of(jax.grad(two_stage_loss), meshes2, W, X)
     # The last stage's backward shares its forward's fragment (its transpose count is
     # that of the stage-1 marker's forward, and nothing separates them).
@@ -95,16 +95,17 @@ def test_one_fragment_per_stage_transpose_and_microbatch(meshes2):
         (f.params["name"], f.params["stage"], f.params["transpose"], f.params["microbatch"])
         for f in fragments(out)
     ]
+    # One iteration of the loop, whatever the microbatch count; the batch enters it
+    # through a slice edge, the running sums through carry edges.
     assert sorted(got) == [
-        ("s0_bwd_mb0", 0, 1, 0),
-        ("s0_bwd_mb1", 0, 1, 1),
-        ("s0_fwd", 0, 0, None),  # before the loop: slicing the batch, the zeros of a running sum
-        ("s0_fwd_mb0", 0, 0, 0),
-        ("s0_fwd_mb1", 0, 0, 1),
+        ("s0_bwd_loop", 0, 1, "loop"),
+        ("s0_fwd", 0, 0, None),  # before the loop: the zeros of a running sum
+        ("s0_fwd_loop", 0, 0, "loop"),
         ("s1_fwd", 1, 0, None),  # mesh1 makes the zeros of its own running sum
-        ("s1_fwd_mb0", 1, 0, 0),
-        ("s1_fwd_mb1", 1, 0, 1),
+        ("s1_fwd_loop", 1, 0, "loop"),
     ]
+    edges = [e.params["edge"] for e in out.jaxpr.jaxpr.eqns if e.primitive.name == "loop_edge"]
+    assert sorted(edges) == ["carry", "carry", "result", "result", "slice"]
 
 
 def test_reentering_a_stage_splits_its_work_into_acyclic_fragments(meshes2):

@@ -1,4 +1,4 @@
-"""``mpmdc.accumulate``: the sequential loop under jax.jit, the unrolled form under mpmdc."""
+"""``mpmdc.accumulate``: the sequential loop under jax.jit, the rolled (or unrolled) form under mpmdc."""
 
 import functools
 import re
@@ -91,22 +91,49 @@ def test_scalar_leaf_is_named():
         mpmdc.accumulate(lambda mb: mb["x"].sum(), {"x": jnp.ones(4), "scale": 2.0}, microbatches=2)
 
 
-def test_microbatches_are_replayed_as_traced_keeping_source_lines(meshes2, monkeypatch):
-    """Under mpmdc the loop replays the traced microbatch by emitting its equations as
-    they are; the program is the one replaying them through ``jaxpr_as_fun`` (binding
-    every primitive again) gives, and every equation keeps the user's source line."""
+def test_the_loop_stays_rolled_keeping_source_lines(meshes2):
+    """Under mpmdc the passes see one microbatch's equations, whatever the microbatch
+    count, each keeping the user's source line."""
     from mpmdc import _jax_compat as compat
 
     def loss(w, x):
-        return jnp.sum(jnp.tanh(mpmdc.stage(jnp.sin(x) @ w, 1)) ** 2)
+        return jnp.sum(jnp.tanh(mpmdc.stage(mpmdc.stage(jnp.sin(x), 0) @ w, 1)) ** 2)
 
-    def step(w, x):
-        return mpmdc.accumulate(lambda xb: jax.value_and_grad(loss)(w, xb), x, microbatches=4)
+    def step(w, x, microbatches):
+        return mpmdc.accumulate(
+            lambda xb: jax.value_and_grad(loss)(w, xb), x, microbatches=microbatches
+        )
 
+    w, x = jnp.eye(8) * 0.5, jnp.arange(256.0).reshape(32, 8) / 256
+    sizes = []
+    for microbatches in (2, 16):
+        lowered = mpmdc.compile(step, meshes2, static_argnums=2).lower(w, x, microbatches)
+        program = lowered.program("after-split").jaxpr.jaxpr
+        sines = [e for e in lowered.program("input").jaxpr.jaxpr.eqns if e.primitive.name == "sin"]
+        assert len(sines) == 1 and "test_accumulate.py" in compat.source_line(sines[0])
+        sizes.append(len(program.eqns))
+    assert sizes[0] == sizes[1]
+
+
+def test_under_a_transformation_the_loop_is_unrolled_and_replayed(meshes2, monkeypatch):
+    """Differentiating a function that calls ``accumulate`` unrolls the loop (a rolled
+    iteration would sum a loop-invariant value's gradient over one microbatch): the
+    microbatch's equations are replayed as they are, the same program binding every
+    primitive again gives, and the numbers are ``jax.jit``'s."""
+    from mpmdc import _jax_compat as compat
+
+    def loss(w, x):
+        def per_microbatch(xb):
+            return jnp.sum(jnp.tanh(mpmdc.stage(mpmdc.stage(jnp.sin(xb), 0) @ w, 1)) ** 2)
+
+        return mpmdc.accumulate(per_microbatch, x, microbatches=4)
+
+    step = jax.value_and_grad(loss)
     w, x = jnp.eye(8) * 0.5, jnp.arange(64.0).reshape(8, 8) / 64
     emitted = mpmdc.compile(step, meshes2).lower(w, x)
     sines = [e for e in emitted.program("input").jaxpr.jaxpr.eqns if e.primitive.name == "sin"]
     assert len(sines) == 4 and all("test_accumulate.py" in compat.source_line(e) for e in sines)
+    assert_same_as_jit(step, meshes2, w, x)
     monkeypatch.setattr(compat, "replay_in_trace", lambda closed, *args: None)
     bound = mpmdc.compile(step, meshes2).lower(w, x)
     assert emitted.as_text("input") == bound.as_text("input")
