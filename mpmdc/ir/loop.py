@@ -7,7 +7,8 @@ value the iteration reads is loop-invariant. :func:`stamp` turns that into the
 program that runs: each of the iteration's fragments and transfers once per
 microbatch (the same body object, so they share one module), chaining each running
 value from one microbatch to the next; the batch sliced and the stacked values
-concatenated by one fragment per mesh. It copies fragment *calls*, never equations
+concatenated by one fragment per mesh (the slicing folded into a fragment that runs
+before the loop on that mesh, where there is one). It copies fragment *calls*, never equations
 inside them: its cost is the iteration's fragment count times the microbatch count.
 """
 
@@ -21,7 +22,7 @@ import jax
 from jax.extend import core as jcore
 
 from mpmdc.ir.primitives import LOOP, ActionKind, LoopEdge, fragment_p, is_loop_edge, is_loop_entry
-from mpmdc.ir.program import fresh_like, is_var, make_closed_jaxpr, substituted
+from mpmdc.ir.program import copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted
 
 
 class RolledLoop(NamedTuple):
@@ -107,29 +108,77 @@ def _stack(microbatches: int, *values) -> list:
     ]
 
 
-def _slicers(entries, microbatches: int, envs: list[dict], read: set) -> list:
-    """One fragment per mesh cutting the batches that enter the loop there (and that
-    the iteration ``read``s) into their microbatches (:func:`_cut`); records microbatch
-    ``i``'s slice in ``envs[i]``."""
-    out = []
+def _host_for_slices(before: list, mesh: int, batches: list) -> int | None:
+    """The index in ``before`` of the last fragment on ``mesh`` that every one of
+    ``batches`` is defined ahead of (or by): it can cut them too, saving a module."""
+    defined_at = {v: k for k, eqn in enumerate(before) for v in eqn.outvars}
+    ready = max((defined_at.get(v, -1) for v in batches), default=-1)
+    hosts = [
+        k
+        for k, eqn in enumerate(before)
+        if k >= ready and eqn.primitive is fragment_p and eqn.params["mesh"] == mesh
+    ]
+    return hosts[-1] if hosts else None
+
+
+def _with_cut(eqn, batches: list, in_specs: list, outvars: list, out_specs: list):
+    """Fragment ``eqn`` also taking ``batches`` and returning their microbatches."""
+    closed, p = eqn.params["jaxpr"], eqn.params
+    microbatches = len(outvars) // len(batches)
+    cut = jax.make_jaxpr(functools.partial(_cut, microbatches))(*[v.aval for v in batches])
+    env = {v: fresh_like(v) for v in cut.jaxpr.invars}
+    body = closed.jaxpr
+    cut_eqns = [copy_eqn(e, env) for e in cut.jaxpr.eqns]
+    merged = make_closed_jaxpr(
+        body.constvars,
+        closed.consts,
+        [*body.invars, *(env[v] for v in cut.jaxpr.invars)],
+        [*body.outvars, *substituted(cut.jaxpr.outvars, env)],
+        [*body.eqns, *cut_eqns],
+        name=p["name"],
+    )
+    params = dict(
+        p,
+        jaxpr=merged,
+        in_specs=(*p["in_specs"], *in_specs),
+        out_specs=(*p["out_specs"], *out_specs),
+    )
+    return eqn.replace(
+        invars=[*eqn.invars, *batches], outvars=[*eqn.outvars, *outvars], params=params
+    )
+
+
+def _sliced(before: list, entries, microbatches: int, envs: list[dict], read: set) -> list:
+    """``before`` with the batches that enter the loop on each mesh (and that the
+    iteration ``read``s) cut into their microbatches (:func:`_cut`): by a fragment
+    before the loop on that mesh where one comes after the batches, else by a fragment
+    of its own. Records microbatch ``i``'s slice in ``envs[i]``."""
+    out = list(before)
     slices = [e for e in entries if is_loop_edge(e, LoopEdge.SLICE) and e.outvars[0] in read]
     for mesh, edges in sorted(_by_mesh(slices).items()):
+        batches = [e.invars[0] for e in edges]
         outvars = []
         for e in edges:
             for env in envs:
                 env[e.outvars[0]] = fresh_like(e.outvars[0])
                 outvars.append(env[e.outvars[0]])
+        in_specs = [e.params["in_spec"] for e in edges]
+        out_specs = [e.params["out_spec"] for e in edges for _ in envs]
+        host = _host_for_slices(out, mesh, batches)
+        if host is not None:
+            out[host] = _with_cut(out[host], batches, in_specs, outvars, out_specs)
+            continue
         stage = min(e.params["stage"] for e in edges)
         out.append(
             _fragment(
-                [e.invars[0] for e in edges],
+                batches,
                 outvars,
                 functools.partial(_cut, microbatches),
                 name=f"s{stage}_slices",
                 stage=stage,
                 mesh=mesh,
-                in_specs=[e.params["in_spec"] for e in edges],
-                out_specs=[e.params["out_spec"] for e in edges for _ in envs],
+                in_specs=in_specs,
+                out_specs=out_specs,
             )
         )
     return out
@@ -172,7 +221,7 @@ def stamp(
     loop = rolled_loop(jaxpr.eqns)
     envs: list[dict] = [{} for _ in range(microbatches)]
     read = {a for eqn in loop.iteration + loop.exits for a in eqn.invars if is_var(a)}
-    eqns = list(loop.before) + _slicers(loop.entries, microbatches, envs, read)
+    eqns = _sliced(loop.before, loop.entries, microbatches, envs, read)
     carries = {e.params["carry"]: e for e in loop.entries if is_loop_edge(e, LoopEdge.CARRY)}
     results = {e.params["carry"]: e for e in loop.exits if is_loop_edge(e, LoopEdge.RESULT)}
     for i, env in enumerate(envs):

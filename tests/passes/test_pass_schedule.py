@@ -59,12 +59,12 @@ def names_per_mesh(program):
         (
             "gpipe",
             "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3",
-            "s0_fwd s0_slices s0_fwd_mb0 s0_fwd_mb1 s0_fwd_mb2 s0_fwd_mb3 s0_bwd_mb0 s0_bwd_mb1 s0_bwd_mb2 s0_bwd_mb3",
+            "s0_fwd s0_fwd_mb0 s0_fwd_mb1 s0_fwd_mb2 s0_fwd_mb3 s0_bwd_mb0 s0_bwd_mb1 s0_bwd_mb2 s0_bwd_mb3",
         ),
         (
             "1f1b",
             "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3",
-            "s0_fwd s0_slices s0_fwd_mb0 s0_fwd_mb1 s0_bwd_mb0 s0_fwd_mb2 s0_bwd_mb1 s0_fwd_mb3 s0_bwd_mb2 s0_bwd_mb3",
+            "s0_fwd s0_fwd_mb0 s0_fwd_mb1 s0_bwd_mb0 s0_fwd_mb2 s0_bwd_mb1 s0_fwd_mb3 s0_bwd_mb2 s0_bwd_mb3",
         ),
     ],
 )
@@ -76,7 +76,7 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(
     wanted = out.schedule.actions(layout_of(out))
     assert " ".join(map(str, wanted[0])) == mesh0_actions
     mesh0, mesh1 = names_per_mesh(out)
-    # s0_fwd and s0_slices: the loop's set-up (a running sum's zeros, the batch's
+    # s0_fwd: the loop's set-up (a running sum's zeros, the batch cut into its
     # microbatches), before any action.
     assert mesh0 == mesh0_fragments.split()
     # Stage 1 is the last: its backward runs inside its forward fragment.
@@ -113,7 +113,6 @@ def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
     # Stage 0 sends no cotangent anywhere: its backward is all weight gradient.
     assert mesh0 == [
         "s0_fwd",
-        "s0_slices",
         "s0_fwd_mb0",
         "s0_fwd_mb1",
         "s0_fwd_mb2",
@@ -180,7 +179,7 @@ def test_a_schedule_breaking_a_dependency_is_a_schedule_error(meshes2):
     # A user's list that respects the dependencies orders the calls as it says.
     own = ActionLists(["0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
     mesh0, _ = names_per_mesh(schedule(program.replace(schedule=own)))
-    assert mesh0[2:] == [
+    assert mesh0[1:] == [
         "s0_fwd_mb0",
         "s0_fwd_mb1",
         "s0_fwd_mb2",

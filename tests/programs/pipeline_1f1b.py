@@ -3,7 +3,7 @@
 ``after-split`` holds one iteration of the loop (a fragment per stage, forward and
 backward, named ``_loop``) between loop edges that slice the batch and carry the
 running gradient sums; ``after-schedule`` stamps it out per microbatch (the batch cut
-by an ``_slices`` fragment per mesh) and orders the calls so each mesh runs its
+by the fragment before the loop on its mesh) and orders the calls so each mesh runs its
 warm-up forwards, then one forward and one backward in turn. Modules are
 pinned for CPU only: the fragments are the same ops as in ``mlp2_grad``, whose
 modules are pinned for every platform.
