@@ -47,10 +47,11 @@ def step_function(layers: int, microbatches: int = 8, schedule: str = "1f1b", st
 
 
 def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b", stages: int = 4):
-    """(step function, arguments) of the benchmark transformer's training step."""
+    """(step function, arguments) of the benchmark transformer's training step: 32
+    sequences, or 4 per microbatch where there are more than 8 microbatches."""
     config = transformer_config(layers, stages)
     params = init_transformer(jax.random.key(0), config)
-    tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, config.vocab)
+    tokens = jax.random.randint(jax.random.key(1), (max(32, 4 * microbatches), 33), 0, config.vocab)
     return step_function(layers, microbatches, schedule, stages), (
         params,
         adam_init(params),

@@ -21,6 +21,10 @@ the microbatch loop or outside it), and XLA's time for one jitted gradient modul
 against its number of layers.
 
     python benchmarks/compile_time.py [--layers 4 8 16 32]
+
+With ``--microbatches``, only the sweep over microbatch counts (for each of ``--layers``):
+
+    python benchmarks/compile_time.py --layers 8 32 --microbatches 8 32 64 128
 """
 
 import argparse
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 
 import _common
 import jax
@@ -114,6 +119,50 @@ def measure(layers: int) -> dict:
         "first call s": first_s,
         "jax.jit first call s": jit_first_s,
         "first-call ratio": first_s / jit_first_s,
+    }
+
+
+def measure_microbatches(layers: int, microbatches: int) -> dict:
+    """`lower()` and function -> runnable (`lower()` then `compile()`) of the step over
+    ``microbatches`` microbatches against `jax.jit`'s lower and lower + compile (one
+    device, `accumulate` a `lax.scan`); the passes' share; the peak of Python memory
+    allocated during one more `lower()` (tracemalloc, which slows it, so timed apart)."""
+    args = _common.transformer_setup(layers, microbatches)[1]
+
+    def fresh():
+        return _common.step_function(layers, microbatches)
+
+    lowers, jit_lowers, phases = [], [], []
+    for _ in range(REPEAT):  # taking turns, so that load on the machine falls on both alike
+        start = time.perf_counter()
+        lowered = mpmdc.compile(fresh(), _common.four_meshes()).lower(*args)
+        lowers.append(time.perf_counter() - start)
+        phases.append(lowered.seconds)
+        jit_lowers.append(_common.seconds(lambda: jax.jit(fresh()).lower(*args)))
+    compile_s = _common.seconds(lowered.compile)
+    jit_total_s = _common.seconds(lambda: jax.jit(fresh()).lower(*args).compile())
+    tracemalloc.start()
+    mpmdc.compile(fresh(), _common.four_meshes()).lower(*args)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    seconds = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
+    lower_s, jit_lower_s = statistics.median(lowers), statistics.median(jit_lowers)
+    split = lowered.program("after-split").jaxpr.jaxpr.eqns
+    scheduled = lowered.program("after-schedule").jaxpr.jaxpr.eqns
+    return {
+        "layers": layers,
+        "microbatches": microbatches,
+        "equations traced": len(lowered.program("input").jaxpr.jaxpr.eqns),
+        "calls before schedule": len(split),
+        "calls after": len(scheduled),
+        "passes s": sum(seconds[p] for p in PASSES),
+        "lower() s": lower_s,
+        "jax.jit lower s": jit_lower_s,
+        "lower ratio": lower_s / jit_lower_s,
+        "lower() peak MiB": peak / 2**20,
+        "runnable s": lower_s + compile_s,
+        "jax.jit runnable s": jit_total_s,
+        "runnable ratio": (lower_s + compile_s) / jit_total_s,
     }
 
 
@@ -254,11 +303,21 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        help="only the microbatch sweep: lower() and function -> runnable per microbatch "
+        "count, for each of --layers",
+    )
     parser.add_argument("--first-calls", type=int, help=argparse.SUPPRESS)  # a warm_cache process
     options = parser.parse_args()
     if options.first_calls:
         return first_calls(options.first_calls)
     _common.warm_up()
+    if options.microbatches:
+        rows = [measure_microbatches(n, m) for n in options.layers for m in options.microbatches]
+        return _common.report("compile_microbatches", rows, list(rows[0]))
     rows = [measure(n) for n in options.layers]
     columns = list(rows[0])
     _common.report("compile_time", rows, columns)

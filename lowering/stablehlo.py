@@ -42,7 +42,7 @@ def _raising_checks(body):
 def _fragment_function(eqn):
     """A Python callable running fragment ``eqn``'s body, named after the fragment."""
     body = compat.replaying_fun(eqn.params["jaxpr"])
-    if any(find_eqns(eqn.params["jaxpr"].jaxpr.eqns, lambda e: e.primitive.name == "check")):
+    if any(find_eqns(eqn.params["jaxpr"].jaxpr.eqns, lambda e: e.primitive is compat.check_p)):
         body = _raising_checks(body)
 
     def run(*args):

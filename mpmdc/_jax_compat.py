@@ -7,6 +7,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 import io
 
 import numpy as np
+from jax._src import checkify as _checkify
 from jax._src import compiler as _compiler
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
@@ -26,6 +27,7 @@ pp_var = _core.pp_var
 custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
 shard_map_p = _shard_map.shard_map_p
+check_p = _checkify.check_p
 ordered_effects = _effects.ordered_effects
 
 

@@ -36,7 +36,7 @@ from mpmdc.ir.program import Program
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import canonical_spec, spec_problem
 from mpmdc.ir.traffic import TransferReport, transfer_report
-from mpmdc.passes.lower import handing_modules_to
+from mpmdc.passes import FunctionPass
 from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled, Signature, leaf_type
@@ -571,8 +571,9 @@ class Wrapped:
             backend = backends.get(self.backend)
             backend.check_can_run(self.meshes)
             # XLA compiles each module while the `lower` pass lowers the next.
-            with FragmentCompiler(backend) as compiler, handing_modules_to(compiler.offer):
-                lowered = self._traced(args, kwargs, self._passes_for_call()).lower()
+            with FragmentCompiler(backend) as compiler:
+                passes = self._passes_for_call(compiler.offer)
+                lowered = self._traced(args, kwargs, passes).lower()
                 exe = lowered._compile_with(compiler)
             self._cache[key] = exe
         return exe, leaves
@@ -588,13 +589,18 @@ class Wrapped:
                 return exe
         return None
 
-    def _passes_for_call(self):
-        """The passes, with ``lower`` emitting only the fragments of meshes this process
-        runs (all of them in one process: the passes as they are)."""
+    def _passes_for_call(self, on_module):
+        """The passes, with ``lower`` handing each module to ``on_module`` as it lowers it
+        and emitting only the fragments of meshes this process runs (all of them in one
+        process)."""
         here = tuple(m for m, mesh in enumerate(self.meshes) if is_here(mesh))
-        if len(here) == len(self.meshes):
-            return self.passes
-        return [p.with_options(meshes=here) if p.name == "lower" else p for p in self.passes]
+        options = {"on_module": on_module}
+        if len(here) < len(self.meshes):
+            options["meshes"] = here
+        return [
+            p.with_options(**options) if isinstance(p, FunctionPass) and p.name == "lower" else p
+            for p in self.passes
+        ]
 
     def __call__(self, *args, **kwargs):
         """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""

@@ -8,6 +8,7 @@ Any backend can *emit* StableHLO on any machine; running needs its hardware.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -18,7 +19,14 @@ from mpmdc import _jax_compat as compat
 from mpmdc.errors import BackendError
 from mpmdc.lowering.send_recv import IN_PROGRAM_PLATFORMS
 
-TRANSFER_KINDS = ("device_put", "in-program")
+
+class TransferMode(enum.StrEnum):
+    """How a backend moves a value between meshes."""
+
+    DEVICE_PUT = "device_put"  # the runtime copies it onto the destination mesh's sharding
+    IN_PROGRAM = "in-program"  # send/recv pairs with matching channel ids inside fragments
+
+
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # JAX's lowering platforms, one built-in backend each
 
 
@@ -36,15 +44,18 @@ class Backend:
 
     name: str
     platform: str
-    transfers: str = "device_put"
+    transfers: TransferMode = TransferMode.DEVICE_PUT
     compiler_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
-        if self.transfers not in TRANSFER_KINDS:
+        try:
+            object.__setattr__(self, "transfers", TransferMode(self.transfers))
+        except ValueError:
+            modes = tuple(m.value for m in TransferMode)
             raise BackendError(
-                f"backend {self.name!r}: transfers={self.transfers!r} is not one of {TRANSFER_KINDS}."
-            )
-        if self.transfers == "in-program" and self.platform not in IN_PROGRAM_PLATFORMS:
+                f"backend {self.name!r}: transfers={self.transfers!r} is not one of {modes}."
+            ) from None
+        if self.transfers is TransferMode.IN_PROGRAM and self.platform not in IN_PROGRAM_PLATFORMS:
             raise BackendError(
                 f"backend {self.name!r}: in-program transfers need device-to-device channels, "
                 f"which only {', '.join(IN_PROGRAM_PLATFORMS)} have; use transfers='device_put' "
@@ -54,8 +65,8 @@ class Backend:
     def describe(self) -> str:
         """One line: platform, how transfers happen, how fragments compile and run."""
         moves = {
-            "device_put": "runtime device_put onto the destination mesh",
-            "in-program": "send/recv pairs with matching channel ids inside the fragments",
+            TransferMode.DEVICE_PUT: "runtime device_put onto the destination mesh",
+            TransferMode.IN_PROGRAM: "send/recv pairs with matching channel ids inside the fragments",
         }[self.transfers]
         options = f" with {dict(self.compiler_options)}" if self.compiler_options else ""
         return (
@@ -82,7 +93,7 @@ class Backend:
 
     def check_can_run(self, meshes) -> None:
         """Raise ``BackendError`` unless this backend can run fragments on ``meshes`` here."""
-        if self.transfers == "in-program":
+        if self.transfers is TransferMode.IN_PROGRAM:
             raise BackendError(
                 f"backend {self.name!r} moves values by send/recv inside the fragments; running "
                 f"that needs the device-to-device channels between meshes set up by a multi-process "

@@ -32,11 +32,12 @@ class Pass(Protocol):
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "inline",  # first: markers hidden in nested jit/custom_vjp calls must be visible
     "cond-fission",  # before placement: an optimizer in one cond must not land on one mesh
+    "dce",  # before placement: dead work must not decide where a value lives
     "partition",  # needs every marker at top level; decides stage and mesh per equation
-    "dce",  # after placement, so work that only fed dropped outputs is gone before split
     "vma-typecheck",  # checks types, specs against the chosen meshes, shard_map meshes
     "split",  # cuts the checked, placed program into fragments and transfers
-    "schedule",  # needs fragments per microbatch; orders them as the loop's schedule says
+    "schedule",  # needs the loop's fragments; stamps them out, orders them as the schedule says
+    "donate",  # needs the final order of calls: a buffer goes to its last reader
     "lower",  # last: StableHLO per fragment
 )
 

@@ -11,6 +11,7 @@ Layer 4: imports :mod:`mpmdc.ir`, :mod:`mpmdc.schedules`, :mod:`mpmdc.lowering`,
 from mpmdc.passes.base import PASSES, FunctionPass, pass_from_text, register
 from mpmdc.passes.cond_fission import cond_fission
 from mpmdc.passes.dce import dce
+from mpmdc.passes.donate import donate
 from mpmdc.passes.in_program_transfers import in_program_transfers
 from mpmdc.passes.inline import inline
 from mpmdc.passes.lower import lower
@@ -24,6 +25,7 @@ __all__ = [
     "FunctionPass",
     "cond_fission",
     "dce",
+    "donate",
     "in_program_transfers",
     "inline",
     "lower",

@@ -11,9 +11,12 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import pydantic
 
 from mpmdc._text import split_top_level
 from mpmdc.errors import PassError
@@ -41,23 +44,52 @@ class FunctionPass:
         return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
 
     def with_options(self, **options) -> FunctionPass:
-        """This pass with ``options`` set; an option it does not take is a ``PassError``."""
+        """This pass with ``options`` set, each converted to its declared type (a list
+        given for a tuple becomes one); an option it does not take, or a value that is not
+        of its type, is a ``PassError`` naming the option."""
         unknown = sorted(set(options) - set(self.option_names()))
         if unknown:
             known = ", ".join(self.option_names()) or "none"
             raise PassError(
                 f"pass `{self.name}` has no option {', '.join(unknown)}; its options: {known}."
             )
+        types = typing.get_type_hints(self.body)
+        converted = {}
+        for key, value in options.items():
+            kind = types.get(key, typing.Any)
+            try:
+                converted[key] = pydantic.TypeAdapter(kind).validate_python(value)
+            except pydantic.ValidationError:
+                raise PassError(
+                    f"option {key}={value!r} of pass `{self.name}` is not a "
+                    f"{_type_text(kind)}; e.g. {self.name}{{{key}={_example(kind)}}}."
+                ) from None
         return FunctionPass(
             self.name,
             self.summary,
             self.body,
-            tuple(sorted({**dict(self.options), **options}.items())),
+            tuple(sorted({**dict(self.options), **converted}.items())),
         )
 
     def __str__(self) -> str:
         options = ",".join(f"{k}={v}" for k, v in self.options)
         return f"{self.name}{{{options}}}" if options else self.name
+
+
+def _type_text(kind) -> str:
+    return str(kind).replace("typing.", "").replace("NoneType", "None")
+
+
+def _example(kind) -> str:
+    """An option value of type ``kind``, as a pass text writes it."""
+    text = _type_text(kind)
+    if "tuple[int" in text:
+        return "(0,2)"
+    if "int" in text:
+        return "2"
+    if "bool" in text:
+        return "True"
+    return "name"
 
 
 PASSES: dict[str, FunctionPass] = {}

@@ -63,9 +63,13 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
         [*before, *body.eqns, *sends],
         name=eqn.params["name"],
     )
+    # A donated operand keeps its donation under its new position.
+    kept = [k for k, outer in enumerate(eqn.invars) if not (is_var(outer) and outer in recvs)]
+    position = {old: new for new, old in enumerate(kept)}
     params = dict(
         eqn.params,
         jaxpr=inner,
+        donate_argnums=tuple(position[k] for k in eqn.params["donate_argnums"] if k in position),
         in_specs=tuple(in_specs),
         out_specs=(*eqn.params["out_specs"], *(spec for _, _, spec in passed_on)),
     )

@@ -58,11 +58,10 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from jax.sharding import Mesh
 from mpmdc.passes.base import register
-from mpmdc.passes.dce import dce
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
-from mpmdc.ir.graph import def_use
+from mpmdc.ir.graph import DefUse, def_use
 from mpmdc.ir.primitives import (
     LOOP,
     LoopEdge,
@@ -111,7 +110,8 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     )
 
 
-def _transpose_counts(eqns, reads, producer, users):
+def _transpose_counts(eqns, flow: DefUse):
+    reads, producer, users = flow.reads, flow.producer, flow.readers
     counts = []
     for i, eqn in enumerate(eqns):
         t = max((counts[producer[a]] for a in reads[i] if a in producer), default=0)
@@ -159,14 +159,14 @@ def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
     return out
 
 
-def _pin_shard_maps(stage, candidates, eqns, producer, users) -> None:
+def _pin_shard_maps(stage, candidates, eqns, flow: DefUse) -> None:
     """Move each ``shard_map`` placed on a stage of another mesh to a stage of its own mesh:
     one its operands or users are in if there is one, else the first."""
     for i, on_mesh in candidates.items():
         if not on_mesh or stage[i] in on_mesh:
             continue
-        near = [stage[producer[a]] for a in vars_of(eqns[i].invars) if a in producer]
-        near += [stage[j] for v in eqns[i].outvars for j in users.get(v, ())]
+        near = [stage[flow.producer[a]] for a in vars_of(eqns[i].invars) if a in flow.producer]
+        near += [stage[j] for v in eqns[i].outvars for j in flow.readers.get(v, ())]
         stage[i] = next((s for s in near if s in on_mesh), on_mesh[0])
 
 
@@ -177,9 +177,9 @@ class _Placer:
     cheap equations, which are cloned later); ``transpose[i]`` its transpose count.
     """
 
-    def __init__(self, program, eqns, reads, producer, users, cheap, transpose, microbatch, seeds):
-        self.program, self.eqns, self.reads = program, eqns, reads
-        self.producer, self.users, self.cheap = producer, users, cheap
+    def __init__(self, program, eqns, flow: DefUse, cheap, transpose, microbatch, seeds):
+        self.program, self.eqns, self.reads = program, eqns, flow.reads
+        self.producer, self.users, self.cheap = flow.producer, flow.readers, cheap
         self.transpose, self.microbatch = transpose, microbatch
         self.stage = [
             e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)
@@ -401,7 +401,7 @@ class _Placer:
         return self.stage
 
 
-def _infer_microbatches(eqns, reads, producer, users, cheap):
+def _infer_microbatches(eqns, flow: DefUse, cheap):
     """Microbatch per equation index (``None`` outside an ``accumulate`` loop and for
     cheap ones; ``LOOP`` inside a rolled loop's iteration).
 
@@ -409,6 +409,7 @@ def _infer_microbatches(eqns, reads, producer, users, cheap):
     (``SLICE``, ``CARRY``) is inside, and so is an equation with effects (a callback)
     traced between the batch's slices and the first carry, where ``accumulate`` traced
     its function: it runs once per microbatch, as under ``jax.jit``, whatever it reads."""
+    reads, producer, users = flow.reads, flow.producer, flow.readers
     microbatch: list[int | str | None] = [None] * len(eqns)
     slices = [i for i, e in enumerate(eqns) if is_loop_edge(e, LoopEdge.SLICE)]
     after = [i for i, e in enumerate(eqns) if is_loop_edge(e) and i > slices[-1]] if slices else []
@@ -461,19 +462,17 @@ def _cheap_equations(eqns, reads) -> set[int]:
     return cheap
 
 
-def _place(program, eqns, reads, producer, users, cheap) -> dict[int, Placement]:
+def _place(program, eqns, flow: DefUse, cheap) -> dict[int, Placement]:
     """Rules 1-5: a placement for every equation that is not cheap."""
     for eqn in eqns:
         if is_marker(eqn):
             program.mesh_of_stage(eqn.params["stage"], eqn)  # a stage without a mesh fails here
-    transpose = _transpose_counts(eqns, reads, producer, users)
+    transpose = _transpose_counts(eqns, flow)
     candidates = _shard_map_stages(program, eqns)
     seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
-    microbatch = _infer_microbatches(eqns, reads, producer, users, cheap)
-    stage = _Placer(
-        program, eqns, reads, producer, users, cheap, transpose, microbatch, seeds
-    ).run()
-    _pin_shard_maps(stage, candidates, eqns, producer, users)
+    microbatch = _infer_microbatches(eqns, flow, cheap)
+    stage = _Placer(program, eqns, flow, cheap, transpose, microbatch, seeds).run()
+    _pin_shard_maps(stage, candidates, eqns, flow)
     return {
         i: Placement(stage[i], transpose[i], microbatch[i])
         for i in range(len(eqns))
@@ -647,15 +646,16 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
 
 @register("partition", "place every equation on a stage and mesh")
 def partition(program: Program) -> Program:
-    """Place every equation; clone cheap ones per user; choose input and output meshes."""
-    # Dead work must not decide where anything lives (an input read only by it would
-    # otherwise live with it).
-    program = dce(program)
+    """Place every equation; clone cheap ones per user; choose input and output meshes.
+
+    Runs after ``dce``: dead work would decide where values live (an input read only by
+    it would live with it)."""
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
-    producer, users, reads = def_use(eqns)
+    flow = def_use(eqns)
+    producer, reads = flow.producer, flow.reads
     cheap = _cheap_equations(eqns, reads)
-    placement = _place(program, eqns, reads, producer, users, cheap)
+    placement = _place(program, eqns, flow, cheap)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
     out_placement = _with_kin(
         _output_placements(jaxpr.outvars, eqns, producer, cheap, placement),

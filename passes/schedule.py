@@ -19,9 +19,11 @@ program has those fragments per microbatch already.) The pass
    :class:`~mpmdc.errors.ScheduleError` here, before anything runs);
 4. reorders the top-level equations: a dependency-respecting order that, among the
    equations ready to run, always takes the one whose action starts first in the
-   simulated timeline. Transfers and work outside the loop go as early as their
-   operands allow. So each mesh calls its fragments in the schedule's order, which
-   is what decides how many microbatches' activations it holds at once.
+   simulated timeline. Transfers and other work that actions read go right before
+   the first action reading them; work after the loop as early as its operands allow.
+   So each mesh calls its fragments in the schedule's order, and receives a
+   microbatch's values when its own schedule needs them, which is what decides how
+   many microbatches' activations it holds at once.
 
 The last stage's backward shares a fragment with its forward (see ``partition``),
 so its ``B`` action is run as part of its ``F`` action, as 1F1B does anyway.
@@ -213,19 +215,34 @@ def _stamped(closed, microbatches: int, wanted: set[Action]):
 
 
 def _ordered(eqns, start: dict[Action, float]):
-    """``eqns`` in dependency order, earliest simulated start first among the ready ones."""
-    producer = def_use(eqns).producer
+    """``eqns`` in dependency order, earliest time first among the ready ones: an
+    action's simulated start; for other work read by actions, the first of their
+    starts (a transfer, a slice of the batch, a running sum's start: issued where the
+    mesh's own schedule needs them, so a mesh holds a microbatch's values from the
+    work that needs them on, as the schedule counts); for the rest (work after the
+    loop), as soon as its operands are."""
+    producer, readers, reads = def_use(eqns)
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(eqns)))
-    time = []
+    ready = []
     for i, eqn in enumerate(eqns):
-        deps = {producer[a] for a in vars_of(eqn.invars) if a in producer}
+        deps = {producer[a] for a in reads[i] if a in producer}
         graph.add_edges_from((j, i) for j in deps)
         action = action_of(eqn)
         if action is not None and action in start:
-            time.append(start[action])
+            ready.append(start[action])
         else:
-            time.append(max((time[j] for j in deps), default=-math.inf))
+            ready.append(max((ready[j] for j in deps), default=-math.inf))
+    needed: list[float | None] = [None] * len(eqns)
+    for i in reversed(range(len(eqns))):
+        action = action_of(eqns[i])
+        if action is not None and action in start:
+            needed[i] = start[action]
+            continue
+        later = [needed[j] for v in eqns[i].outvars for j in readers.get(v, ())]
+        if later and None not in later:
+            needed[i] = min(later)
+    time = [ready[i] if t is None else t for i, t in enumerate(needed)]
     order = nx.lexicographical_topological_sort(graph, key=lambda i: (time[i], i))
     return [eqns[i] for i in order]
 

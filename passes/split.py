@@ -31,6 +31,7 @@ from mpmdc.passes.base import register
 
 from mpmdc.ir.primitives import (
     LOOP,
+    Carries,
     LoopEdge,
     fragment_p,
     is_loop_edge,
@@ -130,11 +131,11 @@ def _what_values_carry(jaxpr, env):
         ):
             depends.update(eqn.outvars)
         if is_marker(eqn):
-            kind = "cotangent" if eqn.params["transpose"] % 2 else "activation"
+            kind = Carries.COTANGENT if eqn.params["transpose"] % 2 else Carries.ACTIVATION
             crossing.update((v, kind) for v in substituted(eqn.invars, env) if is_var(v))
 
     def carries(v):
-        return crossing.get(v) or ("other" if v in depends else "state")
+        return crossing.get(v) or (Carries.OTHER if v in depends else Carries.STATE)
 
     return carries
 

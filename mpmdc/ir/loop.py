@@ -20,7 +20,9 @@ from typing import NamedTuple
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
+from mpmdc import _jax_compat as compat
 from mpmdc.ir.primitives import LOOP, ActionKind, LoopEdge, fragment_p, is_loop_edge, is_loop_entry
 from mpmdc.ir.program import copy_eqn, fresh_like, is_var, make_closed_jaxpr, substituted
 
@@ -64,8 +66,11 @@ def rolled_loop(eqns) -> RolledLoop | None:
     return parts
 
 
-def _fragment(operands, outvars, body_fn, *, name, stage, mesh, in_specs, out_specs):
-    """A fragment outside the loop on ``mesh`` computing ``body_fn`` of ``operands``."""
+def _fragment(
+    operands, outvars, body_fn, *, name, stage, mesh, in_specs, out_specs, microbatch=None
+):
+    """A forward fragment on ``mesh`` computing ``body_fn`` of ``operands`` (outside the
+    loop, or in its iteration with ``microbatch=LOOP``)."""
     closed = jax.make_jaxpr(body_fn)(*[v.aval for v in operands])
     params = dict(
         jaxpr=closed,
@@ -73,7 +78,7 @@ def _fragment(operands, outvars, body_fn, *, name, stage, mesh, in_specs, out_sp
         name=name,
         stage=stage,
         transpose=0,
-        microbatch=None,
+        microbatch=microbatch,
         kind=ActionKind.F,
         in_specs=tuple(in_specs),
         out_specs=tuple(out_specs),
@@ -89,14 +94,28 @@ def _by_mesh(edges) -> dict[int, list]:
     return out
 
 
-def _cut(microbatches: int, *batches) -> list:
-    """Each batch's microbatches in order: rows ``[i*n, (i+1)*n)`` for microbatch ``i``,
-    as ``accumulate`` slices them."""
+def _stacked(microbatches: int, *batches) -> list:
+    """Each batch as ``(microbatches, rows per microbatch, ...)``, microbatch ``i`` being
+    rows ``[i*n, (i+1)*n)`` as ``accumulate`` slices them; then the first microbatch's
+    index."""
     return [
-        jax.lax.slice_in_dim(x, i * n, (i + 1) * n)
-        for x in batches
-        for n in [x.shape[0] // microbatches]
-        for i in range(microbatches)
+        *(jax.numpy.reshape(x, (microbatches, -1, *x.shape[1:])) for x in batches),
+        jax.numpy.zeros((), jax.numpy.int32),
+    ]
+
+
+def _next_microbatch(*stacked_and_index) -> list:
+    """Microbatch ``index`` of each stacked batch (an index along its unsharded leading
+    axis: no data moves between devices), then the next index."""
+    *stacked, index = stacked_and_index
+    return [
+        *(
+            jax.lax.squeeze(
+                jax.lax.dynamic_slice(x, (index,) + (0,) * (x.ndim - 1), (1, *x.shape[1:])), (0,)
+            )
+            for x in stacked
+        ),
+        index + 1,
     ]
 
 
@@ -121,20 +140,19 @@ def _host_for_slices(before: list, mesh: int, batches: list) -> int | None:
     return hosts[-1] if hosts else None
 
 
-def _with_cut(eqn, batches: list, in_specs: list, outvars: list, out_specs: list):
-    """Fragment ``eqn`` also taking ``batches`` and returning their microbatches."""
+def _with_work(eqn, body_fn, operands: list, in_specs: list, outvars: list, out_specs: list):
+    """Fragment ``eqn`` also computing ``body_fn`` of ``operands`` into ``outvars``."""
     closed, p = eqn.params["jaxpr"], eqn.params
-    microbatches = len(outvars) // len(batches)
-    cut = jax.make_jaxpr(functools.partial(_cut, microbatches))(*[v.aval for v in batches])
-    env = {v: fresh_like(v) for v in cut.jaxpr.invars}
+    extra = jax.make_jaxpr(body_fn)(*[v.aval for v in operands])
+    env = {v: fresh_like(v) for v in [*extra.jaxpr.constvars, *extra.jaxpr.invars]}
     body = closed.jaxpr
-    cut_eqns = [copy_eqn(e, env) for e in cut.jaxpr.eqns]
+    extra_eqns = [copy_eqn(e, env) for e in extra.jaxpr.eqns]
     merged = make_closed_jaxpr(
-        body.constvars,
-        closed.consts,
-        [*body.invars, *(env[v] for v in cut.jaxpr.invars)],
-        [*body.outvars, *substituted(cut.jaxpr.outvars, env)],
-        [*body.eqns, *cut_eqns],
+        [*body.constvars, *(env[v] for v in extra.jaxpr.constvars)],
+        [*closed.consts, *extra.consts],
+        [*body.invars, *(env[v] for v in extra.jaxpr.invars)],
+        [*body.outvars, *substituted(extra.jaxpr.outvars, env)],
+        [*body.eqns, *extra_eqns],
         name=p["name"],
     )
     params = dict(
@@ -144,44 +162,75 @@ def _with_cut(eqn, batches: list, in_specs: list, outvars: list, out_specs: list
         out_specs=(*p["out_specs"], *out_specs),
     )
     return eqn.replace(
-        invars=[*eqn.invars, *batches], outvars=[*eqn.outvars, *outvars], params=params
+        invars=[*eqn.invars, *operands], outvars=[*eqn.outvars, *outvars], params=params
     )
 
 
-def _sliced(before: list, entries, microbatches: int, envs: list[dict], read: set) -> list:
-    """``before`` with the batches that enter the loop on each mesh (and that the
-    iteration ``read``s) cut into their microbatches (:func:`_cut`): by a fragment
-    before the loop on that mesh where one comes after the batches, else by a fragment
-    of its own. Records microbatch ``i``'s slice in ``envs[i]``."""
+class _Chain(NamedTuple):
+    """A value carried from one microbatch to the next: ``inside`` the iteration,
+    ``start`` before microbatch 0, and what the iteration leaves for the next as ``end``
+    (``None`` where nothing does)."""
+
+    inside: object
+    start: object
+    end: object
+
+
+def _batches(before: list, entries, microbatches: int, read: set):
+    """``(before, fragments to start each iteration with, chains)``: the batches entering
+    the loop on each mesh (that the iteration ``read``s) laid out as
+    ``(microbatches, rows, ...)`` before the loop (by a fragment before the loop on that
+    mesh that comes after the batches, else by one of its own), and a fragment taking
+    microbatch ``i`` of them, its index carried from one microbatch to the next. What
+    this costs to compile is the same for any microbatch count."""
     out = list(before)
+    taking, chains = [], []
     slices = [e for e in entries if is_loop_edge(e, LoopEdge.SLICE) and e.outvars[0] in read]
     for mesh, edges in sorted(_by_mesh(slices).items()):
         batches = [e.invars[0] for e in edges]
-        outvars = []
-        for e in edges:
-            for env in envs:
-                env[e.outvars[0]] = fresh_like(e.outvars[0])
-                outvars.append(env[e.outvars[0]])
+        stacked = [
+            compat.Var(v.aval.update(shape=(microbatches, *e.outvars[0].aval.shape)))
+            for v, e in zip(batches, edges)
+        ]
+        specs = [PartitionSpec(None, *e.params["out_spec"]) for e in edges]
+        index = jax.core.ShapedArray((), jax.numpy.int32)
+        start, inside, end = compat.Var(index), compat.Var(index), compat.Var(index)
+        stage = min(e.params["stage"] for e in edges)
+        lay_out = functools.partial(_stacked, microbatches)
         in_specs = [e.params["in_spec"] for e in edges]
-        out_specs = [e.params["out_spec"] for e in edges for _ in envs]
         host = _host_for_slices(out, mesh, batches)
         if host is not None:
-            out[host] = _with_cut(out[host], batches, in_specs, outvars, out_specs)
-            continue
-        stage = min(e.params["stage"] for e in edges)
-        out.append(
+            out[host] = _with_work(
+                out[host], lay_out, batches, in_specs, [*stacked, start], [*specs, PartitionSpec()]
+            )
+        else:
+            out.append(
+                _fragment(
+                    batches,
+                    [*stacked, start],
+                    lay_out,
+                    name=f"s{stage}_batch",
+                    stage=stage,
+                    mesh=mesh,
+                    in_specs=in_specs,
+                    out_specs=[*specs, PartitionSpec()],
+                )
+            )
+        taking.append(
             _fragment(
-                batches,
-                outvars,
-                functools.partial(_cut, microbatches),
-                name=f"s{stage}_slices",
+                [*stacked, inside],
+                [*(e.outvars[0] for e in edges), end],
+                _next_microbatch,
+                name=f"s{stage}_batch_loop",
                 stage=stage,
                 mesh=mesh,
-                in_specs=in_specs,
-                out_specs=out_specs,
+                microbatch=LOOP,
+                in_specs=[*specs, PartitionSpec()],
+                out_specs=[*(e.params["out_spec"] for e in edges), PartitionSpec()],
             )
         )
-    return out
+        chains.append(_Chain(inside, start, end))
+    return out, taking, chains
 
 
 def _stackers(exits, envs: list[dict]) -> list:
@@ -221,23 +270,31 @@ def stamp(
     loop = rolled_loop(jaxpr.eqns)
     envs: list[dict] = [{} for _ in range(microbatches)]
     read = {a for eqn in loop.iteration + loop.exits for a in eqn.invars if is_var(a)}
-    eqns = _sliced(loop.before, loop.entries, microbatches, envs, read)
-    carries = {e.params["carry"]: e for e in loop.entries if is_loop_edge(e, LoopEdge.CARRY)}
-    results = {e.params["carry"]: e for e in loop.exits if is_loop_edge(e, LoopEdge.RESULT)}
+    eqns, taking, chains = _batches(loop.before, loop.entries, microbatches, read)
+    results = {
+        e.params["carry"]: e.invars[0] for e in loop.exits if is_loop_edge(e, LoopEdge.RESULT)
+    }
+    chains += [
+        _Chain(e.outvars[0], e.invars[0], results.get(e.params["carry"]))
+        for e in loop.entries
+        if is_loop_edge(e, LoopEdge.CARRY)
+    ]
     for i, env in enumerate(envs):
-        for k, entry in carries.items():
-            if i == 0 or k not in results:
-                env[entry.outvars[0]] = entry.invars[0]
+        for chain in chains:
+            if i == 0 or chain.end is None:
+                env[chain.inside] = chain.start
             else:
-                previous = results[k].invars[0]
-                env[entry.outvars[0]] = envs[i - 1].get(previous, previous)
-        for eqn in iteration_of(i) if iteration_of else loop.iteration:
+                env[chain.inside] = envs[i - 1].get(chain.end, chain.end)
+        for eqn in taking + (iteration_of(i) if iteration_of else loop.iteration):
             outvars = [fresh_like(v) for v in eqn.outvars]
             changes = {"invars": substituted(eqn.invars, env), "outvars": outvars}
             if eqn.primitive is fragment_p:
+                # (Taking a microbatch of the batch is no action of the schedule's.)
                 p = eqn.params
                 changes["params"] = dict(
-                    p, microbatch=i, name=p["name"].replace("_loop", f"_mb{i}", 1)
+                    p,
+                    microbatch=None if eqn in taking else i,
+                    name=p["name"].replace("_loop", f"_mb{i}", 1),
                 )
             eqns.append(eqn.replace(**changes))
             env.update((old, new) for old, new in zip(eqn.outvars, outvars) if is_var(old))

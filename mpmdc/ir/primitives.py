@@ -341,6 +341,22 @@ mlir.register_lowering(fragment_p, mlir.lower_fun(_fragment_impl, multiple_resul
 
 # ------------------------------------------------------------------ transfer
 
+
+class Carries(enum.StrEnum):
+    """What a transferred value is, for the transfer report: a value crossing a stage
+    marker (``ACTIVATION`` forward, ``COTANGENT`` backward), one computed from program
+    inputs alone (``STATE``: parameters, optimizer state), or anything else."""
+
+    ACTIVATION = "activation"
+    COTANGENT = "cotangent"
+    STATE = "state"
+    OTHER = "other"
+
+    def __repr__(self) -> str:
+        # (Printed inside a transfer's parameters as the text it stands for.)
+        return repr(self.value)
+
+
 transfer_p = jcore.Primitive("transfer")
 transfer_p.multiple_results = True
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpmdc.errors import PassError
-from mpmdc.ir.primitives import transfer_p
+from mpmdc.ir.primitives import Carries, transfer_p
 from mpmdc.ir.program import Program, nbytes
 
 CATEGORIES = ("activations/cotangents", "parameters/optimizer state", "other")
 _CATEGORY_OF = {
-    "activation": CATEGORIES[0],
-    "cotangent": CATEGORIES[0],
-    "state": CATEGORIES[1],
-    "other": CATEGORIES[2],
+    Carries.ACTIVATION: CATEGORIES[0],
+    Carries.COTANGENT: CATEGORIES[0],
+    Carries.STATE: CATEGORIES[1],
+    Carries.OTHER: CATEGORIES[2],
 }
 
 

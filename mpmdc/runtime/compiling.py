@@ -3,7 +3,7 @@
 Each distinct module is compiled once, in a thread pool (XLA releases the GIL while it
 compiles), and as early as it exists: :class:`FragmentCompiler` takes modules one by
 one, so the call path hands it each module the ``lower`` pass emits while Python goes
-on lowering the next (``passes.lower.handing_modules_to``). A module that differs
+on lowering the next (the ``lower`` pass's ``on_module`` option). A module that differs
 from one of another mesh only in its devices (the same stage body on meshes of one
 shape) is compiled once and loaded onto the other mesh's devices
 (``Backend.load_fragment``).

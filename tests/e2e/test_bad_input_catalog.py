@@ -330,7 +330,7 @@ MISTAKES = [
     Mistake(
         "an unknown pass",
         errors.PassError,
-        "known passes: cond-fission, dce, in-program-transfers, inline, lower",
+        "known passes: cond-fission, dce, donate, in-program-transfers, inline",
         lambda w: lower(two_stage, w, passes=["inline", "fuse"]),
     ),
     Mistake(

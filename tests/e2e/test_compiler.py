@@ -61,11 +61,12 @@ def test_as_text_is_identical_across_compilations(meshes4):
         "input",
         "after-inline",
         "after-cond-fission",
-        "after-partition",
         "after-dce",
+        "after-partition",
         "after-vma-typecheck",
         "after-split",
         "after-schedule",
+        "after-donate",
         "stablehlo",
     )
     for stage in a.stages:

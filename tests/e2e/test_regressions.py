@@ -107,8 +107,8 @@ def test_shard_map_runs_on_its_own_mesh_also_in_the_backward(name):
 
 def test_dead_jitted_helper_with_an_effect_keeps_its_placement():
     """JAX's DCE rebuilds a jitted call whose outputs are all unused but which prints,
-    with no outputs at all; the rebuilt equation keeps its placement, since placements
-    live on the equations themselves, and ``dce`` raises nothing."""
+    with no outputs at all; ``partition`` places the rebuilt equation, the placement
+    stays on it, and nothing raises."""
     printed = []
 
     @jax.jit
@@ -125,7 +125,7 @@ def test_dead_jitted_helper_with_an_effect_keeps_its_placement():
     assert_same_as_jit(fn, meshes, x)
     assert len(printed) == 2  # once under mpmdc, once under jax.jit
     np.testing.assert_array_equal(printed[0], printed[1])
-    program = mpmdc.compile(fn, meshes).lower(x).program("after-dce")
+    program = mpmdc.compile(fn, meshes).lower(x).program("after-partition")
     (call,) = [e for e in program.jaxpr.eqns if e.primitive.name == "jit"]
     assert not call.outvars and program.placements[program.jaxpr.eqns.index(call)] is not None
 

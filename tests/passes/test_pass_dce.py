@@ -67,7 +67,7 @@ def two_values_into_stage_1(x):
 
 
 def test_a_marker_keeps_only_the_values_still_used_and_placements_survive(meshes2):
-    placed = partition(inline(input_program(two_values_into_stage_1, meshes2, X)))
+    placed = partition(dce(inline(input_program(two_values_into_stage_1, meshes2, X))))
     out = dce(keeping_outputs(placed, [0]))  # c * 3 and tanh(a) are dead now
     labels = [(e.primitive.name, p.label) for e, p in zip(out.jaxpr.jaxpr.eqns, out.placements)]
     assert labels == [
@@ -84,7 +84,7 @@ def test_a_marker_keeps_only_the_values_still_used_and_placements_survive(meshes
 def split_two_values_into_stage_1(meshes):
     """s0_fwd makes sin(a), cos(a) and tanh(a); one transfer carries the first two to
     mesh1, where s1_fwd returns ``b * 2`` and ``c * 3``."""
-    program = split(partition(inline(input_program(two_values_into_stage_1, meshes, X))))
+    program = split(partition(dce(inline(input_program(two_values_into_stage_1, meshes, X)))))
     assert prims(program) == ["fragment", "transfer", "fragment"]
     return program
 
@@ -122,7 +122,7 @@ def test_a_fragment_with_an_effect_stays_when_nothing_reads_it(meshes2):
         jax.debug.callback(lambda v: None, a)
         return mpmdc.stage(a, 1) * 2
 
-    program = split(partition(inline(input_program(fn, meshes2, X))))
+    program = split(partition(dce(inline(input_program(fn, meshes2, X)))))
     assert prims(program) == ["fragment", "transfer", "fragment"]
     out = dce(keeping_outputs(program, []))  # no output at all
     (s0,) = out.jaxpr.jaxpr.eqns

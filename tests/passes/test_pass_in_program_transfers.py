@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from helpers import input_program
 from jax.sharding import NamedSharding
-from mpmdc.passes import in_program_transfers, inline, partition, split
+from mpmdc.passes import dce, in_program_transfers, inline, partition, split
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
@@ -24,7 +24,7 @@ W = jnp.eye(8) * 0.5
 
 def split_program(fn, meshes, *args, **kwargs):
     program = input_program(fn, meshes, *args, **kwargs)
-    return split(partition(inline(program)))
+    return split(partition(dce(inline(program))))
 
 
 def body_ops(fragment, name):

@@ -26,7 +26,7 @@ W = jnp.eye(8) * 0.5
 def placed(fn, meshes, *args, **kwargs):
     """The program after inline and partition, run by calling the passes directly."""
     program = input_program(fn, meshes, *args, **kwargs)
-    return partition(inline(program))
+    return partition(dce(inline(program)))
 
 
 def labelled(program):

@@ -179,6 +179,8 @@ def test_pass_options_are_set_by_name(meshes2):
     (_, lower) = resolve("dce,lower{backend=cpu, meshes=(0,1)}")
     assert lower.options == (("backend", "cpu"), ("meshes", (0, 1)))
     assert resolve(str(lower))[0] == lower
+    # Options are converted to the types the pass declares.
+    assert resolve("lower{meshes=[1]}")[0].options == (("meshes", (1,)),)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +195,13 @@ def test_pass_options_are_set_by_name(meshes2):
         ("lower{backend=tpu", "unbalanced braces"),
         ("Lower", "is not a pass"),
         ("dce{x=1}", "pass `dce` has no option x; its options: none"),
+        (
+            "lower{meshes=abc}",
+            "option meshes='abc' of pass `lower` is not a tuple[int, ...] | None; "
+            "e.g. lower{meshes=(0,2)}",
+        ),
+        ("lower{meshes=2}", "option meshes=2 of pass `lower` is not a tuple[int, ...]"),
+        ("lower{backend=3}", "option backend=3 of pass `lower` is not a str | None"),
     ],
 )
 def test_a_wrong_pass_text_names_what_is_wrong(text, says):

@@ -42,7 +42,7 @@ def grad_step(schedule_name):
 def split_program(fn, meshes, *args):
     """``(input program, split program)``, the passes before ``schedule`` called directly."""
     program = mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
-    return program, split(dce(partition(inline(program))))
+    return program, split(partition(dce(inline(program))))
 
 
 def names_per_mesh(program):
@@ -59,12 +59,14 @@ def names_per_mesh(program):
         (
             "gpipe",
             "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3",
-            "s0_fwd s0_fwd_mb0 s0_fwd_mb1 s0_fwd_mb2 s0_fwd_mb3 s0_bwd_mb0 s0_bwd_mb1 s0_bwd_mb2 s0_bwd_mb3",
+            "s0_fwd s0_batch_mb0 s0_fwd_mb0 s0_batch_mb1 s0_fwd_mb1 s0_batch_mb2 s0_fwd_mb2 "
+            "s0_batch_mb3 s0_fwd_mb3 s0_bwd_mb0 s0_bwd_mb1 s0_bwd_mb2 s0_bwd_mb3",
         ),
         (
             "1f1b",
             "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3",
-            "s0_fwd s0_fwd_mb0 s0_fwd_mb1 s0_bwd_mb0 s0_fwd_mb2 s0_bwd_mb1 s0_fwd_mb3 s0_bwd_mb2 s0_bwd_mb3",
+            "s0_fwd s0_batch_mb0 s0_fwd_mb0 s0_batch_mb1 s0_fwd_mb1 s0_bwd_mb0 s0_batch_mb2 "
+            "s0_fwd_mb2 s0_bwd_mb1 s0_batch_mb3 s0_fwd_mb3 s0_bwd_mb2 s0_bwd_mb3",
         ),
     ],
 )
@@ -76,8 +78,9 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(
     wanted = out.schedule.actions(layout_of(out))
     assert " ".join(map(str, wanted[0])) == mesh0_actions
     mesh0, mesh1 = names_per_mesh(out)
-    # s0_fwd: the loop's set-up (a running sum's zeros, the batch cut into its
-    # microbatches), before any action.
+    # s0_fwd: the loop's set-up (a running sum's zeros, the batch laid out by
+    # microbatch), before any action; s0_batch_mb<i> takes microbatch i of the batch
+    # right before the forward that reads it.
     assert mesh0 == mesh0_fragments.split()
     # Stage 1 is the last: its backward runs inside its forward fragment.
     assert mesh1 == ["s1_fwd", "s1_fwd_mb0", "s1_fwd_mb1", "s1_fwd_mb2", "s1_fwd_mb3"]
@@ -111,7 +114,7 @@ def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
     out = schedule(program)
     mesh0, mesh1, mesh2 = names_per_mesh(out)
     # Stage 0 sends no cotangent anywhere: its backward is all weight gradient.
-    assert mesh0 == [
+    assert [n for n in mesh0 if "_batch_" not in n] == [
         "s0_fwd",
         "s0_fwd_mb0",
         "s0_fwd_mb1",
@@ -122,14 +125,15 @@ def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
         "s0_wgrad_mb2",
         "s0_wgrad_mb3",
     ]
-    # Mesh 1 runs ZB-H1's "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3".
+    # Mesh 1 runs ZB-H1's "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3" (the start
+    # of its running sums, s1_fwd, where its first weight gradient needs it).
     assert mesh1 == [
-        "s1_fwd",
         "s1_fwd_mb0",
         "s1_fwd_mb1",
         "s1_igrad_mb0",
         "s1_fwd_mb2",
         "s1_igrad_mb1",
+        "s1_fwd",
         "s1_wgrad_mb0",
         "s1_fwd_mb3",
         "s1_igrad_mb2",
@@ -179,7 +183,7 @@ def test_a_schedule_breaking_a_dependency_is_a_schedule_error(meshes2):
     # A user's list that respects the dependencies orders the calls as it says.
     own = ActionLists(["0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
     mesh0, _ = names_per_mesh(schedule(program.replace(schedule=own)))
-    assert mesh0[1:] == [
+    assert [n for n in mesh0 if "_batch_" not in n][1:] == [
         "s0_fwd_mb0",
         "s0_fwd_mb1",
         "s0_fwd_mb2",

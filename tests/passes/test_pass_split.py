@@ -16,7 +16,7 @@ from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from mpmdc.passes import inline, partition, split
+from mpmdc.passes import dce, inline, partition, split
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
@@ -29,7 +29,7 @@ W = jnp.eye(8) * 0.5
 def split_of(fn, meshes, *args, **kwargs):
     """``(input program, split program)``, the passes called directly."""
     program = input_program(fn, meshes, *args, **kwargs)
-    return program, split(partition(inline(program)))
+    return program, split(partition(dce(inline(program))))
 
 
 def fragments(program):

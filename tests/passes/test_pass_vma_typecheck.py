@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import input_program
 from jax.sharding import PartitionSpec as P
-from mpmdc.passes import inline, partition, split, vma_typecheck
+from mpmdc.passes import dce, inline, partition, split, vma_typecheck
 from mpmdc.passes.vma_typecheck import verify
 
 import mpmdc
@@ -31,7 +31,7 @@ X = jnp.arange(32.0).reshape(4, 8) / 32
 
 
 def placed_program(fn, meshes, *args):
-    return partition(inline(input_program(fn, meshes, *args)))
+    return partition(dce(inline(input_program(fn, meshes, *args))))
 
 
 def with_eqns(program, eqns):
