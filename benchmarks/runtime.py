@@ -11,7 +11,11 @@ Dispatch: a chain of `--fragments` tiny fragments on one mesh (a stage marker be
 each) under mpmdc, against the same fragment body as a bare jitted call, repeated
 as often; the difference per fragment is mpmdc's overhead.
 
-    python benchmarks/runtime.py [--steps 20]
+Loop dispatch: a step of tiny two-stage work on two 1-device meshes, its gradient
+summed over 8, 64 and 128 microbatches, against as many bare jitted calls and
+`jax.device_put` copies in a Python loop: mpmdc's time per fragment call or transfer.
+
+    python benchmarks/runtime.py [--steps 20] [--loop-only]
 """
 
 import argparse
@@ -143,11 +147,68 @@ def dispatch(fragments: int, calls: int) -> list[dict]:
     ]
 
 
+def loop_dispatch(microbatches: int, repeat: int) -> list[dict]:
+    """A training step of tiny work (two stages on two 1-device meshes, the gradient
+    summed over ``microbatches``) against the same number of bare jitted calls and
+    ``jax.device_put`` copies between the two devices, in a Python loop: mpmdc's time
+    per fragment call or transfer against a bare call's."""
+    meshes = mpmdc.make_meshes(2, {"data": 1})
+
+    def loss(w, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) * w[0])
+        return jnp.sum(jnp.tanh(mpmdc.stage(h, 1) * w[1]))
+
+    def step(w, xs):
+        return mpmdc.accumulate(lambda x: jax.grad(loss)(w, x), xs, microbatches=microbatches)
+
+    w, xs = jnp.ones((2, 8)), jnp.ones((microbatches, 8))
+    executable, (w, xs) = pipelined(step, (w, xs), meshes)
+    eqns = executable.program.jaxpr.jaxpr.eqns
+    calls = sum(e.primitive.name == "fragment" for e in eqns)
+    transfers = sum(e.primitive.name == "transfer" for e in eqns)
+    run = blocked(executable, w, xs)
+
+    body = jax.jit(lambda x: jnp.tanh(x * 1.0001))
+    devices = [m.devices.flat[0] for m in meshes]
+    x0 = jax.device_put(jnp.ones((8,)), devices[0])
+
+    def bare():
+        x = x0
+        for k in range(calls):
+            x = body(x)
+            if k < transfers:
+                x = jax.device_put(x, devices[(k + 1) % 2])
+        return jax.block_until_ready(x)
+
+    run(), bare()
+    mpmdc_s, bare_s = _common.interleaved([run, bare], repeat=repeat)
+    ops = calls + transfers
+    return [
+        {
+            "microbatches": microbatches,
+            "fragment calls": calls,
+            "transfers": transfers,
+            "mpmdc us per call or transfer": mpmdc_s / ops * 1e6,
+            "bare us per call or device_put": bare_s / ops * 1e6,
+            "ratio": mpmdc_s / bare_s,
+        }
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fragments", type=int, default=64)
+    parser.add_argument(
+        "--loop-only",
+        action="store_true",
+        help="only the per-call overhead of a step's microbatch loop at 8, 64 and 128 microbatches",
+    )
     args = parser.parse_args()
+    loop = [row for m in (8, 64, 128) for row in loop_dispatch(m, args.steps)]
+    _common.report("runtime_loop_dispatch", loop, list(loop[0]))
+    if args.loop_only:
+        return
     _common.report(
         "runtime_step",
         step_times(args.steps),
