@@ -11,7 +11,7 @@ given the measured fragment times, and with (p-1)/(m+p-1) where it applies.
 import argparse
 
 import _common  # first: it sets the device count before JAX starts
-from mpmdc.passes.schedule import layout_of
+from mpmdc.schedules import layout_of
 
 import mpmdc
 from mpmdc.schedules import bubble_formula, measured_costs, simulate

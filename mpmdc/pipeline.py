@@ -36,6 +36,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "partition",  # needs every marker at top level; decides stage and mesh per equation
     "vma-typecheck",  # checks types, specs against the chosen meshes, shard_map meshes
     "split",  # cuts the checked, placed program into fragments and transfers
+    "split-backward",  # needs fragments; zero-bubble schedules run a backward as I and W
     "schedule",  # needs the loop's fragments; stamps them out, orders them as the schedule says
     "donate",  # needs the final order of calls: a buffer goes to its last reader
     "lower",  # last: StableHLO per fragment

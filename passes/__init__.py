@@ -18,6 +18,7 @@ from mpmdc.passes.lower import lower
 from mpmdc.passes.partition import partition
 from mpmdc.passes.schedule import schedule
 from mpmdc.passes.split import split
+from mpmdc.passes.split_backward import split_backward
 from mpmdc.passes.vma_typecheck import vma_typecheck
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "register",
     "schedule",
     "split",
+    "split_backward",
     "vma_typecheck",
 ]

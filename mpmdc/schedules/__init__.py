@@ -10,7 +10,7 @@ Layer 2: imports :mod:`mpmdc.ir` and below.
 """
 
 from mpmdc.ir.primitives import ActionKind
-from mpmdc.schedules.actions import Action, Layout, action_of
+from mpmdc.schedules.actions import Action, Layout, action_of, layout_of
 from mpmdc.schedules.library import (
     SCHEDULES,
     ActionLists,
@@ -46,6 +46,7 @@ __all__ = [
     "action_of",
     "bubble_formula",
     "get",
+    "layout_of",
     "measured_costs",
     "simulate",
 ]

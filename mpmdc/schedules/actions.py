@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import ActionKind, fragment_p
+from mpmdc.ir.program import Program
 
 _ACTION = re.compile(rf"^(\d+)([{''.join(ActionKind)}])(\d+)$")
 
@@ -93,3 +94,14 @@ def action_of(eqn) -> Action | None:
     if eqn.primitive is not fragment_p or eqn.params["microbatch"] is None:
         return None
     return Action(eqn.params["stage"], eqn.params["kind"], eqn.params["microbatch"])
+
+
+def layout_of(program: Program) -> Layout:
+    """Stages, microbatches and stage-to-mesh map of a split program with a loop."""
+    stages = [e.params["stage"] for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
+    num_stages = max(stages, default=0) + 1
+    return Layout.make(
+        num_stages,
+        program.microbatches,
+        tuple(program.mesh_of_stage(s) for s in range(num_stages)),
+    )

@@ -65,6 +65,7 @@ def test_as_text_is_identical_across_compilations(meshes4):
         "after-partition",
         "after-vma-typecheck",
         "after-split",
+        "after-split-backward",
         "after-schedule",
         "after-donate",
         "stablehlo",

@@ -2,9 +2,10 @@
 
 What it promises: for a program with an ``mpmdc.accumulate`` loop, each mesh calls its
 fragments in the order of the schedule's action lists (the last stage's backward is
-part of its forward fragment, so its ``B`` actions have none); a zero-bubble schedule
-(ZB-H1) gets each backward cut into an input-gradient fragment (``I``, what the stage
-before waits for) and a weight-gradient one (``W``); the reordered program computes the
+part of its forward fragment, so its ``B`` actions have none); under a zero-bubble
+schedule (ZB-H1) ``split-backward`` has cut each backward of the loop's iteration once
+into an input-gradient fragment (``I``, what the stage before waits for) and a
+weight-gradient one (``W``), and every microbatch runs them; the reordered program computes the
 same numbers; a schedule breaking a dependency is a ``ScheduleError`` before anything
 runs; a program without a loop passes through unchanged.
 
@@ -18,13 +19,12 @@ import numpy as np
 import pytest
 from helpers import mlp_loss
 from jax.extend import core as jcore
-from mpmdc.passes import dce, inline, partition, schedule, split
-from mpmdc.passes.schedule import layout_of
+from mpmdc.passes import dce, inline, partition, schedule, split, split_backward
 
 import mpmdc
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.schedules import ActionLists, action_of
+from mpmdc.schedules import ActionLists, action_of, layout_of
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
@@ -42,7 +42,7 @@ def grad_step(schedule_name):
 def split_program(fn, meshes, *args):
     """``(input program, split program)``, the passes before ``schedule`` called directly."""
     program = mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
-    return program, split(partition(dce(inline(program))))
+    return program, split_backward(split(partition(dce(inline(program)))))
 
 
 def names_per_mesh(program):
@@ -110,7 +110,9 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(
 def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
     meshes = mpmdc.make_meshes(3, {"data": 2})
     _, program = split_program(grad_step("zb-h1"), meshes, [W, W, W], X)
-    assert "s1_bwd_loop" in names_per_mesh(program)[1]
+    # split-backward cut the iteration's backwards once, for every microbatch.
+    assert "s1_igrad_loop" in names_per_mesh(program)[1]
+    assert not any("_bwd_" in n for n in names_per_mesh(program)[1])
     out = schedule(program)
     mesh0, mesh1, mesh2 = names_per_mesh(out)
     # Stage 0 sends no cotangent anywhere: its backward is all weight gradient.
@@ -199,3 +201,18 @@ def test_a_program_without_a_loop_passes_through_unchanged(meshes2):
     _, program = split_program(jax.grad(mlp_loss), meshes2, [W, W], X)
     assert program.schedule is None
     assert schedule(program) is program
+
+
+def test_a_rolled_loop_cuts_a_stages_backward_for_every_microbatch_or_none(meshes2):
+    program = mpmdc.compile(grad_step("1f1b"), meshes2, passes=[]).lower([W, W], X)
+    program = split(partition(dce(inline(program.program("input")))))
+    mixed = ActionLists(["0F0 0F1 0F2 0F3 0I0 0W0 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
+    with pytest.raises(
+        ScheduleError, match=r"stage 0's backward as I and W for microbatches \[0\] and as B"
+    ):
+        split_backward(program.replace(schedule=mixed))
+    every = ActionLists(
+        ["0F0 0F1 0F2 0F3 0I0 0I1 0I2 0I3 0W0 0W1 0W2 0W3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"]
+    )
+    names = names_per_mesh(schedule(split_backward(program.replace(schedule=every))))[0]
+    assert names[-4:] == [f"s0_wgrad_mb{i}" for i in range(4)]

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import mesh_index
-from mpmdc.passes.schedule import action_of, layout_of
 from training import (
     assert_trees_close,
     hand_written_sgd_step,
@@ -23,7 +22,7 @@ from mpmdc.cli.demo import init_params
 from mpmdc.cli.models import adam_init, init_transformer, transformer_step
 from mpmdc.errors import AccumulateError, ScheduleError
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.schedules import ActionLists, measured_costs, simulate
+from mpmdc.schedules import ActionLists, action_of, layout_of, measured_costs, simulate
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
 
