@@ -16,6 +16,7 @@ from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import xla_bridge as _xla_bridge
+from jax._src.lax import lax as _lax
 from jax._src.interpreters import partial_eval as _pe
 from jax.experimental import serialize_executable
 
@@ -135,6 +136,12 @@ def load_on_devices(compiled, devices):
     return _stages.Compiled(
         executable.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
     )
+
+
+def with_weak_type(x, weak: bool):
+    """``x`` with its type's weak flag set to ``weak`` (JAX's promotion treats a weak
+    value as a Python scalar's)."""
+    return _lax._convert_element_type(x, weak_type=weak)
 
 
 def current_trace():

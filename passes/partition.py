@@ -405,8 +405,10 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
     """Microbatch per equation index (``None`` outside an ``accumulate`` loop and for
     cheap ones; ``LOOP`` inside a rolled loop's iteration).
 
-    A loop edge is outside the loop; what reads the output of one entering it
-    (``SLICE``, ``CARRY``) is inside, and so is an equation with effects (a callback)
+    A loop edge entering the loop (``SLICE``, ``CARRY``) is outside it and what reads its
+    output is inside; one leaving it (``RESULT``, ``STACK``) belongs to what it reads (so
+    a cheap value computed for it, a loss broadcast to be stacked, is cloned inside the
+    loop), and so is an equation with effects (a callback)
     traced between the batch's slices and the first carry, where ``accumulate`` traced
     its function: it runs once per microbatch, as under ``jax.jit``, whatever it reads."""
     reads, producer, users = flow.reads, flow.producer, flow.readers
@@ -417,14 +419,19 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
     for i, eqn in enumerate(eqns):
         if is_microbatch_marker(eqn):
             microbatch[i] = eqn.params["index"]
-        elif is_loop_edge(eqn):
+        elif is_loop_entry(eqn):
             continue
         elif any(a in producer and is_loop_entry(eqns[producer[a]]) for a in reads[i]) or (
             eqn.effects and i in traced_inside
         ):
             microbatch[i] = LOOP
         else:  # cheap equations too, so values flow through them (their clones go with their users)
-            found = [microbatch[producer[a]] for a in reads[i] if a in producer]
+            # (What leaves the loop through an edge is outside it.)
+            found = [
+                microbatch[producer[a]]
+                for a in reads[i]
+                if a in producer and not is_loop_edge(eqns[producer[a]])
+            ]
             microbatch[i] = max((m for m in found if m is not None), default=None, key=_order)
     for i in reversed(range(len(eqns))):
         if (

@@ -129,13 +129,14 @@ def _stack(microbatches: int, *values) -> list:
 
 def _host_for_slices(before: list, mesh: int, batches: list) -> int | None:
     """The index in ``before`` of the last fragment on ``mesh`` that every one of
-    ``batches`` is defined ahead of (or by): it can cut them too, saving a module."""
+    ``batches`` is defined ahead of (not by: it reads them as operands): it can lay them
+    out too, saving a module."""
     defined_at = {v: k for k, eqn in enumerate(before) for v in eqn.outvars}
     ready = max((defined_at.get(v, -1) for v in batches), default=-1)
     hosts = [
         k
         for k, eqn in enumerate(before)
-        if k >= ready and eqn.primitive is fragment_p and eqn.params["mesh"] == mesh
+        if k > ready and eqn.primitive is fragment_p and eqn.params["mesh"] == mesh
     ]
     return hosts[-1] if hosts else None
 

@@ -150,8 +150,10 @@ def _finish(kind: str, acc, microbatches: int):
 
 def _start(kind: str, like):
     """The running reduction's value before microbatch 0: the identity of ``kind``
-    (``0 + x == x`` and ``max(-inf, x) == x`` exactly). Built by an equation, not a
-    literal, so it is a value of its own that ``split`` passes into the loop."""
+    (``0 + x == x`` and ``max(-inf, x) == x`` exactly), of ``like``'s type, weak type
+    included (the ``scan`` under ``jax.jit`` starts from a first value of that type).
+    Built by an equation, not a literal, so it is a value of its own that ``split``
+    passes into the loop."""
     shape, dtype = jnp.shape(like), jnp.result_type(like)
     if kind == "max":
         if jnp.issubdtype(dtype, jnp.floating):
@@ -162,7 +164,8 @@ def _start(kind: str, like):
             fill = False
     else:
         fill = 0
-    return jnp.reshape(jnp.full((1, *shape), fill, dtype), shape)
+    start = jnp.reshape(jnp.full((1, *shape), fill, dtype), shape)
+    return compat.with_weak_type(start, jax.typeof(like).weak_type)
 
 
 def _rolled_reduction(kind: str, value, carry: int, microbatches: int):

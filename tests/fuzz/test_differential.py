@@ -115,8 +115,11 @@ def programs(draw):
     mesh_size = draw(st.sampled_from([2, 1]))
     mode = draw(st.sampled_from(["accumulate", "value_and_grad", "plain"]))
     schedule = draw(st.sampled_from(["zb-h1", "1f1b", "gpipe"]))
-    # The rolled loop is stamped out per microbatch: counts from one to many.
+    # The rolled loop is stamped out per microbatch: counts from one to many; the batch
+    # given or computed in the step; each microbatch's loss summed or stacked.
     microbatches = draw(st.sampled_from([2, 1, 3, 8, 64]))
+    computed_batch = draw(st.booleans())
+    stacked_loss = draw(st.booleans())
     one_per_mesh = mode == "accumulate" and schedule != "gpipe"
     stages = num_meshes if one_per_mesh else draw(st.integers(1, 5))
     stage_to_mesh = None
@@ -197,6 +200,8 @@ def programs(draw):
         mode=mode,
         schedule=schedule,
         microbatches=microbatches,
+        computed_batch=computed_batch,
+        stacked_loss=stacked_loss,
         stage_to_mesh=stage_to_mesh,
         with_key=with_key,
     )
@@ -305,17 +310,21 @@ def build(desc, meshes, record):
 
         def fn(*inputs):
             *inputs, batch = inputs
+            if desc["computed_batch"]:
+                batch = batch * 1.5
 
             def per_microbatch(mb):
-                return jax.value_and_grad(lambda first: jnp.sum(body(first + mb, *inputs[1:])))(
-                    inputs[0]
-                )
+                loss, grad = jax.value_and_grad(
+                    lambda first: jnp.sum(body(first + mb, *inputs[1:]))
+                )(inputs[0])
+                return (loss[None] if desc["stacked_loss"] else loss), grad
 
             return mpmdc.accumulate(
                 per_microbatch,
                 batch,
                 microbatches=desc["microbatches"],
                 schedule=schedule_of(desc),
+                reduce=("concat" if desc["stacked_loss"] else "sum", "sum"),
             )
 
         key_args = [*key_args, batch]
@@ -411,6 +420,8 @@ def _describe(desc):
     if desc["mode"] == "accumulate":
         event(f"schedule={schedule_of(desc)}")
         event(f"microbatches={desc['microbatches']}")
+        event(f"computed_batch={desc['computed_batch']}")
+        event(f"stacked_loss={desc['stacked_loss']}")
 
 
 FUZZ_SETTINGS = dict(

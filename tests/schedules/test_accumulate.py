@@ -212,3 +212,66 @@ def test_under_disable_jit_it_is_the_same_loop(microbatches):
     with jax.disable_jit():
         got, want = _accumulated(w, x, microbatches), _sliced(w, x, microbatches)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def _two_stage_loss(ws, x, y):
+    h = jnp.tanh(mpmdc.stage(x, 0) @ ws[0])
+    return jnp.mean((mpmdc.stage(h, 1) @ ws[1] - y) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_batch_computed_inside_the_step(meshes2, schedule):
+    """The batch a step computes (inputs and targets cut from one array, as a language
+    model shifts its tokens) enters the loop from the fragment computing it."""
+
+    def step(ws, data):
+        batch = (data[:, :-4] * 2.0, data[:, 4:])
+        return mpmdc.accumulate(
+            lambda mb: jax.grad(_two_stage_loss)(ws, *mb), batch, microbatches=4, schedule=schedule
+        )
+
+    ws = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.25]
+    data = jnp.arange(192.0).reshape(16, 12) / 192
+    assert_same_as_jit(step, meshes2, ws, data)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_each_microbatchs_loss_stacked_beside_the_gradients(meshes2, schedule):
+    """A loss broadcast to be stacked (``reduce="concat"`` of ``loss[None]``) is computed
+    in the loop's iteration, where the loss is, not after it."""
+
+    def step(ws, x, y):
+        def per_microbatch(mb):
+            loss, grads = jax.value_and_grad(_two_stage_loss)(ws, *mb)
+            return grads, loss[None], loss.reshape(1, 1) * 2.0
+
+        return mpmdc.accumulate(
+            per_microbatch,
+            (x, y),
+            microbatches=4,
+            schedule=schedule,
+            reduce=("mean", "concat", "concat"),
+        )
+
+    ws = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.25]
+    x = jnp.arange(128.0).reshape(16, 8) / 128
+    _, losses, doubled = assert_same_as_jit(step, meshes2, ws, x, jnp.sin(x))
+    assert losses.shape == (4,) and doubled.shape == (4, 1)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+def test_reduced_outputs_keep_their_weak_types(meshes2, reduce):
+    """An output from a Python number is weakly typed under ``jax.jit``'s loop, so it
+    promotes as a Python number does after the loop; so under mpmdc."""
+
+    def step(x):
+        total, count = mpmdc.accumulate(
+            lambda mb: (mpmdc.stage(mb, 1).sum(), 1.5), x, microbatches=4, reduce=reduce
+        )
+        return total, count, total.astype(jnp.bfloat16) + count
+
+    x = jnp.arange(32.0).reshape(8, 4)
+    got = assert_same_as_jit(step, meshes2, x)
+    want = jax.jit(step)(x)
+    assert [a.weak_type for a in got] == [a.weak_type for a in want] == [False, True, False]
+    assert got[2].dtype == jnp.bfloat16
