@@ -11,10 +11,9 @@ given the measured fragment times, and with (p-1)/(m+p-1) where it applies.
 import argparse
 
 import _common  # first: it sets the device count before JAX starts
-from mpmdc.schedules import layout_of
 
 import mpmdc
-from mpmdc.schedules import bubble_formula, measured_costs, simulate
+from mpmdc.schedules import bubble_formula, layout_of, measured_costs, simulate
 
 
 def measure(schedule: str) -> dict:

@@ -16,8 +16,8 @@ from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import xla_bridge as _xla_bridge
-from jax._src.lax import lax as _lax
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
 from jax.experimental import serialize_executable
 
 Var = _core.Var

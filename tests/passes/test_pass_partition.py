@@ -156,5 +156,5 @@ def test_work_inside_an_accumulate_loop_belongs_to_its_iteration(meshes2):
         ("reshape", "s0_fwd"),
         ("loop_edge", "s0_fwd"),  # ...entering it as the running sum
         ("add", "s0_fwd_loop"),  # the running sum moves from one microbatch to the next
-        ("loop_edge", "s0_fwd"),  # the loop's result
+        ("loop_edge", "s0_fwd_loop"),  # the loop's result leaves the iteration
     ]
