@@ -7,6 +7,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 import io
 
 import numpy as np
+from jax._src import array as _array
 from jax._src import checkify as _checkify
 from jax._src import compiler as _compiler
 from jax._src import core as _core
@@ -18,6 +19,7 @@ from jax._src import stages as _stages
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
+from jax._src.lib import xla_client as _xc
 from jax.experimental import serialize_executable
 
 Var = _core.Var
@@ -135,6 +137,26 @@ def load_on_devices(compiled, devices):
     executable, args_info, no_kwargs = Moving(io.BytesIO(payload), client, list(devices)).load()
     return _stages.Compiled(
         executable.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
+    )
+
+
+def copied_to(values, shardings) -> list | None:
+    """``values`` (arrays of this process) copied onto ``shardings``, each laid out as
+    its value is but on other devices, by one call into JAX's runtime; ``None`` where
+    one is not (``jax.device_put`` then reshards it). What ``jax.device_put`` does for
+    such values, without its Python layers (a fifth of the time per value)."""
+    for x, sharding in zip(values, shardings):
+        if not (
+            type(x) is _array.ArrayImpl
+            and x.is_fully_addressable
+            and _array._sharding_indices_and_eq(x.sharding, sharding, x.ndim)
+        ):
+            return None
+    return _xc.batched_copy_array_to_devices_with_sharding(
+        list(values),
+        [s._internal_device_list.addressable_device_list for s in shardings],
+        list(shardings),
+        [_xc.ArrayCopySemantics.REUSE_INPUT] * len(shardings),
     )
 
 
