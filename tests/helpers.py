@@ -4,9 +4,10 @@ small model and input programs the per-pass tests start from."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mpmdc.passes import FunctionPass
+from mpmdc.passes import FunctionPass, dce, inline, partition, schedule, split
 
 import mpmdc
+from mpmdc.ir.primitives import fragment_p
 from mpmdc.pipeline import DEFAULT_PIPELINE
 from mpmdc.runtime.compiling import XlaCompiles  # noqa: F401 (tests import it from here)
 
@@ -86,6 +87,17 @@ def mlp_loss(ws, x):
 def input_program(fn, meshes, *args, **compile_kwargs):
     """``fn``'s program before any pass (the ``input`` stage), to call passes on directly."""
     return mpmdc.compile(fn, meshes, passes=[], **compile_kwargs).lower(*args).program("input")
+
+
+def scheduled(fn, meshes, *args, **compile_kwargs):
+    """``fn``'s program after ``schedule``, each pass before it called directly."""
+    program = input_program(fn, meshes, *args, **compile_kwargs)
+    return schedule(split(partition(dce(inline(program)))))
+
+
+def fragments(program):
+    """The top-level ``fragment`` equations of ``program``."""
+    return [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
 
 
 def _crash(program):

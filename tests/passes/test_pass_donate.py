@@ -9,22 +9,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from helpers import input_program
-from mpmdc.passes import dce, donate, inline, lower, partition, schedule, split
+from helpers import fragments, scheduled
+from mpmdc.passes import donate, lower
 
 import mpmdc
-from mpmdc.ir.primitives import fragment_p
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
-
-
-def scheduled(fn, meshes, *args, **kwargs):
-    return schedule(split(partition(dce(inline(input_program(fn, meshes, *args, **kwargs))))))
-
-
-def fragments(program):
-    return [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
 
 
 def test_a_donated_input_is_donated_by_its_last_reader_only(meshes2):

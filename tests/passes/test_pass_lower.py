@@ -13,24 +13,16 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import input_program, mlp_loss
-from mpmdc.passes import dce, inline, lower, partition, schedule, split
+from helpers import fragments, input_program, mlp_loss, scheduled
+from mpmdc.passes import dce, inline, lower, partition
 
 import mpmdc
 from mpmdc import backends
 from mpmdc.errors import PassError
-from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.primitives import transfer_p
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
-
-
-def scheduled(fn, meshes, *args, **kwargs):
-    return schedule(split(partition(dce(inline(input_program(fn, meshes, *args, **kwargs))))))
-
-
-def fragments(program):
-    return [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
 
 
 def test_one_module_per_distinct_fragment(meshes2):

@@ -12,7 +12,7 @@ has its axes.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
+from helpers import assert_same_as_jit, fragments, input_program, mesh_index, mlp_loss
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -30,10 +30,6 @@ def split_of(fn, meshes, *args, **kwargs):
     """``(input program, split program)``, the passes called directly."""
     program = input_program(fn, meshes, *args, **kwargs)
     return program, split(partition(dce(inline(program))))
-
-
-def fragments(program):
-    return [e for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
 
 
 def transfers(program):
