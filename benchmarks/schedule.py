@@ -13,7 +13,7 @@ import argparse
 import _common  # first: it sets the device count before JAX starts
 
 import mpmdc
-from mpmdc.schedules import bubble_formula, layout_of, measured_costs, simulate
+from mpmdc.schedules import actions_of, bubble_formula, layout_of, measured_costs, simulate
 
 
 def measure(schedule: str) -> dict:
@@ -25,7 +25,7 @@ def measure(schedule: str) -> dict:
     timeline = sorted(runs, key=lambda t: t.makespan)[len(runs) // 2]
     program = lowered.program("after-schedule")
     layout = layout_of(program)
-    actions = program.schedule.actions(layout)
+    actions = actions_of(program)
     unit = simulate(actions, layout)
     replay = simulate(actions, layout, measured_costs(timeline))
     try:

@@ -31,8 +31,8 @@ from mpmdc.errors import (
     SpecError,
     StageError,
 )
-from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Program
+from mpmdc.ir.primitives import fragment_p, is_marker
+from mpmdc.ir.program import Program, find_eqns
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import canonical_spec, spec_problem
 from mpmdc.ir.traffic import TransferReport, transfer_report
@@ -244,6 +244,22 @@ class _Call:
         for name in sorted(self.kwargs):  # the order a dict's leaves flatten in
             flags += [name in self.donate_names] * len(jax.tree_util.tree_leaves(self.kwargs[name]))
         return tuple(flags)
+
+
+def _planned(program: Program, schedule, microbatches: int):
+    """``schedule`` on the layout the traced ``program``'s stage markers make (the mesh
+    of each stage, a ``StageError`` naming the marker of a stage without one), as the
+    plain data the program holds."""
+    markers: dict = {}
+    for eqn in find_eqns(program.jaxpr.jaxpr.eqns, is_marker):
+        markers.setdefault(eqn.params["stage"], eqn)
+    for stage, marker in sorted(markers.items()):
+        program.mesh_of_stage(stage, marker)
+    stages = max(markers, default=0) + 1
+    layout = schedules.Layout.make(
+        stages, microbatches, tuple(map(program.mesh_of_stage, range(stages)))
+    )
+    return schedules.loop_schedule(schedule, layout)
 
 
 def _through_passes(program: Program, passes, signature, trace_seconds: float) -> Lowered:
@@ -651,9 +667,12 @@ class Wrapped:
             out_paths=tuple(out_paths),
             donated=call.donated(),
             backend=self.backend,
-            schedule=(self.schedule or loop.schedule) if loop else None,
             microbatches=loop.microbatches if loop else None,
         )
+        if loop:
+            program = program.replace(
+                schedule=_planned(program, self.schedule or loop.schedule, loop.microbatches)
+            )
         signature = Signature(
             in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree
         )

@@ -38,7 +38,7 @@ from mpmdc.passes.base import register
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.loop import rolled_loop, stamp
 from mpmdc.ir.program import Program, make_closed_jaxpr
-from mpmdc.schedules import Action, action_of, layout_of, simulate
+from mpmdc.schedules import Action, action_of, actions_of, layout_of, simulate
 
 
 def _ordered(eqns, start: dict[Action, float]):
@@ -82,8 +82,7 @@ def schedule(program: Program) -> Program:
     if program.schedule is None:
         return program
     layout = layout_of(program)
-    per_mesh = program.schedule.actions(layout)
-    timeline = simulate(per_mesh, layout)
+    timeline = simulate(actions_of(program), layout)
     start = {slot.action: slot.start for row in timeline.meshes for slot in row}
     if rolled_loop(program.jaxpr.jaxpr.eqns) is not None:
         program = program.replace(jaxpr=stamp(program.jaxpr, layout.microbatches))

@@ -28,7 +28,7 @@ from mpmdc.ir.program import (
     sub_jaxpr,
     vars_of,
 )
-from mpmdc.schedules import layout_of
+from mpmdc.schedules import actions_of
 
 
 def _final_readers(eqns):
@@ -140,7 +140,7 @@ def _backward_splitter(eqns):
 def _split_stages(program: Program) -> dict[int, set]:
     """The microbatches for which the schedule runs each stage's backward as ``I`` and ``W``."""
     out: dict[int, set] = {}
-    for row in program.schedule.actions(layout_of(program)):
+    for row in actions_of(program):
         for action in row:
             if action.kind is ActionKind.I:
                 out.setdefault(action.stage, set()).add(action.microbatch)

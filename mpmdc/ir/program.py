@@ -15,7 +15,6 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from jax.extend import core as jcore
@@ -25,9 +24,6 @@ from jax.sharding import Mesh, PartitionSpec
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import StageError
 from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
-
-if TYPE_CHECKING:  # only a type here; schedules are a layer above the IR
-    from mpmdc.schedules import Schedule
 
 
 @dataclass(frozen=True)
@@ -110,6 +106,18 @@ def rematerialized(eqn, flag: bool):
 
 
 @dataclass(frozen=True)
+class LoopSchedule:
+    """How a microbatch loop's work is ordered, as plain data: the schedule's ``name``
+    (what printed it), the pipeline's layout (stages and the mesh of each) and each
+    mesh's actions in order, as text (``0F3``: stage 0's forward of microbatch 3;
+    ``mpmdc.schedules.actions_of`` parses them)."""
+
+    name: str
+    stage_to_mesh: tuple[int, ...]
+    actions: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
 class Program:
     """A program between two passes.
 
@@ -134,7 +142,7 @@ class Program:
     wanted_out_meshes: tuple[int | None, ...] | None = None
     # (first fragment's name, ``fragment_key``) per distinct module, once lowered for ``backend``
     module_keys: tuple[tuple[str, tuple], ...] | None = dataclasses.field(default=None, repr=False)
-    schedule: Schedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
+    schedule: LoopSchedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
     microbatches: int | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -426,7 +434,7 @@ def format_program(program: Program) -> str:
     lines = ["meshes:"]
     lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
     if program.schedule is not None:
-        lines.append(f"schedule: {program.schedule!r} over {program.microbatches} microbatches")
+        lines.append(f"schedule: {program.schedule.name} over {program.microbatches} microbatches")
     if program.jaxpr.consts:
         lines.append("consts:")
         for v in jaxpr.constvars:

@@ -10,7 +10,14 @@ Layer 2: imports :mod:`mpmdc.ir` and below.
 """
 
 from mpmdc.ir.primitives import ActionKind
-from mpmdc.schedules.actions import Action, Layout, action_of, layout_of
+from mpmdc.schedules.actions import (
+    Action,
+    Layout,
+    action_of,
+    actions_of,
+    layout_of,
+    loop_schedule,
+)
 from mpmdc.schedules.library import (
     SCHEDULES,
     ActionLists,
@@ -44,9 +51,11 @@ __all__ = [
     "Timeline",
     "ZeroBubbleH1",
     "action_of",
+    "actions_of",
     "bubble_formula",
     "get",
     "layout_of",
+    "loop_schedule",
     "measured_costs",
     "simulate",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import ActionKind, fragment_p
-from mpmdc.ir.program import Program
+from mpmdc.ir.program import LoopSchedule, Program
 
 _ACTION = re.compile(rf"^(\d+)([{''.join(ActionKind)}])(\d+)$")
 
@@ -97,11 +97,20 @@ def action_of(eqn) -> Action | None:
 
 
 def layout_of(program: Program) -> Layout:
-    """Stages, microbatches and stage-to-mesh map of a split program with a loop."""
-    stages = [e.params["stage"] for e in program.jaxpr.jaxpr.eqns if e.primitive is fragment_p]
-    num_stages = max(stages, default=0) + 1
-    return Layout.make(
-        num_stages,
-        program.microbatches,
-        tuple(program.mesh_of_stage(s) for s in range(num_stages)),
+    """The layout of ``program``'s microbatch loop: stages, microbatches, mesh per stage."""
+    plan = program.schedule
+    return Layout(len(plan.stage_to_mesh), program.microbatches, plan.stage_to_mesh)
+
+
+def actions_of(program: Program) -> tuple[tuple[Action, ...], ...]:
+    """Each mesh's actions of ``program``'s microbatch loop, in order."""
+    return tuple(tuple(map(Action.parse, row)) for row in program.schedule.actions)
+
+
+def loop_schedule(schedule, layout: Layout) -> LoopSchedule:
+    """``schedule`` (an ``mpmdc.schedules.Schedule``) run on ``layout``, as the plain data
+    a program holds."""
+    per_mesh = schedule.actions(layout)
+    return LoopSchedule(
+        repr(schedule), layout.stage_to_mesh, tuple(tuple(map(str, row)) for row in per_mesh)
     )

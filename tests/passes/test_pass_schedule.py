@@ -24,7 +24,7 @@ from mpmdc.passes import dce, inline, partition, schedule, split, split_backward
 import mpmdc
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import fragment_p, transfer_p
-from mpmdc.schedules import ActionLists, action_of, layout_of
+from mpmdc.schedules import ActionLists, action_of, actions_of, layout_of, loop_schedule
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
@@ -43,6 +43,11 @@ def split_program(fn, meshes, *args):
     """``(input program, split program)``, the passes before ``schedule`` called directly."""
     program = mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
     return program, split_backward(split(partition(dce(inline(program)))))
+
+
+def planned(program, schedule):
+    """``program`` ordered by ``schedule`` (an ``mpmdc.schedules.Schedule``) instead."""
+    return program.replace(schedule=loop_schedule(schedule, layout_of(program)))
 
 
 def names_per_mesh(program):
@@ -75,7 +80,7 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(
 ):
     _, program = split_program(grad_step(name), meshes2, [W, W], X)
     out = schedule(program)
-    wanted = out.schedule.actions(layout_of(out))
+    wanted = actions_of(out)
     assert " ".join(map(str, wanted[0])) == mesh0_actions
     mesh0, mesh1 = names_per_mesh(out)
     # s0_fwd: the loop's set-up (a running sum's zeros, the batch laid out by
@@ -178,13 +183,13 @@ def test_a_schedule_breaking_a_dependency_is_a_schedule_error(meshes2):
     with pytest.raises(
         ScheduleError, match="mesh 0 runs 0B0 before 0F0, which 0B0 needs; put 0F0 first"
     ):
-        schedule(program.replace(schedule=broken))
+        schedule(planned(program, broken))
     missing = ActionLists(["0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3"])
     with pytest.raises(ScheduleError, match="the schedule never runs 1B3"):
-        schedule(program.replace(schedule=missing))
+        schedule(planned(program, missing))
     # A user's list that respects the dependencies orders the calls as it says.
     own = ActionLists(["0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
-    mesh0, _ = names_per_mesh(schedule(program.replace(schedule=own)))
+    mesh0, _ = names_per_mesh(schedule(planned(program, own)))
     assert [n for n in mesh0 if "_batch_" not in n][1:] == [
         "s0_fwd_mb0",
         "s0_fwd_mb1",
@@ -210,9 +215,9 @@ def test_a_rolled_loop_cuts_a_stages_backward_for_every_microbatch_or_none(meshe
     with pytest.raises(
         ScheduleError, match=r"stage 0's backward as I and W for microbatches \[0\] and as B"
     ):
-        split_backward(program.replace(schedule=mixed))
+        split_backward(planned(program, mixed))
     every = ActionLists(
         ["0F0 0F1 0F2 0F3 0I0 0I1 0I2 0I3 0W0 0W1 0W2 0W3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"]
     )
-    names = names_per_mesh(schedule(split_backward(program.replace(schedule=every))))[0]
+    names = names_per_mesh(schedule(split_backward(planned(program, every))))[0]
     assert names[-4:] == [f"s0_wgrad_mb{i}" for i in range(4)]
