@@ -18,7 +18,6 @@ import jax
 from flax import nnx
 
 import mpmdc
-from mpmdc.ir.primitives import transfer_p
 
 _spec = importlib.util.spec_from_file_location(
     "nnx_gpt", _common.Path(__file__).parents[1] / "examples" / "nnx_gpt.py"
@@ -62,12 +61,7 @@ def main():
         held_in[m_in] += math.prod(v.aval.shape) * v.aval.dtype.itemsize
         held_out[m_out] += math.prod(v.aval.shape) * v.aval.dtype.itemsize
 
-    moved = sum(
-        math.prod(v.aval.shape) * v.aval.dtype.itemsize
-        for e in program.jaxpr.jaxpr.eqns
-        if e.primitive is transfer_p
-        for v in e.invars
-    )
+    moved = lowered.transfer_report().total()
     floor = (
         2 * (STAGES - 1) * BATCH * LENGTH * WIDTH * 4
     )  # one activation and cotangent per boundary

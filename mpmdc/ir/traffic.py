@@ -12,7 +12,8 @@ Every ``transfer`` records, per value, what it carries (``split`` decides):
 - ``other``: the rest, e.g. the scalar partial results of a global gradient norm,
   gradient contributions of a shared parameter, the loss.
 
-A scheduled program is unrolled over its microbatches, so the counts here are per step.
+The counts are per step: a scheduled program has every microbatch's transfers, and a
+rolled loop's (before ``schedule``) count once per microbatch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpmdc.errors import PassError
+from mpmdc.ir.loop import rolled_loop
 from mpmdc.ir.primitives import Carries, transfer_p
 from mpmdc.ir.program import Program, nbytes
 
@@ -93,15 +95,19 @@ def transfer_report(program: Program) -> TransferReport:
     if not program.is_split:
         raise PassError("transfer_report needs a split program; run `split` before it.")
     jaxpr = program.jaxpr.jaxpr
+    # A rolled loop's iteration runs once per microbatch.
+    loop = rolled_loop(jaxpr.eqns)
+    in_loop = {id(eqn) for eqn in loop.iteration} if loop else set()
     links: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive is not transfer_p:
             continue
+        times = program.microbatches if id(eqn) in in_loop else 1
         values, moved = links.setdefault((eqn.params["src"], eqn.params["dst"]), ([0] * 3, [0] * 3))
         for v, carried in zip(eqn.invars, eqn.params["carries"]):
             c = CATEGORIES.index(_CATEGORY_OF[carried])
-            values[c] += 1
-            moved[c] += nbytes(v.aval)
+            values[c] += times
+            moved[c] += times * nbytes(v.aval)
     inputs_held = [0] * len(program.meshes)
     for v, m in zip(jaxpr.invars, program.in_meshes):
         inputs_held[m] += nbytes(v.aval)

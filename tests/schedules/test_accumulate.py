@@ -275,3 +275,22 @@ def test_reduced_outputs_keep_their_weak_types(meshes2, reduce):
     want = jax.jit(step)(x)
     assert [a.weak_type for a in got] == [a.weak_type for a in want] == [False, True, False]
     assert got[2].dtype == jnp.bfloat16
+
+
+def test_the_transfer_report_counts_a_rolled_loop_once_per_microbatch(meshes2):
+    """Before ``schedule`` the loop is one iteration; what a step moves is the same as
+    after it, where every microbatch's transfers are."""
+    from mpmdc.ir.traffic import transfer_report
+
+    def step(ws, x, y):
+        return mpmdc.accumulate(
+            lambda mb: jax.grad(_two_stage_loss)(ws, *mb), (x, y), microbatches=4
+        )
+
+    ws = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.25]
+    x = jnp.arange(128.0).reshape(16, 8) / 128
+    lowered = mpmdc.compile(step, meshes2).lower(ws, x, jnp.sin(x))
+    rolled = transfer_report(lowered.program("after-split"))
+    assert rolled == transfer_report(lowered.program("after-schedule"))
+    # Per microbatch: the activation forward, its cotangent back (8 rows of 2 x 8 floats).
+    assert rolled.total("activations/cotangents") == 4 * 2 * 4 * 8 * 4
