@@ -1,9 +1,12 @@
 """The IR: a JAX jaxpr at every step, with mpmdc's primitives and the side data they carry.
 
-- ``primitives``: the ``stage`` and ``microbatch`` markers, ``fragment`` and ``transfer``
-  (each with its abstract eval, DCE and typecheck rules), and :class:`ActionKind`;
-- ``program``: :class:`Program` (a closed jaxpr plus meshes, specs and paths), placements
-  carried on equations, helpers that build jaxprs, fragment identity and the printer;
+- ``primitives``: the ``stage`` and ``microbatch`` markers, a rolled loop's
+  ``loop_edge``, ``fragment`` and ``transfer`` (each with its abstract eval, DCE and
+  typecheck rules), and the enums :class:`ActionKind`, :class:`LoopEdge`, :class:`Carries`;
+- ``program``: :class:`Program` (a closed jaxpr plus meshes, specs and paths, and a
+  loop's :class:`LoopSchedule`), placements carried on equations, helpers that build
+  jaxprs, fragment identity and the printer;
+- ``loop``: a split program's rolled loop told apart, and stamped out per microbatch;
 - ``graph``: producers, readers and last uses of a program's values;
 - ``pytrees``: prefix broadcasting and the first difference between two pytrees;
 - ``sharding``: PartitionSpec checks and the mesh axes a spec entry names;

@@ -6,16 +6,17 @@ Until ``schedule``, a split program holds one iteration of its loop: fragments w
 value the iteration reads is loop-invariant. :func:`stamp` turns that into the
 program that runs: each of the iteration's fragments and transfers once per
 microbatch (the same body object, so they share one module), chaining each running
-value from one microbatch to the next; the batch sliced and the stacked values
-concatenated by one fragment per mesh (the slicing folded into a fragment that runs
-before the loop on that mesh, where there is one). It copies fragment *calls*, never equations
-inside them: its cost is the iteration's fragment count times the microbatch count.
+value from one microbatch to the next. The batch is laid out by microbatch once before
+the loop (in a fragment that runs there on its mesh, where one comes after the batch)
+and each microbatch taken from it by a call of one small fragment; stacked values are
+concatenated by one fragment per mesh after it. It copies fragment *calls*, never
+equations inside them: its cost is the iteration's fragment count times the microbatch
+count.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -127,7 +128,7 @@ def _stack(microbatches: int, *values) -> list:
     ]
 
 
-def _host_for_slices(before: list, mesh: int, batches: list) -> int | None:
+def _host_for_batches(before: list, mesh: int, batches: list) -> int | None:
     """The index in ``before`` of the last fragment on ``mesh`` that every one of
     ``batches`` is defined ahead of (not by: it reads them as operands): it can lay them
     out too, saving a module."""
@@ -199,7 +200,7 @@ def _batches(before: list, entries, microbatches: int, read: set):
         stage = min(e.params["stage"] for e in edges)
         lay_out = functools.partial(_stacked, microbatches)
         in_specs = [e.params["in_spec"] for e in edges]
-        host = _host_for_slices(out, mesh, batches)
+        host = _host_for_batches(out, mesh, batches)
         if host is not None:
             out[host] = _with_work(
                 out[host], lay_out, batches, in_specs, [*stacked, start], [*specs, PartitionSpec()]
@@ -256,17 +257,11 @@ def _stackers(exits, envs: list[dict]) -> list:
     return out
 
 
-def stamp(
-    closed: jcore.ClosedJaxpr, microbatches: int, iteration_of: Callable[[int], list] | None = None
-) -> jcore.ClosedJaxpr:
+def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
     """``closed`` (a split program's jaxpr with a rolled loop) with the loop stamped
-    out: before-loop work, slicing fragments, the iteration once per microbatch,
-    stacking fragments, after-loop work; each in an order its data allows.
-
-    ``iteration_of(i)``, where given, is the iteration's equations to stamp for
-    microbatch ``i`` (a zero-bubble schedule splits some backwards), else the ones in
-    ``closed``. A stamped fragment is named and tagged with its microbatch.
-    """
+    out: before-loop work (laying the batch out), the iteration once per microbatch,
+    stacking fragments, after-loop work; each in an order its data allows. A stamped
+    fragment is named and tagged with its microbatch."""
     jaxpr = closed.jaxpr
     loop = rolled_loop(jaxpr.eqns)
     envs: list[dict] = [{} for _ in range(microbatches)]
@@ -286,7 +281,7 @@ def stamp(
                 env[chain.inside] = chain.start
             else:
                 env[chain.inside] = envs[i - 1].get(chain.end, chain.end)
-        for eqn in taking + (iteration_of(i) if iteration_of else loop.iteration):
+        for eqn in taking + loop.iteration:
             outvars = [fresh_like(v) for v in eqn.outvars]
             changes = {"invars": substituted(eqn.invars, env), "outvars": outvars}
             if eqn.primitive is fragment_p:
