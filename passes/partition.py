@@ -38,6 +38,11 @@ Rules, in the order they apply:
    norm to a gradient's shape), which therefore move the small value, never the
    large result.
 
+The rules are steps a test can run alone on a :func:`placement_state`:
+:func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_by_bytes`
+(rule 4: the optimizer, a tied weight's summed gradient) and :func:`clone_small_values`
+(rule 6); program inputs (a tied weight too) then live with their earliest user.
+
 The transpose count of an equation is the largest count among the markers it
 depends on, so the last stage's backward shares a fragment with its forward and
 every earlier stage gets separate forward and backward fragments.
@@ -170,12 +175,12 @@ def _pin_shard_maps(stage, candidates, eqns, flow: DefUse) -> None:
         stage[i] = next((s for s in near if s in on_mesh), on_mesh[0])
 
 
-class _Placer:
-    """The stage inference of :func:`partition` (rules 1 to 4 of the module docstring).
-
-    ``stage[i]`` is equation ``i``'s stage (``None`` until placed; always ``None`` for
-    cheap equations, which are cloned later); ``transpose[i]`` its transpose count.
-    """
+class PlacementState:
+    """What the placement steps (:func:`follow_operands`, :func:`follow_users`,
+    :func:`place_by_bytes`) read and decide: ``stage[i]`` is equation ``i``'s stage
+    (``None`` until placed; always ``None`` for cheap equations, which
+    :func:`clone_small_values` clones later); ``transpose[i]`` its transpose count.
+    Markers and ``shard_map``s start placed (rule 1)."""
 
     def __init__(self, program, eqns, flow: DefUse, cheap, transpose, microbatch, seeds):
         self.program, self.eqns, self.reads = program, eqns, flow.reads
@@ -309,15 +314,8 @@ class _Placer:
         until nothing changes."""
         changed = True
         while changed:
-            changed = False
-            for i in members:
-                if self.stage[i] is None:
-                    self.stage[i] = self.from_operands(i, through_boundaries)
-                    changed |= self.stage[i] is not None
-            for i in reversed(members):
-                if self.stage[i] is None and i in self.prepares:
-                    self.stage[i] = self.from_users(i)
-                    changed |= self.stage[i] is not None
+            changed = follow_operands(self, members, through_boundaries)
+            changed |= follow_users(self, members)
 
     def pipeline_work(self) -> tuple[set[int], set[int]]:
         """The equations that depend on a marker (the pipeline's own work), and those
@@ -339,49 +337,6 @@ class _Placer:
                 reaching.add(i)
         return depends - self.cheap, prepares - depends - self.cheap
 
-    def place_by_cost(self, members) -> None:
-        """Rule 4: equations reading only program inputs and free-standing values run
-        where their operands and users cost the fewest bytes to move; they join the
-        fragment of their earliest user (its transpose count)."""
-
-        def candidates(i):
-            out: dict = {}
-            for a in self.operands(i, inputs=True):
-                j = self.producer.get(a)
-                if j is None:
-                    # On equal costs a parameter's update goes where the parameter lives...
-                    home = self.home(a)
-                    self.suggest(out, [] if home is None else [home], rank=2)
-                    continue
-                if self.stage[j] is not None:
-                    self.suggest(out, [j])
-                self.suggest(out, (k for k in self.placed_users(a) if k != i))
-            # ...and other work to its users, like rule 3.
-            self.suggest(
-                out, (j for v in self.eqns[i].outvars for j in self.placed_users(v)), rank=1
-            )
-            return out
-
-        changed = True
-        while changed:
-            changed = False
-            for order in (members, members[::-1]):
-                for i in order:
-                    if self.stage[i] is None and (found := candidates(i)):
-                        self.stage[i] = self.cheapest(i, found, with_users=True)
-                        changed = True
-        for i in reversed(members):
-            # (A user inside the microbatch loop has a fragment per microbatch, which
-            # all share one body: nothing from outside joins it.)
-            later = [
-                self.transpose[j]
-                for v in self.eqns[i].outvars
-                for j in self.users.get(v, ())
-                if j not in self.cheap and self.microbatch[j] == self.microbatch[i]
-            ]
-            if later:
-                self.transpose[i] = max(self.transpose[i], min(later))
-
     def run(self) -> list:
         """Stage per equation index."""
         for t in sorted(set(self.transpose)):
@@ -394,11 +349,81 @@ class _Placer:
             # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
             self.settle(members, through_boundaries=True)
         rest = [i for i, s in enumerate(self.stage) if s is None and i not in self.cheap]
-        self.place_by_cost(rest)
+        place_by_bytes(self, rest)
         for i in rest:
             if self.stage[i] is None:
                 self.stage[i] = self.default
         return self.stage
+
+
+def follow_operands(state: PlacementState, members, through_boundaries: bool) -> bool:
+    """Rule 2, a step of :func:`partition`: each unplaced equation of ``members`` whose
+    placed operands suggest a stage runs there (:meth:`PlacementState.from_operands`).
+    One sweep; whether it placed anything."""
+    changed = False
+    for i in members:
+        if state.stage[i] is None:
+            state.stage[i] = state.from_operands(i, through_boundaries)
+            changed |= state.stage[i] is not None
+    return changed
+
+
+def follow_users(state: PlacementState, members) -> bool:
+    """Rule 3, a step of :func:`partition`: each unplaced equation of ``members`` that
+    prepares a marker's input (an embedding lookup) runs with its earliest placed user.
+    One sweep, last equation first; whether it placed anything."""
+    changed = False
+    for i in reversed(members):
+        if state.stage[i] is None and i in state.prepares:
+            state.stage[i] = state.from_users(i)
+            changed |= state.stage[i] is not None
+    return changed
+
+
+def place_by_bytes(state: PlacementState, members) -> None:
+    """Rule 4, a step of :func:`partition`: ``members`` (equations reading only program
+    inputs and free-standing values: the optimizer, a tied weight's summed gradient)
+    run where their operands and users cost the fewest bytes to move, a parameter's
+    update where the parameter lives; they join the fragment of their earliest user
+    (its transpose count)."""
+
+    def candidates(i):
+        out: dict = {}
+        for a in state.operands(i, inputs=True):
+            j = state.producer.get(a)
+            if j is None:
+                # On equal costs a parameter's update goes where the parameter lives...
+                home = state.home(a)
+                state.suggest(out, [] if home is None else [home], rank=2)
+                continue
+            if state.stage[j] is not None:
+                state.suggest(out, [j])
+            state.suggest(out, (k for k in state.placed_users(a) if k != i))
+        # ...and other work to its users, like rule 3.
+        state.suggest(
+            out, (j for v in state.eqns[i].outvars for j in state.placed_users(v)), rank=1
+        )
+        return out
+
+    changed = True
+    while changed:
+        changed = False
+        for order in (members, members[::-1]):
+            for i in order:
+                if state.stage[i] is None and (found := candidates(i)):
+                    state.stage[i] = state.cheapest(i, found, with_users=True)
+                    changed = True
+    for i in reversed(members):
+        # (A user inside the microbatch loop has a fragment per microbatch, which
+        # all share one body: nothing from outside joins it.)
+        later = [
+            state.transpose[j]
+            for v in state.eqns[i].outvars
+            for j in state.users.get(v, ())
+            if j not in state.cheap and state.microbatch[j] == state.microbatch[i]
+        ]
+        if later:
+            state.transpose[i] = max(state.transpose[i], min(later))
 
 
 def _infer_microbatches(eqns, flow: DefUse, cheap):
@@ -469,17 +494,31 @@ def _cheap_equations(eqns, reads) -> set[int]:
     return cheap
 
 
-def _place(program, eqns, flow: DefUse, cheap) -> dict[int, Placement]:
-    """Rules 1-5: a placement for every equation that is not cheap."""
+def placement_state(program: Program) -> PlacementState:
+    """The placement state of ``program``'s top-level equations before any step: markers
+    and ``shard_map``s on their stages (rule 1), transpose counts and microbatches known."""
+    eqns = program.jaxpr.jaxpr.eqns
+    flow = def_use(eqns)
+    cheap = _cheap_equations(eqns, flow.reads)
     for eqn in eqns:
         if is_marker(eqn):
             program.mesh_of_stage(eqn.params["stage"], eqn)  # a stage without a mesh fails here
     transpose = _transpose_counts(eqns, flow)
-    candidates = _shard_map_stages(program, eqns)
-    seeds = {i: on_mesh[0] for i, on_mesh in candidates.items() if len(on_mesh) == 1}
+    seeds = {
+        i: on_mesh[0]
+        for i, on_mesh in _shard_map_stages(program, eqns).items()
+        if len(on_mesh) == 1
+    }
     microbatch = _infer_microbatches(eqns, flow, cheap)
-    stage = _Placer(program, eqns, flow, cheap, transpose, microbatch, seeds).run()
-    _pin_shard_maps(stage, candidates, eqns, flow)
+    return PlacementState(program, eqns, flow, cheap, transpose, microbatch, seeds)
+
+
+def _place(program, eqns, flow: DefUse, cheap) -> dict[int, Placement]:
+    """Rules 1-5: a placement for every equation that is not cheap."""
+    state = placement_state(program)
+    stage = state.run()
+    _pin_shard_maps(stage, _shard_map_stages(program, eqns), eqns, flow)
+    transpose, microbatch = state.transpose, state.microbatch
     return {
         i: Placement(stage[i], transpose[i], microbatch[i])
         for i in range(len(eqns))
@@ -542,9 +581,9 @@ def _with_kin(placements, paths, default) -> list[Placement]:
     return [default if p is None else p for p in _kin(paths, placements)]
 
 
-def _with_clones(eqns, reads, outvars, producer, cheap, placement, out_placement):
-    """Rule 6: ``(equations, outputs)`` with every equation placed and each cheap one
-    cloned once per placement among its (transitive) users."""
+def clone_small_values(eqns, reads, outvars, producer, cheap, placement, out_placement):
+    """Rule 6, a step of :func:`partition`: ``(equations, outputs)`` with every equation
+    placed and each cheap one cloned once per placement among its (transitive) users."""
     cheap_vars = {v for i in cheap for v in eqns[i].outvars}
     needed: dict[int, set[Placement]] = {i: set() for i in cheap}
     for i in placement:
@@ -669,7 +708,7 @@ def partition(program: Program) -> Program:
         program.out_paths,
         default,
     )
-    new_eqns, outvars = _with_clones(
+    new_eqns, outvars = clone_small_values(
         eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
     )
     in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)

@@ -13,6 +13,12 @@ import jax
 import jax.numpy as jnp
 from helpers import assert_same_as_jit, input_program, mesh_index, mlp_loss
 from mpmdc.passes import dce, inline, partition, split, vma_typecheck
+from mpmdc.passes.partition import (
+    follow_operands,
+    follow_users,
+    place_by_bytes,
+    placement_state,
+)
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p, transfer_p
@@ -158,3 +164,69 @@ def test_work_inside_an_accumulate_loop_belongs_to_its_iteration(meshes2):
         ("add", "s0_fwd_loop"),  # the running sum moves from one microbatch to the next
         ("loop_edge", "s0_fwd_loop"),  # the loop's result leaves the iteration
     ]
+
+
+# ----- the placement steps, each alone on a hand-written program
+
+
+def _state(fn, meshes, *args):
+    """``(names of the top-level equations, their placement state before any step)``."""
+    program = dce(inline(input_program(fn, meshes, *args)))
+    return [e.primitive.name for e in program.jaxpr.jaxpr.eqns], placement_state(program)
+
+
+def _unplaced(state):
+    return [i for i, s in enumerate(state.stage) if s is None and i not in state.cheap]
+
+
+def test_follow_operands_runs_work_on_the_stage_its_operands_are_on(meshes2):
+    names, state = _state(lambda x: jnp.cos(jnp.sin(mpmdc.stage(x, 1))), meshes2, X)
+    members = _unplaced(state)
+    assert [names[i] for i in members] == ["sin", "cos"]
+    assert follow_operands(state, members, through_boundaries=False)
+    assert [state.stage[i] for i in members] == [1, 1]
+    assert not follow_operands(state, members, through_boundaries=False)  # nothing left
+
+
+def test_follow_users_runs_what_prepares_a_markers_input_with_it(meshes2):
+    names, state = _state(lambda x: mpmdc.stage(jnp.sin(x), 1) * 2.0, meshes2, X)
+    (sin,) = [i for i in _unplaced(state) if names[i] == "sin"]
+    # Its operand is a program input, which pulls no work: only its user places it.
+    assert not follow_operands(state, [sin], through_boundaries=True)
+    assert follow_users(state, [sin]) and state.stage[sin] == 1
+
+
+def test_place_by_bytes_puts_work_on_a_parameter_where_the_parameter_lives(meshes2):
+    def fn(w, x):
+        grad = jax.grad(lambda w: jnp.sum(mpmdc.stage(mpmdc.stage(x, 0) @ w, 1)))(w)
+        decay = w * 0.01  # reads the parameter alone: no marker places it
+        return w - 0.1 * grad - decay
+
+    names, state = _state(fn, meshes2, W, X)
+    for t in sorted(set(state.transpose)):
+        state.settle([i for i in _unplaced(state) if state.transpose[i] == t], False)
+    rest = _unplaced(state)
+    assert [names[i] for i in rest] == ["mul"]
+    place_by_bytes(state, rest)
+    assert state.stage[rest[0]] == 0  # w's first reader is stage 0's matmul
+
+
+def test_clone_small_values_copies_a_constant_into_each_stage_using_it(meshes2):
+    def fn(x):
+        c = jnp.full((8,), 2.0)
+        return mpmdc.stage(mpmdc.stage(x, 0) * c, 1) + c
+
+    got = labelled(placed(fn, meshes2, X))
+    assert ("broadcast_in_dim", "s0_fwd") in got and ("broadcast_in_dim", "s1_fwd") in got
+
+
+def test_a_tied_weight_lives_with_its_first_stage_and_its_gradients_are_summed_there(meshes2):
+    def loss(w, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ w)
+        return jnp.sum(mpmdc.stage(h, 1) @ w.T)
+
+    program = placed(jax.grad(loss), meshes2, W, X)
+    assert program.in_meshes[0] == 0  # w: read by stages 0 and 1, lives with stage 0
+    summed = [label for name, label in labelled(program) if name == "add_any"]
+    assert summed and all(label.startswith("s0_") for label in summed)
+    assert program.out_meshes == (0,)
