@@ -2,9 +2,10 @@
 
 Nested ``jit``, ``closed_call``, ``checkpoint`` and custom-derivative calls whose
 bodies contain a ``stage`` marker (or an ``accumulate`` loop's edges) are inlined so
-the markers become top-level equations that ``partition`` can see. Calls without markers stay whole (they are
-one unit of work on one mesh). A marker inside a loop, conditional or
-``shard_map`` body cannot be placed and is reported with its source line.
+the markers become top-level equations that ``partition`` can see. Calls without
+markers stay whole (they are one unit of work on one mesh). A marker inside a loop,
+conditional or ``shard_map`` body cannot be placed and is reported with its source
+line.
 """
 
 from __future__ import annotations

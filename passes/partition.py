@@ -182,10 +182,13 @@ class PlacementState:
     :func:`clone_small_values` clones later); ``transpose[i]`` its transpose count.
     Markers and ``shard_map``s start placed (rule 1)."""
 
-    def __init__(self, program, eqns, flow: DefUse, cheap, transpose, microbatch, seeds):
-        self.program, self.eqns, self.reads = program, eqns, flow.reads
+    def __init__(self, program, eqns, flow: DefUse, cheap, transpose, microbatch, shard_maps):
+        self.program, self.eqns, self.flow, self.reads = program, eqns, flow, flow.reads
         self.producer, self.users, self.cheap = flow.producer, flow.readers, cheap
         self.transpose, self.microbatch = transpose, microbatch
+        # (``shard_map`` index -> the stages on its mesh: one seeds its stage.)
+        self.shard_maps = shard_maps
+        seeds = {i: on_mesh[0] for i, on_mesh in shard_maps.items() if len(on_mesh) == 1}
         self.stage = [
             e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)
         ]
@@ -504,25 +507,19 @@ def placement_state(program: Program) -> PlacementState:
         if is_marker(eqn):
             program.mesh_of_stage(eqn.params["stage"], eqn)  # a stage without a mesh fails here
     transpose = _transpose_counts(eqns, flow)
-    seeds = {
-        i: on_mesh[0]
-        for i, on_mesh in _shard_map_stages(program, eqns).items()
-        if len(on_mesh) == 1
-    }
     microbatch = _infer_microbatches(eqns, flow, cheap)
-    return PlacementState(program, eqns, flow, cheap, transpose, microbatch, seeds)
+    shard_maps = _shard_map_stages(program, eqns)
+    return PlacementState(program, eqns, flow, cheap, transpose, microbatch, shard_maps)
 
 
-def _place(program, eqns, flow: DefUse, cheap) -> dict[int, Placement]:
+def _place(state: PlacementState) -> dict[int, Placement]:
     """Rules 1-5: a placement for every equation that is not cheap."""
-    state = placement_state(program)
     stage = state.run()
-    _pin_shard_maps(stage, _shard_map_stages(program, eqns), eqns, flow)
-    transpose, microbatch = state.transpose, state.microbatch
+    _pin_shard_maps(stage, state.shard_maps, state.eqns, state.flow)
     return {
-        i: Placement(stage[i], transpose[i], microbatch[i])
-        for i in range(len(eqns))
-        if i not in cheap
+        i: Placement(stage[i], state.transpose[i], state.microbatch[i])
+        for i in range(len(state.eqns))
+        if i not in state.cheap
     }
 
 
@@ -698,10 +695,9 @@ def partition(program: Program) -> Program:
     it would live with it)."""
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
-    flow = def_use(eqns)
-    producer, reads = flow.producer, flow.reads
-    cheap = _cheap_equations(eqns, reads)
-    placement = _place(program, eqns, flow, cheap)
+    state = placement_state(program)
+    producer, reads, cheap = state.producer, state.reads, state.cheap
+    placement = _place(state)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
     out_placement = _with_kin(
         _output_placements(jaxpr.outvars, eqns, producer, cheap, placement),

@@ -36,7 +36,7 @@ import networkx as nx
 from mpmdc.passes.base import register
 
 from mpmdc.ir.graph import def_use
-from mpmdc.ir.loop import rolled_loop, stamp
+from mpmdc.ir.loop import stamp
 from mpmdc.ir.program import Program, make_closed_jaxpr
 from mpmdc.schedules import Action, action_of, actions_of, layout_of, simulate
 
@@ -84,8 +84,7 @@ def schedule(program: Program) -> Program:
     layout = layout_of(program)
     timeline = simulate(actions_of(program), layout)
     start = {slot.action: slot.start for row in timeline.meshes for slot in row}
-    if rolled_loop(program.jaxpr.jaxpr.eqns) is not None:
-        program = program.replace(jaxpr=stamp(program.jaxpr, layout.microbatches))
+    program = program.replace(jaxpr=stamp(program.jaxpr, layout.microbatches))
     eqns = list(program.jaxpr.jaxpr.eqns)
     jaxpr = program.jaxpr.jaxpr
     closed = make_closed_jaxpr(

@@ -261,9 +261,12 @@ def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
     """``closed`` (a split program's jaxpr with a rolled loop) with the loop stamped
     out: before-loop work (laying the batch out), the iteration once per microbatch,
     stacking fragments, after-loop work; each in an order its data allows. A stamped
-    fragment is named and tagged with its microbatch."""
+    fragment is named and tagged with its microbatch. Without a rolled loop, ``closed``
+    as it is."""
     jaxpr = closed.jaxpr
     loop = rolled_loop(jaxpr.eqns)
+    if loop is None:
+        return closed
     envs: list[dict] = [{} for _ in range(microbatches)]
     read = {a for eqn in loop.iteration + loop.exits for a in eqn.invars if is_var(a)}
     eqns, taking, chains = _batches(loop.before, loop.entries, microbatches, read)
@@ -281,19 +284,20 @@ def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
                 env[chain.inside] = chain.start
             else:
                 env[chain.inside] = envs[i - 1].get(chain.end, chain.end)
-        for eqn in taking + loop.iteration:
-            outvars = [fresh_like(v) for v in eqn.outvars]
-            changes = {"invars": substituted(eqn.invars, env), "outvars": outvars}
-            if eqn.primitive is fragment_p:
-                # (Taking a microbatch of the batch is no action of the schedule's.)
-                p = eqn.params
-                changes["params"] = dict(
-                    p,
-                    microbatch=None if eqn in taking else i,
-                    name=p["name"].replace("_loop", f"_mb{i}", 1),
-                )
-            eqns.append(eqn.replace(**changes))
-            env.update((old, new) for old, new in zip(eqn.outvars, outvars) if is_var(old))
+        # (Taking a microbatch of the batch is no action of the schedule's.)
+        for group, action_microbatch in ((taking, None), (loop.iteration, i)):
+            for eqn in group:
+                outvars = [fresh_like(v) for v in eqn.outvars]
+                changes = {"invars": substituted(eqn.invars, env), "outvars": outvars}
+                if eqn.primitive is fragment_p:
+                    p = eqn.params
+                    changes["params"] = dict(
+                        p,
+                        microbatch=action_microbatch,
+                        name=p["name"].replace("_loop", f"_mb{i}", 1),
+                    )
+                eqns.append(eqn.replace(**changes))
+                env.update((old, new) for old, new in zip(eqn.outvars, outvars) if is_var(old))
     # What reads a running value after the loop reads the last microbatch's.
     last = {
         e.outvars[0]: envs[-1].get(e.invars[0], e.invars[0])
