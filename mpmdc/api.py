@@ -31,10 +31,11 @@ from mpmdc.errors import (
     SpecError,
     StageError,
 )
+from mpmdc.ir.layers import layer_stages
 from mpmdc.ir.primitives import fragment_p, is_marker
 from mpmdc.ir.program import Program, find_eqns
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
-from mpmdc.ir.sharding import canonical_spec, spec_problem
+from mpmdc.ir.sharding import STAGES_AXIS, canonical_spec, spec_problem, within_stage
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.passes import FunctionPass
 from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
@@ -178,6 +179,8 @@ def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
     if _committed_spec(leaf) is None:
         return None
     spec = leaf.sharding.spec
+    if leaf.sharding.mesh.axis_names[0] == STAGES_AXIS:  # a stacked array held in pieces
+        spec = within_stage(spec)
     if any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
         return None
     return spec
@@ -203,7 +206,7 @@ def _serves(exe_key: _CallKey, exe: Compiled, key: _CallKey, given) -> bool:
         return False
     return all(
         now == then or user is not None or (then is None and now == canonical_spec(chosen))
-        for now, then, chosen, user in zip(key.specs, exe_key.specs, exe.program.in_specs, given)
+        for now, then, chosen, user in zip(key.specs, exe_key.specs, exe.argument_specs, given)
     )
 
 
@@ -255,7 +258,7 @@ def _planned(program: Program, schedule, microbatches: int):
         markers.setdefault(eqn.params["stage"], eqn)
     for stage, marker in sorted(markers.items()):
         program.mesh_of_stage(stage, marker)
-    stages = max(markers, default=0) + 1
+    stages = max([*markers, *layer_stages(program.jaxpr.jaxpr.eqns)], default=0) + 1
     layout = schedules.Layout.make(
         stages, microbatches, tuple(map(program.mesh_of_stage, range(stages)))
     )

@@ -17,8 +17,10 @@ from mpmdc.passes.inline import inline
 from mpmdc.passes.lower import lower
 from mpmdc.passes.partition import partition
 from mpmdc.passes.schedule import schedule
+from mpmdc.passes.slice_stacks import slice_stacks
 from mpmdc.passes.split import split
 from mpmdc.passes.split_backward import split_backward
+from mpmdc.passes.split_scans import split_scans
 from mpmdc.passes.vma_typecheck import vma_typecheck
 
 __all__ = [
@@ -34,7 +36,9 @@ __all__ = [
     "pass_from_text",
     "register",
     "schedule",
+    "slice_stacks",
     "split",
     "split_backward",
+    "split_scans",
     "vma_typecheck",
 ]

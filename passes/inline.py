@@ -3,9 +3,10 @@
 Nested ``jit``, ``closed_call``, ``checkpoint`` and custom-derivative calls whose
 bodies contain a ``stage`` marker (or an ``accumulate`` loop's edges) are inlined so
 the markers become top-level equations that ``partition`` can see. Calls without
-markers stay whole (they are one unit of work on one mesh). A marker inside a loop,
-conditional or ``shard_map`` body cannot be placed and is reported with its source
-line.
+markers stay whole (they are one unit of work on one mesh). A scan holding
+``stage(h, every=k)`` markers stays whole too, for ``split-scans`` to cut. Any other
+marker inside a loop, conditional or ``shard_map`` body cannot be placed and is
+reported with its source line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mpmdc.passes.base import register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
 from mpmdc.ir.calls import REMAT_CALLS, call_body
-from mpmdc.ir.primitives import is_loop_edge, is_marker
+from mpmdc.ir.primitives import is_layer_marker, is_loop_edge, is_marker
 from mpmdc.ir.program import (
     Program,
     copy_eqn,
@@ -36,13 +37,38 @@ def _is_pipeline_marker(eqn) -> bool:
 
 
 def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
-    return next(find_eqns(jaxpr.eqns, _is_pipeline_marker), None) is not None
+    """Whether ``jaxpr`` holds a marker (``every=`` ones too: the scan holding one must
+    reach the top level, where ``split-scans`` cuts it)."""
+    found = find_eqns(jaxpr.eqns, lambda e: _is_pipeline_marker(e) or is_layer_marker(e))
+    return next(found, None) is not None
+
+
+def _misplaced_marker(eqn):
+    """A marker in ``eqn``'s bodies that cannot be placed: any but the ``every=`` markers
+    of a scan (which ``split-scans`` places), or ``None``."""
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        marker = next(find_eqns(sub.eqns, _is_pipeline_marker), None)
+        if marker is not None:
+            return marker
+    if eqn.primitive is not jprims.scan_p:
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            marker = next(find_eqns(sub.eqns, is_layer_marker), None)
+            if marker is not None:
+                return marker
+    return None
 
 
 def _marker_inside(eqn, marker) -> PlacementError:
     """The error for ``marker`` found in the body of ``eqn`` (a loop, conditional or
     ``shard_map``), naming the marker's line, and for a loop what works instead."""
     name = eqn.primitive.name
+    if is_layer_marker(marker):
+        return PlacementError(
+            f"mpmdc.stage(..., every={marker.params['every']!r}) at {compat.source_line(marker)} "
+            f"runs inside `{name}` (at {compat.source_line(eqn)}); `every=` cuts the iterations "
+            f"of a scan over layers: call it in the scan's own body, outside conditionals, "
+            f"while loops and shard_map bodies."
+        )
     if is_loop_edge(marker):
         return PlacementError(
             f"mpmdc.accumulate at {compat.source_line(marker)} runs inside `{name}` (at "
@@ -57,10 +83,8 @@ def _marker_inside(eqn, marker) -> PlacementError:
     )
     if eqn.primitive in (jprims.scan_p, jprims.while_p):
         message += (
-            " A loop over layers cannot be pipelined as one loop: write a Python loop over "
-            "the stages, each marking its stage and running a `scan` over that stage's own "
-            "stack of layers (parameters stacked per stage), as the README's "
-            "'Layer stacks' section shows."
+            " To pipeline a scan over layers, write mpmdc.stage(h, every=k) in its body: "
+            "iteration j then enters stage j // k, and the scan runs as one scan per stage."
         )
     else:
         message += f" Move mpmdc.stage(...) before or after the `{name}`."
@@ -114,10 +138,9 @@ def inline(program: Program) -> Program:
                 results = substituted(inner.outvars, inner_env)
                 env.update({o: r for o, r in zip(eqn.outvars, results) if is_var(o)})
                 continue
-            for sub in jcore.jaxprs_in_params(eqn.params):
-                marker = next(find_eqns(sub.eqns, _is_pipeline_marker), None)
-                if marker is not None:
-                    raise _marker_inside(eqn, marker)
+            marker = _misplaced_marker(eqn)
+            if marker is not None:
+                raise _marker_inside(eqn, marker)
             if top:  # (its variables are unique already: only renamed operands change)
                 invars = substituted(eqn.invars, env)
                 eqns.append(

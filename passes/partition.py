@@ -2,7 +2,8 @@
 
 Rules, in the order they apply:
 
-1. Seeds. A marker ``stage[s, t]`` runs in stage ``s``, and so does a ``shard_map``
+1. Seeds. A marker ``stage[s, t]`` runs in stage ``s``, and so does a scan that
+   ``split-scans`` placed in stage ``s`` (one group of a layer stack), and a ``shard_map``
    built for the mesh of stage ``s`` (when only that stage uses the mesh; when several
    do, it ends up in one of them that its neighbours are in). A forward marker (even
    ``t``) is where values *enter* stage ``s``: its outputs tell their users where
@@ -115,6 +116,14 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     )
 
 
+def _seed_stage(eqn) -> int | None:
+    """The stage a marker names, or that ``split-scans`` placed one of its scans in."""
+    if is_marker(eqn):
+        return eqn.params["stage"]
+    placement = placement_of(eqn)
+    return None if placement is None else placement.stage
+
+
 def _transpose_counts(eqns, flow: DefUse):
     reads, producer, users = flow.reads, flow.producer, flow.readers
     counts = []
@@ -150,7 +159,7 @@ def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
     if program.stage_to_mesh:
         stages = range(len(program.stage_to_mesh))
     else:  # stage s runs on mesh s % len(meshes)
-        marked = [e.params["stage"] for e in eqns if is_marker(e)]
+        marked = [s for s in map(_seed_stage, eqns) if s is not None]
         stages = range(max(len(program.meshes), max(marked, default=0) + 1))
     out = {}
     for i, eqn in enumerate(eqns):
@@ -190,9 +199,9 @@ class PlacementState:
         self.shard_maps = shard_maps
         seeds = {i: on_mesh[0] for i, on_mesh in shard_maps.items() if len(on_mesh) == 1}
         self.stage = [
-            e.params["stage"] if is_marker(e) else seeds.get(i) for i, e in enumerate(eqns)
+            s if (s := _seed_stage(e)) is not None else seeds.get(i) for i, e in enumerate(eqns)
         ]
-        self.default = min((e.params["stage"] for e in eqns if is_marker(e)), default=0)
+        self.default = min((s for s in map(_seed_stage, eqns) if s is not None), default=0)
         self.depends, self.prepares = self.pipeline_work()
 
     def mesh(self, stage: int) -> int:
@@ -326,7 +335,7 @@ class PlacementState:
         its inputs, such as an embedding lookup)."""
         depends, depending = set(), set()  # (equations, and the values they define)
         for i, eqn in enumerate(self.eqns):
-            if is_marker(eqn) or not depending.isdisjoint(self.reads[i]):
+            if _seed_stage(eqn) is not None or not depending.isdisjoint(self.reads[i]):
                 depends.add(i)
                 depending.update(eqn.outvars)
         # (A forward marker, or an equation reaching one.)
@@ -504,8 +513,8 @@ def placement_state(program: Program) -> PlacementState:
     flow = def_use(eqns)
     cheap = _cheap_equations(eqns, flow.reads)
     for eqn in eqns:
-        if is_marker(eqn):
-            program.mesh_of_stage(eqn.params["stage"], eqn)  # a stage without a mesh fails here
+        if (stage := _seed_stage(eqn)) is not None:
+            program.mesh_of_stage(stage, eqn)  # a stage without a mesh fails here
     transpose = _transpose_counts(eqns, flow)
     microbatch = _infer_microbatches(eqns, flow, cheap)
     shard_maps = _shard_map_stages(program, eqns)

@@ -46,7 +46,8 @@ def _checked_stage_index(index) -> int:
         raise _stage_error(
             "the stage index depends on a traced value; stage indices must be Python ints "
             "known when the function is traced (compute them from Python loop counters, not "
-            "from arrays)."
+            "from arrays). Inside a scan over layers, write mpmdc.stage(h, every=k) instead: "
+            "iteration j then enters stage j // k."
         )
     if isinstance(index, bool):
         raise _stage_error(f"stage index must be an int, got bool {index!r}.")
@@ -61,15 +62,47 @@ def _checked_stage_index(index) -> int:
     return index
 
 
-def stage(x, index):
+def _checked_every(every, first):
+    """``every`` as an int or a tuple of per-stage counts, ``first`` as an int: checked."""
+    if isinstance(every, jax.core.Tracer) or isinstance(first, jax.core.Tracer):
+        raise _stage_error("`every` and `first` must be Python ints known when tracing.")
+    counts = every if isinstance(every, (tuple, list)) else (every,)
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise _stage_error(
+                f"every={every!r}: give a positive int (iterations per stage) or a tuple of "
+                f"positive ints (the iterations of each stage, in order)."
+            )
+    return (tuple(every) if isinstance(every, (tuple, list)) else every), _checked_stage_index(
+        first
+    )
+
+
+def stage(x, index=None, *, every=None, first=0):
     """Mark that the pytree ``x`` enters pipeline stage ``index``.
 
     The identity under ``jax.jit``, ``jax.grad`` and ``jax.vmap``; under
     ``mpmdc.compile`` everything computed from the returned value runs on the mesh
     of stage ``index`` until the next marker.
+
+    Inside the body of a ``scan`` over a layer stack, ``stage(h, every=k)`` says that
+    iteration ``j`` enters stage ``first + j // k``: the scan runs as one scan per stage
+    over that stage's iterations. ``every`` may be a tuple of per-stage iteration counts
+    (an uneven split) that sum to the scan's length.
     """
-    index = _checked_stage_index(index)
+    if (index is None) == (every is None):
+        raise _stage_error(
+            "give a stage index, mpmdc.stage(x, i), or, inside a scan over layers, "
+            "mpmdc.stage(x, every=k) (not both)."
+        )
     leaves, treedef = jax.tree_util.tree_flatten(x)
+    if every is not None:
+        every, first = _checked_every(every, first)
+        if not leaves:
+            return x
+        out = layer_stage_p.bind(*leaves, every=every, first=first, transpose=0)
+        return jax.tree_util.tree_unflatten(treedef, out)
+    index = _checked_stage_index(index)
     if not leaves:
         return x
     out = stage_p.bind(*leaves, stage=index, transpose=0)
@@ -102,18 +135,28 @@ def _bind_nonzero(primitive, values, **params):
     return [v if type(v) is ad.Zero else next(marked) for v in values]
 
 
-def _stage_jvp(primals, tangents, *, stage, transpose):
-    out = stage_p.bind(*primals, stage=stage, transpose=transpose)
-    return out, _bind_nonzero(stage_p, list(tangents), stage=stage, transpose=transpose)
+def _marker_jvp(primitive):
+    """JVP of a marker: the tangents are marked as the primals are."""
+
+    def rule(primals, tangents, **params):
+        out = primitive.bind(*primals, **params)
+        return out, _bind_nonzero(primitive, list(tangents), **params)
+
+    return rule
 
 
-def _stage_transpose(cts, *args, stage, transpose):
-    cts = [
-        ad.Zero(arg.aval) if type(ct) is ad.Zero and ad.is_undefined_primal(arg) else ct
-        for ct, arg in zip(cts, args)
-    ]
-    out = _bind_nonzero(stage_p, cts, stage=stage, transpose=transpose + 1)
-    return [ct if ad.is_undefined_primal(arg) else None for ct, arg in zip(out, args)]
+def _marker_transpose(primitive):
+    """Transpose of a marker: the cotangents are marked with the transpose count + 1."""
+
+    def rule(cts, *args, transpose, **params):
+        cts = [
+            ad.Zero(arg.aval) if type(ct) is ad.Zero and ad.is_undefined_primal(arg) else ct
+            for ct, arg in zip(cts, args)
+        ]
+        out = _bind_nonzero(primitive, cts, transpose=transpose + 1, **params)
+        return [ct if ad.is_undefined_primal(arg) else None for ct, arg in zip(out, args)]
+
+    return rule
 
 
 def _kept(values, keep) -> list:
@@ -150,11 +193,36 @@ def _elementwise_dce(spec_params=()):
     return rule
 
 
-ad.primitive_jvps[stage_p] = _stage_jvp
-ad.primitive_transposes[stage_p] = _stage_transpose
+ad.primitive_jvps[stage_p] = _marker_jvp(stage_p)
+ad.primitive_transposes[stage_p] = _marker_transpose(stage_p)
 batching.primitive_batchers[stage_p] = lambda args, dims, **p: (stage_p.bind(*args, **p), dims)
 mlir.register_lowering(stage_p, lambda ctx, *args, stage, transpose: list(args))
 pe.dce_rules[stage_p] = _elementwise_dce()
+
+# ---------------------------------------------------------------- layer_stage
+
+# ``stage(h, every=k, first=f)`` inside a scan body: iteration ``j`` enters stage
+# ``f + j // k``. The ``split-scans`` pass cuts the scan into one scan per stage and
+# turns each of these into a plain ``stage`` marker of that stage.
+layer_stage_p = jcore.Primitive("layer_stage")
+layer_stage_p.multiple_results = True
+layer_stage_p.def_impl(lambda *xs, every, first, transpose: list(xs))
+layer_stage_p.def_abstract_eval(lambda *avals, every, first, transpose: list(avals))
+
+
+def is_layer_marker(eqn) -> bool:
+    """True for a ``stage(h, every=...)`` marker (inside a scan body)."""
+    return eqn.primitive is layer_stage_p
+
+
+ad.primitive_jvps[layer_stage_p] = _marker_jvp(layer_stage_p)
+ad.primitive_transposes[layer_stage_p] = _marker_transpose(layer_stage_p)
+batching.primitive_batchers[layer_stage_p] = lambda args, dims, **p: (
+    layer_stage_p.bind(*args, **p),
+    dims,
+)
+mlir.register_lowering(layer_stage_p, lambda ctx, *args, **params: list(args))
+pe.dce_rules[layer_stage_p] = _elementwise_dce()
 
 
 # ---------------------------------------------------------------- microbatch

@@ -118,12 +118,25 @@ class LoopSchedule:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """What one program input (or output) is of the caller's flat argument (or result)
+    ``leaf``: all of it (``rows`` is ``None``), or the rows ``lo:hi`` along ``axis`` of a
+    stacked array held in pieces, ``rows = (axis, lo, hi)``."""
+
+    leaf: int
+    rows: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Program:
     """A program between two passes.
 
     ``in_specs``/``out_specs`` are flat, one ``PartitionSpec`` (or ``None`` for
     replicated) per jaxpr input/output, the sharding *inside* whichever mesh holds the
     value. ``in_paths``/``out_paths`` name each flat input/output for error messages.
+    ``in_pieces``/``out_pieces`` say which argument (result) each input (output) is, or
+    which rows of it (``slice-stacks`` holds stacked arrays in pieces); ``None``: input
+    (output) ``i`` is argument (result) ``i``.
     """
 
     jaxpr: jcore.ClosedJaxpr
@@ -144,6 +157,8 @@ class Program:
     module_keys: tuple[tuple[str, tuple], ...] | None = dataclasses.field(default=None, repr=False)
     schedule: LoopSchedule | None = None  # of the program's ``mpmdc.accumulate`` loop, if any
     microbatches: int | None = None
+    in_pieces: tuple[Piece, ...] | None = None
+    out_pieces: tuple[Piece, ...] | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -450,8 +465,9 @@ def format_program(program: Program) -> str:
     placements = program.placements
     for i, eqn in enumerate(jaxpr.eqns):
         text = compat.pp_eqn(eqn, ctx, settings).format()
-        if placements is not None:
-            p = placements[i]
+        # (Before ``partition`` only the scans ``split-scans`` cut are placed.)
+        p = placements[i] if placements is not None else placement_of(eqn)
+        if p is not None:
             prefix = f"  [{p.label} @mesh{program.mesh_of_stage(p.stage)}] "
         else:
             prefix = "  "

@@ -10,6 +10,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mpmdc.errors import SpecError
 
 
+# The leading axis of the mesh a stacked array held in per-stage pieces is sharded on
+# (``mpmdc.runtime.pieces``): it runs over the stage meshes.
+STAGES_AXIS = "stages"
+
+
+def within_stage(spec: PartitionSpec) -> PartitionSpec:
+    """A stacked array's spec with the ``stages`` axis left out: each piece's spec on its mesh."""
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in axes_of(entry) if a != STAGES_AXIS)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
+
+
 def axes_of(entry) -> tuple[str, ...]:
     """The mesh axes one entry of a ``PartitionSpec`` names (``None``, a name, or a tuple)."""
     if entry is None:

@@ -22,6 +22,7 @@ import contextlib
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed
-from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
+from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError, PlacementWarning
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, is_var
@@ -41,6 +42,7 @@ from mpmdc.ir.sharding import named, program_spec_forms
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.memory import MeshMemory, memory_profile
 from mpmdc.runtime.peers import Progress, program_entries
+from mpmdc.runtime.pieces import Pieces
 from mpmdc.runtime.transfers import MeshTransfer, is_here, placeholder, processes_of
 from mpmdc.schedules import Action, Slot, Timeline, action_of
 
@@ -249,11 +251,28 @@ class Compiled:
                 (slots(v), sharding) if here[m] else (None, placeholder(v.aval, sharding))
             )
         self._initial = slots.initial
+        self._pieces = Pieces(
+            program,
+            self._in_shardings,
+            self._out_shardings,
+            len(signature.in_types),
+            signature.out_tree.num_leaves,
+        )
+        for path, why in self._pieces.problems(signature.in_paths):
+            warnings.warn(
+                f"argument {path} is a layer stack held in one piece per stage, but it cannot "
+                f"be one array over the stage meshes: {why}. Each call cuts it into its stages' "
+                f"rows and moves them, and the result comes back whole on the first stage's "
+                f"mesh. Give every stage the same number of layers, one stage per mesh and "
+                f"meshes of one shape to keep each stage's rows where they are.",
+                PlacementWarning,
+                stacklevel=2,
+            )
         if self.multiprocess:
             Compiled._built_multiprocess += 1
             distributed.check_agreement(
                 f"program-{Compiled._built_multiprocess}",
-                program_entries(program, signature.in_types),
+                program_entries(program),
                 "the program they compiled",
             )
 
@@ -323,20 +342,34 @@ class Compiled:
         """Where each argument runs, as ``(args, kwargs)`` pytrees of ``jax.sharding.Sharding``
         (as ``jax.stages.Compiled.input_shardings``): arguments already placed so are not
         moved when called, e.g. ``jax.device_put(args, executable.input_shardings[0])``."""
-        return jax.tree_util.tree_unflatten(self.signature.in_tree, self._in_shardings)
+        return jax.tree_util.tree_unflatten(self.signature.in_tree, self._pieces.arg_shardings)
 
     @property
     def output_shardings(self):
         """Where each output lives, a pytree of ``jax.sharding.Sharding`` (as
         ``jax.stages.Compiled.output_shardings``)."""
-        return jax.tree_util.tree_unflatten(self.signature.out_tree, self._out_shardings)
+        return jax.tree_util.tree_unflatten(self.signature.out_tree, self._pieces.result_shardings)
 
     @property
     def args_info(self):
         """Each argument's type and whether it is donated, as ``(args, kwargs)`` pytrees of
         ``jax.stages.ArgInfo`` (as ``jax.stages.Compiled.args_info``; static arguments
         left out)."""
-        return self.signature.args_info(self.program.donated)
+        return self.signature.args_info(self._pieces.per_argument(self.program.donated))
+
+    @property
+    def argument_specs(self) -> list:
+        """Per flat argument, the spec of the sharding a call runs it with (``None``: the
+        program chose none), as the call cache compares committed specs with."""
+        per_input = [
+            s if p is None or len(g) == 1 else p.spec
+            for s, p, g in zip(
+                self._pieces.per_argument(self.program.in_specs),
+                self._pieces.arg_shardings,
+                self._pieces.in_groups,
+            )
+        ]
+        return per_input
 
     def _fragments_by_mesh(self) -> dict[int, list]:
         """``{mesh: [fragment key per fragment call of one step]}`` for meshes here, in
@@ -452,6 +485,7 @@ class Compiled:
 
     def _start(self, leaves) -> list:
         env = list(self._initial)
+        leaves = self._pieces.arguments(leaves, self._input_here)
         for (i, sharding), x in zip(self._inputs, self._local_leaves(leaves)):
             env[i] = _placed(x, sharding)
         return env
@@ -465,7 +499,7 @@ class Compiled:
         outs = []
         for v, target in self._outputs:
             outs.append(target if v is None else _placed(env[v], target))
-        return jax.tree_util.tree_unflatten(self.signature.out_tree, outs)
+        return jax.tree_util.tree_unflatten(self.signature.out_tree, self._pieces.results(outs))
 
     def run_timed(self, *args, **kwargs):
         """Run once, one thread per mesh, and measure when each fragment and transfer ran.

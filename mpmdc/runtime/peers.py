@@ -32,7 +32,7 @@ def _digest(text: str | bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def program_entries(program: Program, in_types) -> list[tuple[str, str]]:
+def program_entries(program: Program) -> list[tuple[str, str]]:
     """``(name, digest)`` of everything processes running ``program`` must share, in order."""
     jaxpr = program.jaxpr.jaxpr
     ctx = compat.JaxprPpContext()
@@ -40,13 +40,12 @@ def program_entries(program: Program, in_types) -> list[tuple[str, str]]:
     entries = [("the versions", f"jax {jax.__version__}, mpmdc {_version()}")]
     meshes = ", ".join(f"{dict(m.shape)}" for m in program.meshes)
     entries.append(("the meshes", _digest(meshes + repr(program.schedule))))
-    for path, (shape, dtype, weak), mesh, spec in zip(
-        program.in_paths, in_types, program.in_meshes, program.in_specs
+    for path, v, mesh, spec in zip(
+        program.in_paths, jaxpr.invars, program.in_meshes, program.in_specs
     ):
         where = f"mesh{mesh} {'P()' if spec is None else spec}"
-        entries.append(
-            (f"argument {path}", f"{dtype}{list(shape)}{' (weak)' if weak else ''} on {where}")
-        )
+        weak = " (weak)" if v.aval.weak_type else ""
+        entries.append((f"argument {path}", f"{v.aval.dtype}{list(v.aval.shape)}{weak} on {where}"))
     for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
         value = np.asarray(
             jax.random.key_data(c) if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key) else c

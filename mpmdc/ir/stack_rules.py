@@ -1,0 +1,260 @@
+"""How work on a stacked array runs on its pieces, one rule per primitive.
+
+A layer stack cut into stages (``split-scans``) is read as slices and written as a
+concatenation of per-stage results. A *stack* is such a value held as pieces along one
+axis (``Stack``: the axis, the row bounds, a variable per piece). The ``slice-stacks``
+pass walks the program with a :class:`StackWalk`; for an equation reading a stack, the
+rule registered for its primitive in :data:`STACK_RULES` writes the same work per piece,
+so an optimizer's elementwise update of a stacked parameter runs where each piece lives,
+and a reduction over the stack (a global norm) adds per-piece partial results. Every
+original value keeps a definition (a concatenation of the pieces), so work no rule knows
+still reads the whole array; ``dce`` drops what nothing reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
+
+from mpmdc import _jax_compat as compat
+from mpmdc.ir.program import is_var, placed
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A value held as ``pieces``: rows ``bounds[g]:bounds[g + 1]`` along ``axis``."""
+
+    axis: int
+    bounds: tuple[int, ...]
+    pieces: tuple
+
+    def layout(self) -> tuple[int, tuple[int, ...]]:
+        return self.axis, self.bounds
+
+
+def _piece_aval(aval, axis: int, rows: int):
+    shape = list(aval.shape)
+    shape[axis] = rows
+    return aval.update(shape=tuple(shape))
+
+
+def _eqn(primitive, invars, outvars, params, like):
+    new = jcore.new_jaxpr_eqn(
+        list(invars), list(outvars), primitive, params, jcore.no_effects, like.source_info, like.ctx
+    )
+    return placed(new, None)
+
+
+class StackWalk:
+    """The state of one walk over a program's equations: what is stacked (``stacks``),
+    the equations written so far (``eqns``), renamings (``env``) and the program inputs
+    that work on a stack read whole (``demands``: input -> (axis, bounds)), which the
+    next walk takes in pieces."""
+
+    def __init__(self, inputs, producers: dict):
+        self.inputs = set(inputs)  # program inputs not held in pieces
+        self.producers = producers  # variable -> the original equation defining it
+        self.stacks: dict = {}
+        self.eqns: list = []
+        self.env: dict = {}
+        self.demands: dict = {}
+
+    def stack_of(self, atom) -> Stack | None:
+        """The stack ``atom`` is held as, or ``None``."""
+        return self.stacks.get(atom) if is_var(atom) else None
+
+    def emit(self, eqn) -> None:
+        self.eqns.append(eqn)
+
+    def stacked(self, outvar, axis: int, bounds, pieces, like) -> None:
+        """Record ``outvar`` as held in ``pieces``, and define it as their concatenation."""
+        self.stacks[outvar] = Stack(axis, tuple(bounds), tuple(pieces))
+        self.emit(_eqn(jax.lax.concatenate_p, pieces, [outvar], {"dimension": axis}, like))
+
+    def pieces_of(self, atom, layout, like) -> list:
+        """Per piece of ``layout`` (axis, bounds), the operand standing for ``atom``: its own
+        pieces if it is stacked so, a broadcast per piece if it is a broadcast along other
+        axes, else a slice (an input read so is a demand)."""
+        axis, bounds = layout
+        found = self.stack_of(atom)
+        if found is not None and found.layout() == layout:
+            return list(found.pieces)
+        if atom in self.inputs:
+            self.demands.setdefault(atom, layout)
+        made = self.producers.get(atom)
+        out = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            piece = compat.Var(_piece_aval(atom.aval, axis, hi - lo))
+            if (
+                made is not None
+                and made.primitive is jprims.broadcast_in_dim_p
+                and axis not in made.params["broadcast_dimensions"]
+            ):
+                params = {**made.params, "shape": piece.aval.shape}
+                self.emit(_eqn(made.primitive, made.invars, [piece], params, like))
+            else:
+                start = [0] * atom.aval.ndim
+                start[axis] = lo
+                params = {
+                    "start_indices": tuple(start),
+                    "limit_indices": piece.aval.shape[:axis] + (hi,) + piece.aval.shape[axis + 1 :],
+                    "strides": None,
+                }
+                self.emit(_eqn(jax.lax.slice_p, [atom], [piece], params, like))
+            out.append(piece)
+        return out
+
+
+Rule = Callable[[jcore.JaxprEqn, StackWalk], bool]
+
+# primitive -> rule(eqn, walk): write ``eqn`` per piece and return True, or return False
+# (``eqn`` then runs as it is, on whole values).
+STACK_RULES: dict[jcore.Primitive, Rule] = {}
+
+
+def _elementwise(eqn, walk: StackWalk) -> bool:
+    shape = eqn.outvars[0].aval.shape
+    layouts = [
+        found.layout()
+        for a in eqn.invars
+        if (found := walk.stack_of(a)) is not None and a.aval.shape == shape
+    ]
+    if not layouts or any(
+        a.aval.shape not in ((), shape) for a in eqn.invars
+    ):
+        return False
+    layout = layouts[0]
+    axis, bounds = layout
+    operands = [
+        [a] * (len(bounds) - 1) if a.aval.shape == () else walk.pieces_of(a, layout, eqn)
+        for a in eqn.invars
+    ]
+    outs = [[] for _ in eqn.outvars]
+    for g, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        piece_out = [compat.Var(_piece_aval(v.aval, axis, hi - lo)) for v in eqn.outvars]
+        walk.emit(_eqn(eqn.primitive, [ops[g] for ops in operands], piece_out, eqn.params, eqn))
+        for k, v in enumerate(piece_out):
+            outs[k].append(v)
+    for v, pieces in zip(eqn.outvars, outs):
+        walk.stacked(v, axis, bounds, pieces, eqn)
+    return True
+
+
+_COMBINE = {
+    jprims.reduce_sum_p: jprims.add_p,
+    jprims.reduce_max_p: jprims.max_p,
+    jprims.reduce_min_p: jprims.min_p,
+    jprims.reduce_and_p: jprims.and_p,
+    jprims.reduce_or_p: jprims.or_p,
+}
+
+
+def _reduction(eqn, walk: StackWalk) -> bool:
+    """Reduce each piece; across the stacked axis, combine the partial results in order
+    (so a global norm moves one scalar per piece)."""
+    found = walk.stack_of(eqn.invars[0])
+    if found is None:
+        return False
+    axis, bounds = found.layout()
+    axes = eqn.params["axes"]
+    (out,) = eqn.outvars
+    if axis in axes:
+        partial = []
+        for piece in found.pieces:
+            result = compat.Var(out.aval)
+            walk.emit(_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
+            partial.append(result)
+        total = partial[0]
+        for k, piece in enumerate(partial[1:], 1):
+            result = out if k == len(partial) - 1 else compat.Var(out.aval)
+            walk.emit(_eqn(_COMBINE[eqn.primitive], [total, piece], [result], {}, eqn))
+            total = result
+        if len(partial) == 1:
+            walk.env[out] = total
+        return True
+    new_axis = axis - sum(a < axis for a in axes)
+    pieces = []
+    for piece, lo, hi in zip(found.pieces, bounds, bounds[1:]):
+        result = compat.Var(_piece_aval(out.aval, new_axis, hi - lo))
+        walk.emit(_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
+        pieces.append(result)
+    walk.stacked(out, new_axis, bounds, pieces, eqn)
+    return True
+
+
+def _transpose(eqn, walk: StackWalk) -> bool:
+    found = walk.stack_of(eqn.invars[0])
+    if found is None:
+        return False
+    axis, bounds = found.layout()
+    new_axis = eqn.params["permutation"].index(axis)
+    pieces = []
+    for piece, lo, hi in zip(found.pieces, bounds, bounds[1:]):
+        result = compat.Var(_piece_aval(eqn.outvars[0].aval, new_axis, hi - lo))
+        walk.emit(_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
+        pieces.append(result)
+    walk.stacked(eqn.outvars[0], new_axis, bounds, pieces, eqn)
+    return True
+
+
+def _broadcast(eqn, walk: StackWalk) -> bool:
+    found = walk.stack_of(eqn.invars[0])
+    if found is None:
+        return False
+    axis, bounds = found.layout()
+    new_axis = eqn.params["broadcast_dimensions"][axis]
+    pieces = []
+    for piece, lo, hi in zip(found.pieces, bounds, bounds[1:]):
+        result = compat.Var(_piece_aval(eqn.outvars[0].aval, new_axis, hi - lo))
+        params = {**eqn.params, "shape": result.aval.shape}
+        walk.emit(_eqn(eqn.primitive, [piece], [result], params, eqn))
+        pieces.append(result)
+    walk.stacked(eqn.outvars[0], new_axis, bounds, pieces, eqn)
+    return True
+
+
+def group_rows(eqn) -> tuple[int, int, int] | None:
+    """``(axis, lo, hi)`` for a ``slice`` taking rows ``lo:hi`` along one axis, all of the
+    others, with unit strides; else ``None``."""
+    if eqn.primitive is not jprims.slice_p or any(s not in (None, 1) for s in eqn.params["strides"] or ()):
+        return None
+    shape = eqn.invars[0].aval.shape
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    cut = [d for d in range(len(shape)) if (start[d], limit[d]) != (0, shape[d])]
+    if len(cut) != 1:
+        return None
+    (d,) = cut
+    return d, start[d], limit[d]
+
+
+def _slice(eqn, walk: StackWalk) -> bool:
+    """A slice taking exactly one piece of a stack is that piece."""
+    found = walk.stack_of(eqn.invars[0])
+    rows = group_rows(eqn)
+    if found is None or rows is None or rows[0] != found.axis:
+        return False
+    spans = list(zip(found.bounds, found.bounds[1:]))
+    if rows[1:] not in spans:
+        return False
+    walk.env[eqn.outvars[0]] = found.pieces[spans.index(rows[1:])]
+    return True
+
+
+ELEMENTWISE = (
+    "abs acos acosh add add_jaxvals and asin asinh atan atan2 atanh cbrt ceil clamp "
+    "convert_element_type copy cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt "
+    "integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow "
+    "reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor"
+).split()
+
+for _name in ELEMENTWISE:
+    STACK_RULES[getattr(jprims, f"{_name}_p")] = _elementwise
+for _primitive in _COMBINE:
+    STACK_RULES[_primitive] = _reduction
+STACK_RULES[jprims.transpose_p] = _transpose
+STACK_RULES[jprims.broadcast_in_dim_p] = _broadcast
+STACK_RULES[jprims.slice_p] = _slice

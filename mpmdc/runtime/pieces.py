@@ -1,0 +1,164 @@
+"""Stacked arrays held in pieces: the caller's one array, the program's one input per stage.
+
+``slice-stacks`` takes a layer stack's stacked arrays (parameters, their optimizer state)
+in one piece per stage, each on its stage's mesh. The caller still passes and gets one
+``jax.Array`` per leaf: where the pieces' meshes have one shape and the pieces equal
+rows, that array's sharding is the pieces' stacked, a ``NamedSharding`` on a mesh whose
+leading ``stages`` axis runs over the stage meshes and divides the stacked axis (rows
+``[k*i, k*(i+1))`` on the i-th stage's mesh). Handing such an array over, or assembling
+one from the pieces, moves nothing: the pieces are the array's own shards. Any other
+argument is cut into rows and moved; any other result is concatenated on the first
+piece's mesh (``stacked_layout_problem`` says why, for the warning ``Compiled`` gives).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mpmdc.ir.program import Piece
+from mpmdc.ir.sharding import STAGES_AXIS, axes_of
+
+
+def _stacked_mesh(meshes: list[Mesh]) -> Mesh:
+    first = meshes[0]
+    devices = np.stack([m.devices for m in meshes])
+    types = (first.axis_types[0], *first.axis_types)
+    return Mesh(devices, (STAGES_AXIS, *first.axis_names), axis_types=types)
+
+
+def stacked_layout_problem(shardings: list[NamedSharding], rows: list[int]) -> str | None:
+    """Why pieces with ``shardings`` and ``rows`` cannot be one array's shards, or ``None``."""
+    meshes = [s.mesh for s in shardings]
+    if len(rows) < 2:
+        return None
+    if len(set(rows)) > 1:
+        return f"its stages hold different numbers of rows ({rows})"
+    if len({m.device_ids.tobytes() for m in meshes}) < len(meshes):
+        return "several of its stages run on one mesh (interleaved stages)"
+    if len({(m.axis_names, m.devices.shape) for m in meshes}) > 1:
+        return "its stages' meshes differ in shape"
+    if len({s.spec for s in shardings}) > 1:
+        return "its pieces are sharded differently on their meshes"
+    return None
+
+
+def stacked_sharding(shardings: list[NamedSharding], axis: int, ndim: int, rows: list[int]):
+    """The sharding of one array whose shards along ``axis`` are pieces with
+    ``shardings`` (one per stage), or ``None`` where none can be (see
+    :func:`stacked_layout_problem`)."""
+    if stacked_layout_problem(shardings, rows) is not None:
+        return None
+    if len(shardings) == 1:
+        return shardings[0]
+    spec = list(shardings[0].spec) + [None] * (ndim - len(shardings[0].spec))
+    spec[axis] = (STAGES_AXIS, *axes_of(spec[axis])) if spec[axis] is not None else STAGES_AXIS
+    return NamedSharding(_stacked_mesh([s.mesh for s in shardings]), PartitionSpec(*spec))
+
+
+class Pieces:
+    """How a program's inputs and outputs relate to the caller's flat arguments and
+    results (``Program.in_pieces``/``out_pieces``), given each input's and output's sharding."""
+
+    def __init__(self, program, in_shardings, out_shardings, n_args: int, n_results: int):
+        self.in_groups = _groups(program.in_pieces, len(in_shardings), n_args)
+        self.out_groups = _groups(program.out_pieces, len(out_shardings), n_results)
+        self.trivial_in = program.in_pieces is None or all(len(g) == 1 for g in self.in_groups)
+        self.arg_shardings = [_joined(g, in_shardings) for g in self.in_groups]
+        self.result_shardings = [_joined(g, out_shardings) for g in self.out_groups]
+        self._in_shardings = in_shardings
+
+    def problems(self, paths) -> list[tuple[str, str]]:
+        """``(argument path, why)`` for each stacked argument that is not one array over the
+        stage meshes (it is cut and moved on every call)."""
+        out = []
+        for group, path in zip(self.in_groups, paths):
+            if len(group) > 1:
+                rows = [hi - lo for _, (_, lo, hi) in group]
+                why = stacked_layout_problem([self._in_shardings[k] for k, _ in group], rows)
+                if why is not None:
+                    out.append((path, why))
+        return out
+
+    def per_argument(self, values) -> list:
+        """Of one value per program input, the first of each caller's argument."""
+        return [values[group[0][0]] for group in self.in_groups]
+
+    def arguments(self, leaves, here) -> list:
+        """One value per program input, from the caller's flat arguments (``None`` for
+        inputs not ``here``: on other processes' meshes)."""
+        if self.trivial_in:
+            return leaves
+        out = [None] * sum(map(len, self.in_groups))
+        for group, sharding, x in zip(self.in_groups, self.arg_shardings, leaves):
+            if len(group) == 1:  # (the whole array, or its one stage's rows: all of them)
+                out[group[0][0]] = x
+                continue
+            own = isinstance(x, jax.Array) and isinstance(sharding, NamedSharding) and (
+                x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+            )
+            for k, (axis, lo, hi) in group:
+                if not here[k]:
+                    continue
+                target = self._in_shardings[k]
+                out[k] = _own_piece(x, target, axis, lo, hi) if own else _rows(x, axis, lo, hi)
+        return out
+
+    def results(self, values) -> list:
+        """The caller's flat results from one value per program output."""
+        out = []
+        for group, sharding in zip(self.out_groups, self.result_shardings):
+            if len(group) == 1:
+                out.append(values[group[0][0]])
+                continue
+            pieces = [values[k] for k, _ in group]
+            axis = group[0][1][0]
+            out.append(_assembled(pieces, sharding, axis))
+        return out
+
+
+def _groups(pieces: tuple[Piece, ...] | None, count: int, leaves: int) -> list[list]:
+    """Per caller leaf, ``[(program position, rows or None), ...]``."""
+    if pieces is None:
+        return [[(k, None)] for k in range(count)]
+    groups: list[list] = [[] for _ in range(leaves)]
+    for k, piece in enumerate(pieces):
+        groups[piece.leaf].append((k, piece.rows))
+    return groups
+
+
+def _joined(group, shardings):
+    """The sharding of the caller's leaf whose pieces are ``group``."""
+    if len(group) == 1:
+        return shardings[group[0][0]]
+    axis, _, _ = group[0][1]
+    rows = [hi - lo for _, (_, lo, hi) in group]
+    own = [shardings[k] for k, _ in group]
+    joined = stacked_sharding(own, axis, max(len(own[0].spec), axis + 1), rows)
+    return joined if joined is not None else own[0]
+
+
+def _own_piece(x: jax.Array, target: NamedSharding, axis: int, lo: int, hi: int):
+    """Rows ``lo:hi`` of ``x``, whose shards on ``target``'s devices are exactly them."""
+    devices = set(target.mesh.devices.flat)
+    shards = [s.data for s in x.addressable_shards if s.device in devices]
+    shape = list(x.shape)
+    shape[axis] = hi - lo
+    return jax.make_array_from_single_device_arrays(tuple(shape), target, shards)
+
+
+def _rows(x, axis: int, lo: int, hi: int):
+    index = (slice(None),) * axis + (slice(lo, hi),)
+    return x[index]
+
+
+def _assembled(pieces, sharding, axis: int):
+    """One array from ``pieces`` (rows along ``axis``, in order)."""
+    if sharding.mesh.axis_names[0] == STAGES_AXIS:
+        shape = list(pieces[0].shape)
+        shape[axis] = sum(p.shape[axis] for p in pieces)
+        shards = [s.data for p in pieces for s in p.addressable_shards]
+        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
+    moved = [jax.device_put(p, pieces[0].sharding) for p in pieces]
+    return jax.numpy.concatenate(moved, axis=axis)

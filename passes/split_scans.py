@@ -1,0 +1,162 @@
+"""``split-scans``: cut each scan over a layer stack into one scan per stage.
+
+A ``scan`` whose body holds ``mpmdc.stage(h, every=k)`` runs group ``g`` of its
+iterations (:func:`mpmdc.ir.layers.scan_split`) in stage ``first + g``. This pass
+replaces it by one scan per group, in the order the original runs them (descending
+for a ``reverse`` scan, as the transposed scan of a gradient is): the carry is handed
+from group to group, the loop-invariant operands are read by every group, each
+per-iteration operand is sliced to the group's rows, and each per-iteration result is
+the concatenation of the groups' results. Each new scan is placed in its stage (its
+``every=`` markers removed, so all groups share one body), which ``partition`` takes as
+a seed, as it takes a marker; and the carry is marked where it crosses stages, with
+``stage`` markers as ``mpmdc.stage(h, s)`` between per-stage scans would mark it: on
+entering a forward group, on leaving a transposed one.
+
+Slices of a value concatenated from the same groups, such as the forward's stacked
+residuals read by the transposed scan, are left for ``slice-stacks`` to cancel, so each
+group's residuals stay on its stage's mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
+from mpmdc.passes.base import register
+
+from mpmdc import _jax_compat as compat
+from mpmdc.errors import StageError
+from mpmdc.ir.layers import ScanSplit, layer_markers, scan_split, without_layer_markers
+from mpmdc.ir.primitives import is_layer_marker, stage_p
+from mpmdc.ir.program import (
+    Placement,
+    Program,
+    find_eqns,
+    fresh_like,
+    make_closed_jaxpr,
+    placed,
+)
+
+
+def slice_rows(x, lo: int, hi: int, like, axis: int = 0):
+    """``(equation, result)``: rows ``lo:hi`` of ``x`` along ``axis`` (``like``: an
+    equation whose source line and context the new one takes)."""
+    shape = list(x.aval.shape)
+    start, limit = [0] * len(shape), list(shape)
+    start[axis], limit[axis] = lo, hi
+    shape[axis] = hi - lo
+    out = compat.Var(x.aval.update(shape=tuple(shape)))
+    params = dict(start_indices=tuple(start), limit_indices=tuple(limit), strides=None)
+    eqn = jcore.new_jaxpr_eqn(
+        [x], [out], jax.lax.slice_p, params, jcore.no_effects, like.source_info, like.ctx
+    )
+    return placed(eqn, None), out
+
+
+def concatenated(pieces, out, like, axis: int = 0):
+    """The equation defining ``out`` as ``pieces`` joined along ``axis``."""
+    eqn = jcore.new_jaxpr_eqn(
+        list(pieces),
+        [out],
+        jax.lax.concatenate_p,
+        {"dimension": axis},
+        jcore.no_effects,
+        like.source_info,
+        like.ctx,
+    )
+    return placed(eqn, None)
+
+
+def _marker(operands, outvars, stage: int, transpose: int, like):
+    """A ``stage`` marker equation defining ``outvars`` as ``operands``."""
+    params = {"stage": stage, "transpose": transpose}
+    eqn = jcore.new_jaxpr_eqn(
+        list(operands), list(outvars), stage_p, params, jcore.no_effects, like.source_info, like.ctx
+    )
+    return placed(eqn, None)
+
+
+def _split(eqn, split: ScanSplit) -> list:
+    """The equations replacing the scan ``eqn``: slices, one scan per group, concatenations."""
+    p = eqn.params
+    for nested in find_eqns(p["jaxpr"].jaxpr.eqns, lambda e: e.primitive is jprims.scan_p):
+        inner = layer_markers(nested)
+        if inner:
+            raise StageError(
+                f"mpmdc.stage(..., every=...) at {compat.source_line(inner[0])} is in a scan "
+                f"nested in the scan at {compat.source_line(eqn)}, which is cut into stages "
+                f"too; mark the iterations of one scan (the one over layers) only."
+            )
+    body = jcore.ClosedJaxpr(without_layer_markers(p["jaxpr"].jaxpr), p["jaxpr"].consts)
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = eqn.invars[:n_consts]
+    carry = list(eqn.invars[n_consts : n_consts + n_carry])
+    xs = eqn.invars[n_consts + n_carry :]
+    carry_out, ys_out = eqn.outvars[:n_carry], eqn.outvars[n_carry:]
+    groups = range(len(split.bounds) - 1)
+    pieces: list[list] = [[None] * len(groups) for _ in ys_out]
+    out = []
+    entering = split.transpose % 2 == 0
+    for g in reversed(groups) if p["reverse"] else groups:
+        lo, hi = split.bounds[g], split.bounds[g + 1]
+        stage = split.first + g
+        xs_g = []
+        for x in xs:
+            slicing, piece = slice_rows(x, lo, hi, eqn)
+            out.append(slicing)
+            xs_g.append(piece)
+        if entering and carry:  # (the carry enters the group's stage, as stage(h, s) says)
+            marked = [fresh_like(v) for v in carry]
+            out.append(_marker(carry, marked, stage, split.transpose, eqn))
+            carry = marked
+        last = g == (groups[0] if p["reverse"] else groups[-1])
+        leaving = list(carry_out) if last else [fresh_like(v) for v in carry_out]
+        carry_g = [fresh_like(v) for v in carry_out] if not entering else leaving
+        ys_g = []
+        for k, y in enumerate(ys_out):
+            shape = (hi - lo, *y.aval.shape[1:])
+            piece = (
+                fresh_like(y)
+                if isinstance(y, jcore.DropVar)
+                else compat.Var(y.aval.update(shape=shape))
+            )
+            pieces[k][g] = piece
+            ys_g.append(piece)
+        scan = eqn.replace(
+            invars=[*consts, *carry, *xs_g],
+            outvars=[*carry_g, *ys_g],
+            params={**p, "length": hi - lo, "jaxpr": body},
+        )
+        out.append(placed(scan, Placement(stage, split.transpose)))
+        if not entering and carry_g:  # (the cotangent leaves the group's stage's backward)
+            out.append(_marker(carry_g, leaving, stage, split.transpose, eqn))
+        carry = leaving
+    for y, ys in zip(ys_out, pieces):
+        if not isinstance(y, jcore.DropVar):
+            out.append(concatenated(ys, y, eqn))
+    return out
+
+
+@register("split-scans", "cut scans marked with stage(every=...) into one scan per stage")
+def split_scans(program: Program) -> Program:
+    """Replace every top-level scan holding ``every=`` markers by one scan per stage."""
+    closed = program.jaxpr
+    eqns, changed = [], False
+    for eqn in closed.jaxpr.eqns:
+        if is_layer_marker(eqn):
+            raise StageError(
+                f"mpmdc.stage(..., every={eqn.params['every']!r}) at "
+                f"{compat.source_line(eqn)} is not inside a scan: `every=` numbers a scan's "
+                f"iterations. Call it first thing in the scan's body, or give a stage index "
+                f"outside one."
+            )
+        split = scan_split(eqn) if eqn.primitive is jprims.scan_p else None
+        eqns.extend([eqn] if split is None else _split(eqn, split))
+        changed |= split is not None
+    if not changed:
+        return program
+    jaxpr = closed.jaxpr
+    new = make_closed_jaxpr(
+        jaxpr.constvars, closed.consts, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
+    )
+    return program.replace(jaxpr=new)
