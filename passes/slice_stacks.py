@@ -15,6 +15,8 @@ result each input or output is, for the runtime to hand over and assemble.
 
 from __future__ import annotations
 
+import itertools
+
 from jax.extend.core import primitives as jprims
 from mpmdc.passes.base import register
 
@@ -59,8 +61,9 @@ def _is_stage_concatenation(eqn, producers) -> bool:
 
 
 def _walk(jaxpr, cut: dict, producers: dict):
-    """One walk: ``(walk, new inputs per original input)`` with the inputs in ``cut`` in pieces."""
-    walk = StackWalk([v for v in jaxpr.invars if v not in cut], producers)
+    """One walk: ``(walk, new inputs per original input)`` with the inputs and running
+    values in ``cut`` in pieces."""
+    walk = StackWalk(jaxpr.eqns, cut)
     first_reader = {}
     for eqn in reversed(jaxpr.eqns):
         first_reader.update((a, eqn) for a in vars_of(eqn.invars))
@@ -72,7 +75,7 @@ def _walk(jaxpr, cut: dict, producers: dict):
         axis, bounds = cut[v]
         shape = list(v.aval.shape)
         pieces = []
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             shape[axis] = hi - lo
             pieces.append(compat.Var(v.aval.update(shape=tuple(shape))))
         walk.stacked(v, axis, bounds, pieces, first_reader[v])
@@ -107,14 +110,14 @@ def slice_stacks(program: Program) -> Program:
     cut = _cut_inputs(jaxpr, producers)
     if not cut and not any(_is_stage_concatenation(e, producers) for e in jaxpr.eqns):
         return program
-    # Work reading an input whole beside a stacked value (an optimizer state beside a
-    # gradient) asks for it in pieces; a walk with more inputs in pieces may ask for more.
-    for _ in range(len(jaxpr.invars) + 1):
+    # Work reading a value whole beside a stacked one (an optimizer state beside a
+    # gradient) asks for it in pieces; a walk with more in pieces may ask for more (what
+    # computed it). Each walk asks for new values or is the last.
+    while True:
         walk, new_inputs = _walk(jaxpr, cut, producers)
-        asked = {v: layout for v, layout in walk.demands.items() if v not in cut}
-        if not asked:
+        if not walk.demands:
             break
-        cut.update(asked)
+        cut.update(walk.demands)
     invars, in_pieces, in_specs, in_paths, donated = [], [], [], [], []
     for i, v in enumerate(jaxpr.invars):
         pieces = new_inputs[v]
@@ -123,7 +126,9 @@ def slice_stacks(program: Program) -> Program:
         for rows in spans:
             in_pieces.append(Piece(i, rows))
             in_specs.append(program.in_specs[i])
-            in_paths.append(program.in_paths[i] if rows is None else _rows_text(program.in_paths[i], *rows))
+            in_paths.append(
+                program.in_paths[i] if rows is None else _rows_text(program.in_paths[i], *rows)
+            )
             donated.append(program.donated[i])
     outvars, out_pieces, out_specs, out_paths, wanted = [], [], [], [], []
     for i, v in enumerate(substituted(jaxpr.outvars, walk.env)):
@@ -134,7 +139,9 @@ def slice_stacks(program: Program) -> Program:
             outvars.append(piece)
             out_pieces.append(Piece(i, rows))
             out_specs.append(program.out_specs[i])
-            out_paths.append(program.out_paths[i] if rows is None else _rows_text(program.out_paths[i], *rows))
+            out_paths.append(
+                program.out_paths[i] if rows is None else _rows_text(program.out_paths[i], *rows)
+            )
             if program.wanted_out_meshes is not None:
                 wanted.append(program.wanted_out_meshes[i])
     debug = jaxpr.debug_info._replace(arg_names=tuple(in_paths), result_paths=tuple(out_paths))
@@ -156,4 +163,4 @@ def slice_stacks(program: Program) -> Program:
 
 def _spans(layout) -> list:
     axis, bounds = layout
-    return [(axis, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    return [(axis, lo, hi) for lo, hi in itertools.pairwise(bounds)]

@@ -466,7 +466,10 @@ def format_program(program: Program) -> str:
     for i, eqn in enumerate(jaxpr.eqns):
         text = compat.pp_eqn(eqn, ctx, settings).format()
         # (Before ``partition`` only the scans ``split-scans`` cut are placed.)
-        p = placements[i] if placements is not None else placement_of(eqn)
+        if placements is not None:
+            p = placements[i]
+        else:
+            p = placement_of(eqn) if program.in_meshes is None else None
         if p is not None:
             prefix = f"  [{p.label} @mesh{program.mesh_of_stage(p.stage)}] "
         else:

@@ -9,7 +9,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpmdc.errors import SpecError
 
-
 # The leading axis of the mesh a stacked array held in per-stage pieces is sharded on
 # (``mpmdc.runtime.pieces``): it runs over the stage meshes.
 STAGES_AXIS = "stages"

@@ -13,6 +13,7 @@ still reads the whole array; ``dce`` drops what nothing reads.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 
 from mpmdc import _jax_compat as compat
+from mpmdc.ir.primitives import LoopEdge, is_loop_edge, loop_edge_p
 from mpmdc.ir.program import is_var, placed
 
 
@@ -51,17 +53,33 @@ def _eqn(primitive, invars, outvars, params, like):
 
 class StackWalk:
     """The state of one walk over a program's equations: what is stacked (``stacks``),
-    the equations written so far (``eqns``), renamings (``env``) and the program inputs
-    that work on a stack read whole (``demands``: input -> (axis, bounds)), which the
-    next walk takes in pieces."""
+    the equations written so far (``eqns``) and renamings (``env``).
 
-    def __init__(self, inputs, producers: dict):
-        self.inputs = set(inputs)  # program inputs not held in pieces
-        self.producers = producers  # variable -> the original equation defining it
+    Values that work on a stack reads whole (an optimizer state beside a gradient, the
+    running sum of a gradient in an ``accumulate`` loop, work computing such values) are
+    ``demands`` (variable -> (axis, bounds)); the next walk takes what it can of them in
+    pieces where they begin (``wanted``): program inputs, running values, and the results
+    of work a rule runs per piece."""
+
+    def __init__(self, eqns, wanted: dict):
+        self.producers = {v: e for e in eqns for v in e.outvars}
+        self.wanted = wanted
         self.stacks: dict = {}
         self.eqns: list = []
         self.env: dict = {}
         self.demands: dict = {}
+        # (carry number, piece) -> the carry number of that piece's running value
+        numbers = [e.params["carry"] for e in eqns if is_loop_edge(e)]
+        self._next_carry = max(numbers, default=-1) + 1
+        self.carry_numbers: dict = {}
+        self.split_carries: dict = {}  # carry number -> layout, for carries held in pieces
+
+    def carry_number(self, carry: int, piece: int) -> int:
+        """The carry number of ``piece`` of the running value numbered ``carry``."""
+        if (carry, piece) not in self.carry_numbers:
+            self.carry_numbers[carry, piece] = self._next_carry
+            self._next_carry += 1
+        return self.carry_numbers[carry, piece]
 
     def stack_of(self, atom) -> Stack | None:
         """The stack ``atom`` is held as, or ``None``."""
@@ -83,11 +101,11 @@ class StackWalk:
         found = self.stack_of(atom)
         if found is not None and found.layout() == layout:
             return list(found.pieces)
-        if atom in self.inputs:
+        if atom not in self.wanted:
             self.demands.setdefault(atom, layout)
         made = self.producers.get(atom)
         out = []
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             piece = compat.Var(_piece_aval(atom.aval, axis, hi - lo))
             if (
                 made is not None
@@ -101,7 +119,7 @@ class StackWalk:
                 start[axis] = lo
                 params = {
                     "start_indices": tuple(start),
-                    "limit_indices": piece.aval.shape[:axis] + (hi,) + piece.aval.shape[axis + 1 :],
+                    "limit_indices": (*piece.aval.shape[:axis], hi, *piece.aval.shape[axis + 1 :]),
                     "strides": None,
                 }
                 self.emit(_eqn(jax.lax.slice_p, [atom], [piece], params, like))
@@ -122,10 +140,8 @@ def _elementwise(eqn, walk: StackWalk) -> bool:
         found.layout()
         for a in eqn.invars
         if (found := walk.stack_of(a)) is not None and a.aval.shape == shape
-    ]
-    if not layouts or any(
-        a.aval.shape not in ((), shape) for a in eqn.invars
-    ):
+    ] + [walk.wanted[v] for v in eqn.outvars if v in walk.wanted]
+    if not layouts or any(a.aval.shape not in ((), shape) for a in eqn.invars):
         return False
     layout = layouts[0]
     axis, bounds = layout
@@ -134,7 +150,7 @@ def _elementwise(eqn, walk: StackWalk) -> bool:
         for a in eqn.invars
     ]
     outs = [[] for _ in eqn.outvars]
-    for g, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         piece_out = [compat.Var(_piece_aval(v.aval, axis, hi - lo)) for v in eqn.outvars]
         walk.emit(_eqn(eqn.primitive, [ops[g] for ops in operands], piece_out, eqn.params, eqn))
         for k, v in enumerate(piece_out):
@@ -186,41 +202,55 @@ def _reduction(eqn, walk: StackWalk) -> bool:
     return True
 
 
-def _transpose(eqn, walk: StackWalk) -> bool:
-    found = walk.stack_of(eqn.invars[0])
-    if found is None:
+def _moving_axes(eqn, walk: StackWalk, out_axis_of, operand_axis_of) -> bool:
+    """A one-operand equation that moves axes (``transpose``, ``broadcast_in_dim``), run
+    per piece of its stacked operand, or of its wanted result: ``out_axis_of(a)`` is the
+    result's axis of operand axis ``a``, ``operand_axis_of(r)`` the operand's axis of
+    result axis ``r`` (``None``: the result's rows along ``r`` repeat the operand)."""
+    (x,), (out,) = eqn.invars, eqn.outvars
+    found = walk.stack_of(x)
+    if found is not None:
+        axis, bounds = found.layout()
+        operands, axis = list(found.pieces), out_axis_of(axis)
+    elif out in walk.wanted:
+        axis, bounds = walk.wanted[out]
+        from_axis = operand_axis_of(axis)
+        if from_axis is None:
+            operands = [x] * (len(bounds) - 1)
+        elif x.aval.shape[from_axis] == out.aval.shape[axis]:
+            operands = walk.pieces_of(x, (from_axis, bounds), eqn)
+        else:
+            return False
+    else:
         return False
-    axis, bounds = found.layout()
-    new_axis = eqn.params["permutation"].index(axis)
     pieces = []
-    for piece, lo, hi in zip(found.pieces, bounds, bounds[1:]):
-        result = compat.Var(_piece_aval(eqn.outvars[0].aval, new_axis, hi - lo))
-        walk.emit(_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
+    for operand, lo, hi in zip(operands, bounds, bounds[1:]):
+        result = compat.Var(_piece_aval(out.aval, axis, hi - lo))
+        params = dict(eqn.params)
+        if "shape" in params:
+            params["shape"] = result.aval.shape
+        walk.emit(_eqn(eqn.primitive, [operand], [result], params, eqn))
         pieces.append(result)
-    walk.stacked(eqn.outvars[0], new_axis, bounds, pieces, eqn)
+    walk.stacked(out, axis, bounds, pieces, eqn)
     return True
+
+
+def _transpose(eqn, walk: StackWalk) -> bool:
+    permutation = eqn.params["permutation"]
+    return _moving_axes(eqn, walk, permutation.index, permutation.__getitem__)
 
 
 def _broadcast(eqn, walk: StackWalk) -> bool:
-    found = walk.stack_of(eqn.invars[0])
-    if found is None:
-        return False
-    axis, bounds = found.layout()
-    new_axis = eqn.params["broadcast_dimensions"][axis]
-    pieces = []
-    for piece, lo, hi in zip(found.pieces, bounds, bounds[1:]):
-        result = compat.Var(_piece_aval(eqn.outvars[0].aval, new_axis, hi - lo))
-        params = {**eqn.params, "shape": result.aval.shape}
-        walk.emit(_eqn(eqn.primitive, [piece], [result], params, eqn))
-        pieces.append(result)
-    walk.stacked(eqn.outvars[0], new_axis, bounds, pieces, eqn)
-    return True
+    dims = eqn.params["broadcast_dimensions"]
+    return _moving_axes(eqn, walk, dims.__getitem__, lambda r: dims.index(r) if r in dims else None)
 
 
 def group_rows(eqn) -> tuple[int, int, int] | None:
     """``(axis, lo, hi)`` for a ``slice`` taking rows ``lo:hi`` along one axis, all of the
     others, with unit strides; else ``None``."""
-    if eqn.primitive is not jprims.slice_p or any(s not in (None, 1) for s in eqn.params["strides"] or ()):
+    if eqn.primitive is not jprims.slice_p or any(
+        s not in (None, 1) for s in eqn.params["strides"] or ()
+    ):
         return None
     shape = eqn.invars[0].aval.shape
     start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
@@ -244,6 +274,32 @@ def _slice(eqn, walk: StackWalk) -> bool:
     return True
 
 
+def _loop_edge(eqn, walk: StackWalk) -> bool:
+    """A running value wanted in pieces starts as one carry per piece (from its start
+    value's pieces) and ends as one result per piece."""
+    edge, carry = eqn.params["edge"], eqn.params["carry"]
+    (out,) = eqn.outvars
+    if edge is LoopEdge.CARRY:
+        layout = walk.wanted.get(out)
+        if layout is not None:
+            walk.split_carries[carry] = layout
+    elif edge is LoopEdge.RESULT:
+        layout = walk.split_carries.get(carry)
+    else:
+        return False
+    if layout is None:
+        return False
+    axis, bounds = layout
+    pieces = []
+    for g, operand in enumerate(walk.pieces_of(eqn.invars[0], layout, eqn)):
+        piece = compat.Var(_piece_aval(out.aval, axis, bounds[g + 1] - bounds[g]))
+        params = {**eqn.params, "carry": walk.carry_number(carry, g)}
+        walk.emit(_eqn(loop_edge_p, [operand], [piece], params, eqn))
+        pieces.append(piece)
+    walk.stacked(out, axis, bounds, pieces, eqn)
+    return True
+
+
 ELEMENTWISE = (
     "abs acos acosh add add_jaxvals and asin asinh atan atan2 atanh cbrt ceil clamp "
     "convert_element_type copy cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt "
@@ -258,3 +314,4 @@ for _primitive in _COMBINE:
 STACK_RULES[jprims.transpose_p] = _transpose
 STACK_RULES[jprims.broadcast_in_dim_p] = _broadcast
 STACK_RULES[jprims.slice_p] = _slice
+STACK_RULES[loop_edge_p] = _loop_edge

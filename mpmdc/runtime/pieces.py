@@ -95,8 +95,10 @@ class Pieces:
             if len(group) == 1:  # (the whole array, or its one stage's rows: all of them)
                 out[group[0][0]] = x
                 continue
-            own = isinstance(x, jax.Array) and isinstance(sharding, NamedSharding) and (
-                x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+            own = (
+                isinstance(x, jax.Array)
+                and isinstance(sharding, NamedSharding)
+                and (x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim))
             )
             for k, (axis, lo, hi) in group:
                 if not here[k]:

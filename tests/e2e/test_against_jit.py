@@ -175,4 +175,4 @@ def test_a_marker_inside_a_scan_over_layers_names_its_line_and_the_pattern_that_
         mpmdc.compile(jax.grad(loss), meshes2).lower(jnp.ones((4, 8, 8)), jnp.ones((4, 8)))
     message = str(err.value)
     assert "test_against_jit.py" in message and "loss.<locals>.layer)" in message
-    assert "Python loop over the stages" in message and "Layer stacks" in message
+    assert "mpmdc.stage(h, every=k)" in message and "one scan per stage" in message

@@ -106,6 +106,23 @@ def marker_in_scan(w, x):
     return jax.lax.scan(lambda c, _: (mpmdc.stage(c @ w, 1), None), x, None, length=2)[0].sum()
 
 
+def traced_stage_in_scan(w, x):
+    def layer(c, i):
+        return mpmdc.stage(c @ w, i // 2), None
+
+    return jax.lax.scan(layer, x, jnp.arange(4))[0].sum()
+
+
+def every_not_dividing(w, x):
+    return jax.lax.scan(lambda c, _: (mpmdc.stage(c, every=2) @ w, None), x, None, length=3)[
+        0
+    ].sum()
+
+
+def every_outside_a_scan(w, x):
+    return (mpmdc.stage(x, every=2) @ w).sum()
+
+
 def cli_fails(world, *argv, status):
     code = cli_main(list(argv))
     assert code == status
@@ -183,8 +200,27 @@ MISTAKES = [
     Mistake(
         "a stage marker inside a scan body",
         errors.PlacementError,
-        r"runs inside `(scan|while)` \(at .*Python loop over the stages",
+        r"runs inside `(scan|while)` \(at .*mpmdc.stage\(h, every=k\)",
         lambda w: lower(marker_in_scan, w),
+    ),
+    Mistake(
+        "a stage index computed from a scan's iteration",
+        errors.StageError,
+        r"test_bad_input_catalog.py:\d+.*traced value.*every=k",
+        lambda w: lower(traced_stage_in_scan, w),
+    ),
+    Mistake(
+        "every= that does not divide the scan's length",
+        errors.StageError,
+        r"every=2\) at .*the scan at .*\(length 3\) does not split into groups of 2.*"
+        r"every=\(2, 1\)",
+        lambda w: lower(every_not_dividing, w),
+    ),
+    Mistake(
+        "every= outside a scan",
+        errors.StageError,
+        r"every=2\) at .*is not inside a scan",
+        lambda w: lower(every_outside_a_scan, w),
     ),
     # specs and arguments
     Mistake(

@@ -60,6 +60,8 @@ def test_as_text_is_identical_across_compilations(meshes4):
     assert a.stages == (
         "input",
         "after-inline",
+        "after-split-scans",
+        "after-slice-stacks",
         "after-cond-fission",
         "after-dce",
         "after-partition",

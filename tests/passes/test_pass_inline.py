@@ -109,7 +109,7 @@ def marker_in_cond(x):
 @pytest.mark.parametrize(
     "fn,where,advice",
     [
-        (marker_in_scan, "inside `scan`", "write a Python loop over the stages"),
+        (marker_in_scan, "inside `scan`", "write mpmdc.stage(h, every=k) in its body"),
         (marker_in_cond, "inside `cond`", "Move mpmdc.stage(...) before or after the `cond`"),
     ],
 )
