@@ -15,19 +15,20 @@ result each input or output is, for the runtime to hand over and assemble.
 
 from __future__ import annotations
 
-import itertools
+import warnings
 
 from jax.extend.core import primitives as jprims
 from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
+from mpmdc.errors import PlacementWarning
 from mpmdc.ir.program import Piece, Program, make_closed_jaxpr, placement_of, substituted, vars_of
-from mpmdc.ir.stack_rules import STACK_RULES, Stack, StackWalk, group_rows
+from mpmdc.ir.stack_rules import STACK_RULES, Layout, Stack, StackWalk, group_rows
 
 
 def _cut_inputs(jaxpr, producers) -> dict:
     """Program inputs read as rows by the per-stage scans of ``split-scans``, whose row
-    spans along one axis tile the input: input -> (axis, bounds)."""
+    spans along one axis tile the input: input -> :class:`Layout`."""
     readers: dict = {}
     for eqn in jaxpr.eqns:
         for a in vars_of(eqn.invars):
@@ -35,29 +36,52 @@ def _cut_inputs(jaxpr, producers) -> dict:
     spans: dict = {}
     for eqn in jaxpr.eqns:
         rows = group_rows(eqn)
-        (x,) = eqn.invars if eqn.primitive is jprims.slice_p else (None,)
-        if rows is None or x not in readers or x in producers:
+        if rows is None or eqn.invars[0] in producers:
             continue
-        if all(placement_of(r) is not None for r in readers.get(eqn.outvars[0], [None])):
-            spans.setdefault((x, rows[0]), set()).add(rows[1:])
+        stages = {placement_of(r) for r in readers.get(eqn.outvars[0], [])}
+        if len(stages) == 1 and None not in stages:
+            stage = stages.pop().stage
+            spans.setdefault((eqn.invars[0], rows[0]), {})[rows[1:]] = stage
     out = {}
     for (x, axis), found in spans.items():
         ordered = sorted(found)
-        bounds = [ordered[0][0]]
+        bounds = [0]
         for lo, hi in ordered:
             if lo != bounds[-1]:
                 break
             bounds.append(hi)
-        if len(bounds) == len(ordered) + 1 and bounds[0] == 0 and bounds[-1] == x.aval.shape[axis]:
-            out.setdefault(x, (axis, tuple(bounds)))
+        if len(bounds) == len(ordered) + 1 and bounds[-1] == x.aval.shape[axis]:
+            out.setdefault(x, Layout(axis, tuple(bounds), tuple(found[r] for r in ordered)))
     return out
 
 
-def _is_stage_concatenation(eqn, producers) -> bool:
-    """A concatenation of results of the per-stage scans (which ``split-scans`` placed)."""
-    return eqn.primitive is jprims.concatenate_p and all(
-        a in producers and placement_of(producers[a]) is not None for a in eqn.invars
-    )
+def _stage_concatenation(eqn, producers) -> Layout | None:
+    """The layout of a concatenation of results of the per-stage scans (which
+    ``split-scans`` placed), or ``None`` for any other equation."""
+    if eqn.primitive is not jprims.concatenate_p:
+        return None
+    made = [producers.get(a) for a in eqn.invars]
+    if any(m is None or placement_of(m) is None for m in made):
+        return None
+    axis = eqn.params["dimension"]
+    bounds = [0]
+    for a in eqn.invars:
+        bounds.append(bounds[-1] + a.aval.shape[axis])
+    return Layout(axis, tuple(bounds), tuple(placement_of(m).stage for m in made))
+
+
+def layout_problem(program: Program, layout: Layout) -> str | None:
+    """Why a value cut by ``layout`` cannot be one array whose shards are its pieces on
+    their stages' meshes (see :mod:`mpmdc.runtime.pieces`), or ``None`` if it can be."""
+    meshes = [program.meshes[program.mesh_of_stage(s)] for s in layout.stages]
+    rows = [hi - lo for _, lo, hi in layout.spans()]
+    if len(set(rows)) > 1:
+        return f"its stages hold different numbers of rows ({rows})"
+    if len({id(m) for m in meshes}) < len(meshes):
+        return "several of its stages run on one mesh (interleaved stages)"
+    if len({(m.axis_names, m.devices.shape) for m in meshes}) > 1:
+        return "its stages' meshes differ in shape"
+    return None
 
 
 def _walk(jaxpr, cut: dict, producers: dict):
@@ -72,30 +96,30 @@ def _walk(jaxpr, cut: dict, producers: dict):
         if v not in cut:
             new_inputs[v] = [v]
             continue
-        axis, bounds = cut[v]
-        shape = list(v.aval.shape)
-        pieces = []
-        for lo, hi in itertools.pairwise(bounds):
-            shape[axis] = hi - lo
-            pieces.append(compat.Var(v.aval.update(shape=tuple(shape))))
-        walk.stacked(v, axis, bounds, pieces, first_reader[v])
+        layout = cut[v]
+        pieces = [
+            compat.Var(v.aval.update(shape=_rows_shape(v.aval.shape, layout.axis, hi - lo)))
+            for _, lo, hi in layout.spans()
+        ]
+        walk.stacked(v, layout, pieces, first_reader[v])
         new_inputs[v] = pieces
     for eqn in jaxpr.eqns:
         invars = substituted(eqn.invars, walk.env)
         if any(a is not b for a, b in zip(invars, eqn.invars)):
             eqn = eqn.replace(invars=invars)
-        if _is_stage_concatenation(eqn, producers):
-            axis = eqn.params["dimension"]
-            bounds = [0]
-            for a in eqn.invars:
-                bounds.append(bounds[-1] + a.aval.shape[axis])
-            walk.stacks[eqn.outvars[0]] = Stack(axis, tuple(bounds), tuple(eqn.invars))
+        layout = _stage_concatenation(eqn, producers)
+        if layout is not None:
+            walk.stacks[eqn.outvars[0]] = Stack(layout, tuple(eqn.invars))
             walk.emit(eqn)
             continue
         rule = STACK_RULES.get(eqn.primitive)
         if rule is None or not rule(eqn, walk):
             walk.emit(eqn)
     return walk, new_inputs
+
+
+def _rows_shape(shape, axis: int, rows: int) -> tuple:
+    return (*shape[:axis], rows, *shape[axis + 1 :])
 
 
 def _rows_text(path: str, axis: int, lo: int, hi: int) -> str:
@@ -108,16 +132,24 @@ def slice_stacks(program: Program) -> Program:
     jaxpr = program.jaxpr.jaxpr
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
     cut = _cut_inputs(jaxpr, producers)
-    if not cut and not any(_is_stage_concatenation(e, producers) for e in jaxpr.eqns):
+    if not cut and not any(_stage_concatenation(e, producers) for e in jaxpr.eqns):
         return program
+    paths = dict(zip(jaxpr.invars, program.in_paths))
+    whole = set()  # inputs whose pieces cannot make one array: they stay whole
     # Work reading a value whole beside a stacked one (an optimizer state beside a
     # gradient) asks for it in pieces; a walk with more in pieces may ask for more (what
     # computed it). Each walk asks for new values or is the last.
     while True:
+        for v in [v for v in cut if v in paths and v not in whole]:
+            if (why := layout_problem(program, cut[v])) is not None:
+                _warn(paths[v], "argument", why)
+                whole.add(v)
+        cut = {v: layout for v, layout in cut.items() if v not in whole}
         walk, new_inputs = _walk(jaxpr, cut, producers)
-        if not walk.demands:
+        asked = {v: layout for v, layout in walk.demands.items() if v not in whole}
+        if not asked:
             break
-        cut.update(walk.demands)
+        cut.update(asked)
     invars, in_pieces, in_specs, in_paths, donated = [], [], [], [], []
     for i, v in enumerate(jaxpr.invars):
         pieces = new_inputs[v]
@@ -132,9 +164,12 @@ def slice_stacks(program: Program) -> Program:
             donated.append(program.donated[i])
     outvars, out_pieces, out_specs, out_paths, wanted = [], [], [], [], []
     for i, v in enumerate(substituted(jaxpr.outvars, walk.env)):
-        found = walk.stacks.get(v)
+        found = walk.stack_of(v)
+        if found is not None and (why := layout_problem(program, found.layout)):
+            _warn(program.out_paths[i], "result", why)
+            found = None
         pieces = [v] if found is None else list(found.pieces)
-        spans = [None] if found is None else _spans(found.layout())
+        spans = [None] if found is None else _spans(found.layout)
         for piece, rows in zip(pieces, spans):
             outvars.append(piece)
             out_pieces.append(Piece(i, rows))
@@ -161,6 +196,16 @@ def slice_stacks(program: Program) -> Program:
     )
 
 
-def _spans(layout) -> list:
-    axis, bounds = layout
-    return [(axis, lo, hi) for lo, hi in itertools.pairwise(bounds)]
+def _spans(layout: Layout) -> list:
+    return [(layout.axis, lo, hi) for _, lo, hi in layout.spans()]
+
+
+def _warn(path: str, what: str, why: str) -> None:
+    warnings.warn(
+        f"{what} {path} is a layer stack cut over stages, but it cannot be one array over "
+        f"the stage meshes: {why}. It is kept whole on one mesh, and each step moves its "
+        f"stages' rows to them and back. Give every stage the same number of layers, one "
+        f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
+        PlacementWarning,
+        stacklevel=1,  # (the message names the argument; no frame of the user's is near)
+    )

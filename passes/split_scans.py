@@ -79,14 +79,6 @@ def _marker(operands, outvars, stage: int, transpose: int, like):
 def _split(eqn, split: ScanSplit) -> list:
     """The equations replacing the scan ``eqn``: slices, one scan per group, concatenations."""
     p = eqn.params
-    for nested in find_eqns(p["jaxpr"].jaxpr.eqns, lambda e: e.primitive is jprims.scan_p):
-        inner = layer_markers(nested)
-        if inner:
-            raise StageError(
-                f"mpmdc.stage(..., every=...) at {compat.source_line(inner[0])} is in a scan "
-                f"nested in the scan at {compat.source_line(eqn)}, which is cut into stages "
-                f"too; mark the iterations of one scan (the one over layers) only."
-            )
     body = jcore.ClosedJaxpr(without_layer_markers(p["jaxpr"].jaxpr), p["jaxpr"].consts)
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts = eqn.invars[:n_consts]
@@ -137,6 +129,24 @@ def _split(eqn, split: ScanSplit) -> list:
     return out
 
 
+def _check_no_layer_markers(eqn, own) -> None:
+    """A ``StageError`` for an ``every=`` marker in ``eqn``'s bodies other than its ``own``
+    (those of the scan ``eqn`` is): in a scan nested in another loop, which cannot be cut
+    into stages."""
+    mine = {id(m) for m in own}
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        found = (m for m in find_eqns(sub.eqns, is_layer_marker) if id(m) not in mine)
+        marker = next(found, None)
+        if marker is not None:
+            raise StageError(
+                f"mpmdc.stage(..., every={marker.params['every']!r}) at "
+                f"{compat.source_line(marker)} is in a scan nested in the "
+                f"`{eqn.primitive.name}` at {compat.source_line(eqn)}; only a scan at the top "
+                f"of the step (or of the microbatch's work) is cut into stages. Mark the "
+                f"iterations of the scan over layers, outside any other loop."
+            )
+
+
 @register("split-scans", "cut scans marked with stage(every=...) into one scan per stage")
 def split_scans(program: Program) -> Program:
     """Replace every top-level scan holding ``every=`` markers by one scan per stage."""
@@ -151,6 +161,10 @@ def split_scans(program: Program) -> Program:
                 f"outside one."
             )
         split = scan_split(eqn) if eqn.primitive is jprims.scan_p else None
+        if split is None:
+            _check_no_layer_markers(eqn, ())
+        else:
+            _check_no_layer_markers(eqn, layer_markers(eqn))
         eqns.extend([eqn] if split is None else _split(eqn, split))
         changed |= split is not None
     if not changed:

@@ -33,6 +33,39 @@ def sgd_step(params, x, y, microbatches=8, schedule="1f1b"):
     return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
 
+def scanned_params(key, layers=8, width=16):
+    """A tanh MLP's stack of ``layers`` square layers, stacked on a leading axis, between an
+    input and an output layer."""
+    k = jax.random.split(key, 3)
+    return {
+        "embed": jax.random.normal(k[0], (16, width)) * 0.3,
+        "layers": jax.random.normal(k[1], (layers, width, width)) * 0.3,
+        "head": jax.random.normal(k[2], (width, 8)) * 0.3,
+    }
+
+
+def scanned_loss(params, x, y, every=2):
+    """Mean squared error of the stack run as one ``scan``, ``every`` layers per stage."""
+
+    def layer(h, w):
+        return jnp.tanh(mpmdc.stage(h, every=every) @ w), None
+
+    h, _ = jax.lax.scan(layer, jnp.tanh(x @ params["embed"]), params["layers"])
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def scanned_sgd_step(params, x, y, microbatches=4, schedule="1f1b"):
+    """``sgd_step`` of the scanned stack."""
+    loss, grads = mpmdc.accumulate(
+        lambda mb: jax.value_and_grad(scanned_loss)(params, *mb),
+        (x, y),
+        microbatches=microbatches,
+        schedule=schedule,
+        reduce="mean",
+    )
+    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+
 def microbatch_mean(loss_fn, params, batch, microbatches):
     """Mean ``value_and_grad`` over leading-axis slices, summed in microbatch order."""
     size = jax.tree_util.tree_leaves(batch)[0].shape[0] // microbatches

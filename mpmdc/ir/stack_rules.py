@@ -27,15 +27,29 @@ from mpmdc.ir.program import is_var, placed
 
 
 @dataclass(frozen=True)
-class Stack:
-    """A value held as ``pieces``: rows ``bounds[g]:bounds[g + 1]`` along ``axis``."""
+class Layout:
+    """How a stacked value is cut: piece ``g`` is rows ``bounds[g]:bounds[g + 1]`` along
+    ``axis`` and belongs to stage ``stages[g]``."""
 
     axis: int
     bounds: tuple[int, ...]
-    pieces: tuple
+    stages: tuple[int, ...]
 
-    def layout(self) -> tuple[int, tuple[int, ...]]:
-        return self.axis, self.bounds
+    def along(self, axis: int) -> Layout:
+        """The same cut along another axis."""
+        return Layout(axis, self.bounds, self.stages)
+
+    def spans(self):
+        """``(g, lo, hi)`` per piece."""
+        return [(g, lo, hi) for g, (lo, hi) in enumerate(itertools.pairwise(self.bounds))]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A value held as ``pieces`` cut by ``layout``."""
+
+    layout: Layout
+    pieces: tuple
 
 
 def _piece_aval(aval, axis: int, rows: int):
@@ -57,7 +71,7 @@ class StackWalk:
 
     Values that work on a stack reads whole (an optimizer state beside a gradient, the
     running sum of a gradient in an ``accumulate`` loop, work computing such values) are
-    ``demands`` (variable -> (axis, bounds)); the next walk takes what it can of them in
+    ``demands`` (variable -> :class:`Layout`); the next walk takes what it can of them in
     pieces where they begin (``wanted``): program inputs, running values, and the results
     of work a rule runs per piece."""
 
@@ -88,24 +102,25 @@ class StackWalk:
     def emit(self, eqn) -> None:
         self.eqns.append(eqn)
 
-    def stacked(self, outvar, axis: int, bounds, pieces, like) -> None:
+    def stacked(self, outvar, layout: Layout, pieces, like) -> None:
         """Record ``outvar`` as held in ``pieces``, and define it as their concatenation."""
-        self.stacks[outvar] = Stack(axis, tuple(bounds), tuple(pieces))
-        self.emit(_eqn(jax.lax.concatenate_p, pieces, [outvar], {"dimension": axis}, like))
+        self.stacks[outvar] = Stack(layout, tuple(pieces))
+        params = {"dimension": layout.axis}
+        self.emit(_eqn(jax.lax.concatenate_p, pieces, [outvar], params, like))
 
-    def pieces_of(self, atom, layout, like) -> list:
-        """Per piece of ``layout`` (axis, bounds), the operand standing for ``atom``: its own
-        pieces if it is stacked so, a broadcast per piece if it is a broadcast along other
-        axes, else a slice (an input read so is a demand)."""
-        axis, bounds = layout
+    def pieces_of(self, atom, layout: Layout, like) -> list:
+        """Per piece of ``layout``, the operand standing for ``atom``: its own pieces if it
+        is stacked so, a broadcast per piece if it is a broadcast along other axes, else a
+        slice (an input read so is a demand)."""
+        axis = layout.axis
         found = self.stack_of(atom)
-        if found is not None and found.layout() == layout:
+        if found is not None and found.layout == layout:
             return list(found.pieces)
         if atom not in self.wanted:
             self.demands.setdefault(atom, layout)
         made = self.producers.get(atom)
         out = []
-        for lo, hi in itertools.pairwise(bounds):
+        for _, lo, hi in layout.spans():
             piece = compat.Var(_piece_aval(atom.aval, axis, hi - lo))
             if (
                 made is not None
@@ -137,26 +152,25 @@ STACK_RULES: dict[jcore.Primitive, Rule] = {}
 def _elementwise(eqn, walk: StackWalk) -> bool:
     shape = eqn.outvars[0].aval.shape
     layouts = [
-        found.layout()
+        found.layout
         for a in eqn.invars
         if (found := walk.stack_of(a)) is not None and a.aval.shape == shape
     ] + [walk.wanted[v] for v in eqn.outvars if v in walk.wanted]
     if not layouts or any(a.aval.shape not in ((), shape) for a in eqn.invars):
         return False
     layout = layouts[0]
-    axis, bounds = layout
     operands = [
-        [a] * (len(bounds) - 1) if a.aval.shape == () else walk.pieces_of(a, layout, eqn)
+        [a] * len(layout.stages) if a.aval.shape == () else walk.pieces_of(a, layout, eqn)
         for a in eqn.invars
     ]
     outs = [[] for _ in eqn.outvars]
-    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        piece_out = [compat.Var(_piece_aval(v.aval, axis, hi - lo)) for v in eqn.outvars]
+    for g, lo, hi in layout.spans():
+        piece_out = [compat.Var(_piece_aval(v.aval, layout.axis, hi - lo)) for v in eqn.outvars]
         walk.emit(_eqn(eqn.primitive, [ops[g] for ops in operands], piece_out, eqn.params, eqn))
         for k, v in enumerate(piece_out):
             outs[k].append(v)
     for v, pieces in zip(eqn.outvars, outs):
-        walk.stacked(v, axis, bounds, pieces, eqn)
+        walk.stacked(v, layout, pieces, eqn)
     return True
 
 
@@ -175,7 +189,7 @@ def _reduction(eqn, walk: StackWalk) -> bool:
     found = walk.stack_of(eqn.invars[0])
     if found is None:
         return False
-    axis, bounds = found.layout()
+    axis = found.layout.axis
     axes = eqn.params["axes"]
     (out,) = eqn.outvars
     if axis in axes:
@@ -192,13 +206,13 @@ def _reduction(eqn, walk: StackWalk) -> bool:
         if len(partial) == 1:
             walk.env[out] = total
         return True
-    new_axis = axis - sum(a < axis for a in axes)
+    layout = found.layout.along(axis - sum(a < axis for a in axes))
     pieces = []
-    for piece, lo, hi in zip(found.pieces, bounds, bounds[1:]):
-        result = compat.Var(_piece_aval(out.aval, new_axis, hi - lo))
-        walk.emit(_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
+    for g, lo, hi in layout.spans():
+        result = compat.Var(_piece_aval(out.aval, layout.axis, hi - lo))
+        walk.emit(_eqn(eqn.primitive, [found.pieces[g]], [result], eqn.params, eqn))
         pieces.append(result)
-    walk.stacked(out, new_axis, bounds, pieces, eqn)
+    walk.stacked(out, layout, pieces, eqn)
     return True
 
 
@@ -210,28 +224,29 @@ def _moving_axes(eqn, walk: StackWalk, out_axis_of, operand_axis_of) -> bool:
     (x,), (out,) = eqn.invars, eqn.outvars
     found = walk.stack_of(x)
     if found is not None:
-        axis, bounds = found.layout()
-        operands, axis = list(found.pieces), out_axis_of(axis)
+        layout = found.layout.along(out_axis_of(found.layout.axis))
+        operands = list(found.pieces)
     elif out in walk.wanted:
-        axis, bounds = walk.wanted[out]
-        from_axis = operand_axis_of(axis)
+        layout = walk.wanted[out]
+        from_axis = operand_axis_of(layout.axis)
         if from_axis is None:
-            operands = [x] * (len(bounds) - 1)
-        elif x.aval.shape[from_axis] == out.aval.shape[axis]:
-            operands = walk.pieces_of(x, (from_axis, bounds), eqn)
+            operands = [x] * len(layout.stages)
+        elif x.aval.shape[from_axis] == out.aval.shape[layout.axis]:
+            operands = walk.pieces_of(x, layout.along(from_axis), eqn)
         else:
             return False
     else:
         return False
     pieces = []
-    for operand, lo, hi in zip(operands, bounds, bounds[1:]):
-        result = compat.Var(_piece_aval(out.aval, axis, hi - lo))
+    for g, lo, hi in layout.spans():
+        operand = operands[g]
+        result = compat.Var(_piece_aval(out.aval, layout.axis, hi - lo))
         params = dict(eqn.params)
         if "shape" in params:
             params["shape"] = result.aval.shape
         walk.emit(_eqn(eqn.primitive, [operand], [result], params, eqn))
         pieces.append(result)
-    walk.stacked(out, axis, bounds, pieces, eqn)
+    walk.stacked(out, layout, pieces, eqn)
     return True
 
 
@@ -265,9 +280,9 @@ def _slice(eqn, walk: StackWalk) -> bool:
     """A slice taking exactly one piece of a stack is that piece."""
     found = walk.stack_of(eqn.invars[0])
     rows = group_rows(eqn)
-    if found is None or rows is None or rows[0] != found.axis:
+    if found is None or rows is None or rows[0] != found.layout.axis:
         return False
-    spans = list(zip(found.bounds, found.bounds[1:]))
+    spans = [(lo, hi) for _, lo, hi in found.layout.spans()]
     if rows[1:] not in spans:
         return False
     walk.env[eqn.outvars[0]] = found.pieces[spans.index(rows[1:])]
@@ -289,14 +304,14 @@ def _loop_edge(eqn, walk: StackWalk) -> bool:
         return False
     if layout is None:
         return False
-    axis, bounds = layout
+    operands = walk.pieces_of(eqn.invars[0], layout, eqn)
     pieces = []
-    for g, operand in enumerate(walk.pieces_of(eqn.invars[0], layout, eqn)):
-        piece = compat.Var(_piece_aval(out.aval, axis, bounds[g + 1] - bounds[g]))
+    for g, lo, hi in layout.spans():
+        piece = compat.Var(_piece_aval(out.aval, layout.axis, hi - lo))
         params = {**eqn.params, "carry": walk.carry_number(carry, g)}
-        walk.emit(_eqn(loop_edge_p, [operand], [piece], params, eqn))
+        walk.emit(_eqn(loop_edge_p, [operands[g]], [piece], params, eqn))
         pieces.append(piece)
-    walk.stacked(out, axis, bounds, pieces, eqn)
+    walk.stacked(out, layout, pieces, eqn)
     return True
 
 

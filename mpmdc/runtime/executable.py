@@ -22,7 +22,6 @@ import contextlib
 import re
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed
-from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError, PlacementWarning
+from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, is_var
@@ -258,16 +257,6 @@ class Compiled:
             len(signature.in_types),
             signature.out_tree.num_leaves,
         )
-        for path, why in self._pieces.problems(signature.in_paths):
-            warnings.warn(
-                f"argument {path} is a layer stack held in one piece per stage, but it cannot "
-                f"be one array over the stage meshes: {why}. Each call cuts it into its stages' "
-                f"rows and moves them, and the result comes back whole on the first stage's "
-                f"mesh. Give every stage the same number of layers, one stage per mesh and "
-                f"meshes of one shape to keep each stage's rows where they are.",
-                PlacementWarning,
-                stacklevel=2,
-            )
         if self.multiprocess:
             Compiled._built_multiprocess += 1
             distributed.check_agreement(

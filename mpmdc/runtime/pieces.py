@@ -6,9 +6,9 @@ in one piece per stage, each on its stage's mesh. The caller still passes and ge
 rows, that array's sharding is the pieces' stacked, a ``NamedSharding`` on a mesh whose
 leading ``stages`` axis runs over the stage meshes and divides the stacked axis (rows
 ``[k*i, k*(i+1))`` on the i-th stage's mesh). Handing such an array over, or assembling
-one from the pieces, moves nothing: the pieces are the array's own shards. Any other
-argument is cut into rows and moved; any other result is concatenated on the first
-piece's mesh (``stacked_layout_problem`` says why, for the warning ``Compiled`` gives).
+one from the pieces, moves nothing: the pieces are the array's own shards. An argument
+placed otherwise is cut into rows and moved. (``slice-stacks`` keeps whole what cannot be
+one array so: uneven stages, several stages on one mesh, meshes of different shapes.)
 """
 
 from __future__ import annotations
@@ -28,31 +28,12 @@ def _stacked_mesh(meshes: list[Mesh]) -> Mesh:
     return Mesh(devices, (STAGES_AXIS, *first.axis_names), axis_types=types)
 
 
-def stacked_layout_problem(shardings: list[NamedSharding], rows: list[int]) -> str | None:
-    """Why pieces with ``shardings`` and ``rows`` cannot be one array's shards, or ``None``."""
-    meshes = [s.mesh for s in shardings]
-    if len(rows) < 2:
-        return None
-    if len(set(rows)) > 1:
-        return f"its stages hold different numbers of rows ({rows})"
-    if len({m.device_ids.tobytes() for m in meshes}) < len(meshes):
-        return "several of its stages run on one mesh (interleaved stages)"
-    if len({(m.axis_names, m.devices.shape) for m in meshes}) > 1:
-        return "its stages' meshes differ in shape"
-    if len({s.spec for s in shardings}) > 1:
-        return "its pieces are sharded differently on their meshes"
-    return None
-
-
-def stacked_sharding(shardings: list[NamedSharding], axis: int, ndim: int, rows: list[int]):
-    """The sharding of one array whose shards along ``axis`` are pieces with
-    ``shardings`` (one per stage), or ``None`` where none can be (see
-    :func:`stacked_layout_problem`)."""
-    if stacked_layout_problem(shardings, rows) is not None:
-        return None
+def stacked_sharding(shardings: list[NamedSharding], axis: int):
+    """The sharding of one array whose pieces along ``axis`` have ``shardings`` (one per
+    stage, on meshes of one shape, equal rows: ``slice-stacks`` cuts no other way)."""
     if len(shardings) == 1:
         return shardings[0]
-    spec = list(shardings[0].spec) + [None] * (ndim - len(shardings[0].spec))
+    spec = list(shardings[0].spec) + [None] * (axis + 1 - len(shardings[0].spec))
     spec[axis] = (STAGES_AXIS, *axes_of(spec[axis])) if spec[axis] is not None else STAGES_AXIS
     return NamedSharding(_stacked_mesh([s.mesh for s in shardings]), PartitionSpec(*spec))
 
@@ -68,18 +49,6 @@ class Pieces:
         self.arg_shardings = [_joined(g, in_shardings) for g in self.in_groups]
         self.result_shardings = [_joined(g, out_shardings) for g in self.out_groups]
         self._in_shardings = in_shardings
-
-    def problems(self, paths) -> list[tuple[str, str]]:
-        """``(argument path, why)`` for each stacked argument that is not one array over the
-        stage meshes (it is cut and moved on every call)."""
-        out = []
-        for group, path in zip(self.in_groups, paths):
-            if len(group) > 1:
-                rows = [hi - lo for _, (_, lo, hi) in group]
-                why = stacked_layout_problem([self._in_shardings[k] for k, _ in group], rows)
-                if why is not None:
-                    out.append((path, why))
-        return out
 
     def per_argument(self, values) -> list:
         """Of one value per program input, the first of each caller's argument."""
@@ -114,9 +83,7 @@ class Pieces:
             if len(group) == 1:
                 out.append(values[group[0][0]])
                 continue
-            pieces = [values[k] for k, _ in group]
-            axis = group[0][1][0]
-            out.append(_assembled(pieces, sharding, axis))
+            out.append(_assembled([values[k] for k, _ in group], sharding, group[0][1][0]))
         return out
 
 
@@ -134,11 +101,7 @@ def _joined(group, shardings):
     """The sharding of the caller's leaf whose pieces are ``group``."""
     if len(group) == 1:
         return shardings[group[0][0]]
-    axis, _, _ = group[0][1]
-    rows = [hi - lo for _, (_, lo, hi) in group]
-    own = [shardings[k] for k, _ in group]
-    joined = stacked_sharding(own, axis, max(len(own[0].spec), axis + 1), rows)
-    return joined if joined is not None else own[0]
+    return stacked_sharding([shardings[k] for k, _ in group], group[0][1][0])
 
 
 def _own_piece(x: jax.Array, target: NamedSharding, axis: int, lo: int, hi: int):
@@ -156,11 +119,8 @@ def _rows(x, axis: int, lo: int, hi: int):
 
 
 def _assembled(pieces, sharding, axis: int):
-    """One array from ``pieces`` (rows along ``axis``, in order)."""
-    if sharding.mesh.axis_names[0] == STAGES_AXIS:
-        shape = list(pieces[0].shape)
-        shape[axis] = sum(p.shape[axis] for p in pieces)
-        shards = [s.data for p in pieces for s in p.addressable_shards]
-        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
-    moved = [jax.device_put(p, pieces[0].sharding) for p in pieces]
-    return jax.numpy.concatenate(moved, axis=axis)
+    """One array from ``pieces`` (rows along ``axis``, in order), their shards its own."""
+    shape = list(pieces[0].shape)
+    shape[axis] = sum(p.shape[axis] for p in pieces)
+    shards = [s.data for p in pieces for s in p.addressable_shards]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)

@@ -11,7 +11,7 @@ these tests near 2 minutes on 2 cores (a case costs 10-20 s of four processes ea
 tracing and compiling on 2 cores): every schedule runs (GPipe in 4 processes;
 interleaved 1F1B with 8 stages on 4 meshes, ZB-H1 and 1F1B in the mixed-shape case in
 2 processes; 1F1B in the 4-process demo), and each layout runs an MLP and the
-transformer with Adam. ``MPMDC_MULTIPROCESS_ALL=1`` runs
+transformer with Adam; a layer stack run as one scan trains in 4 processes. ``MPMDC_MULTIPROCESS_ALL=1`` runs
 the whole matrix.
 """
 
@@ -34,9 +34,9 @@ LIMIT = 150  # seconds any launch may take
 FULL = os.environ.get("MPMDC_MULTIPROCESS_ALL") == "1"
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 FOUR_BY_ONE = (
-    [f"{m}:{s}" for m in ("mlp", "transformer") for s in SCHEDULES]
+    [f"{m}:{s}" for m in ("mlp", "transformer", "scanned") for s in SCHEDULES]
     if FULL
-    else ["transformer:gpipe"]
+    else ["transformer:gpipe", "scanned:1f1b"]
 )
 TWO_BY_TWO = (
     [f"{m}:{s}" for m in ("mlp", "transformer") for s in SCHEDULES] + ["mixed:1f1b"]
@@ -107,7 +107,7 @@ def test_four_processes_of_one_device_train_like_jit(tmp_path):
     )
     assert status == 0, output[-3000:]
     assert "meshes on processes [[0], [1], [2], [3]]" in process_lines(output, 0)
-    check_training(tmp_path, FOUR_BY_ONE, output, bitwise=["transformer:gpipe"])
+    check_training(tmp_path, FOUR_BY_ONE, output, bitwise=["transformer:gpipe", "scanned:1f1b"])
 
 
 def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):

@@ -2,13 +2,14 @@
 under ``mpmdc launch`` (``test_multiprocess.py`` does).
 
 ``python train.py OUT CASE [CASE ...]`` where a case is ``mlp:<schedule>``,
-``transformer:<schedule>`` (on ``make_meshes(4, {"data": D})``, D from the devices there
-are) or ``mixed:<schedule>`` (a 3-stage MLP on a 2-device mesh of process 0 and two
+``transformer:<schedule>``, ``scanned:<schedule>`` (a layer stack run as one scan, 2 layers
+per stage; on ``make_meshes(4, {"data": D})``, D from the devices there are) or ``mixed:<schedule>`` (a 3-stage MLP on a 2-device mesh of process 0 and two
 1-device meshes of process 1). Each case runs two steps fed back (the second donating its
 parameters), checks on every process that
 
 - the fetched results equal one-device ``jax.jit`` of the same step (process 0),
-- every output lives on exactly one mesh and is addressable only on its processes,
+- every output lives on exactly one mesh (a stacked one: its rows on their stages'
+  meshes) and is addressable only on its processes,
 - no transfer between processes carries parameters or optimizer state (MLP, process 0),
 
 prints ``ok <case>`` and, on process 0, saves the results to ``OUT/<case>.npz`` for the
@@ -29,7 +30,7 @@ from mpmdc.cli.models import TransformerConfig, adam_init, init_transformer, tra
 from mpmdc.ir.traffic import transfer_report  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from training import mlp_data, sgd_step  # noqa: E402
+from training import mlp_data, scanned_params, scanned_sgd_step, sgd_step  # noqa: E402
 
 SCHEDULE_STAGES = {"interleaved-1f1b": 8}
 # Absolute bounds per model (a case's own where given). The MLP's SGD steps equal
@@ -39,6 +40,7 @@ SCHEDULE_STAGES = {"interleaved-1f1b": 8}
 # 2.0e-06 with 4 layers and 1.4e-04 with 8 (interleaved); margin 10x.
 TOLERANCE = {
     "mlp": 0,
+    "scanned": 0,
     "mixed": 0,
     "transformer": 2e-5,
     "transformer:interleaved-1f1b": 1.4e-3,
@@ -66,6 +68,14 @@ def case_inputs(model: str, schedule: str):
             return sgd_step(params, x, y, microbatches=4, schedule=schedule)
 
         return step, (params, x, y), lambda out, args: (out[1], *args[1:])
+    if model == "scanned":
+        x, y = mlp_data(32)
+
+        def step(params, x, y):
+            return scanned_sgd_step(params, x, y, microbatches=4, schedule=schedule)
+
+        params = scanned_params(jax.random.key(0), layers=2 * stages)
+        return step, (params, x, y), lambda out, args: (out[1], *args[1:])
     config = TransformerConfig(layers=stages)
     params = init_transformer(jax.random.key(0), config)
     tokens = jax.random.randint(jax.random.key(3), (8, 9), 0, config.vocab)
@@ -81,6 +91,12 @@ def check_placement(tree, meshes):
         owners = [
             i for i, m in enumerate(meshes) if leaf.sharding.device_set == set(m.devices.flat)
         ]
+        if leaf.sharding.mesh.axis_names[0] == "stages":  # a layer stack, a row block per mesh
+            for shard in leaf.addressable_shards:
+                mesh = next(i for i, m in enumerate(meshes) if shard.device in m.devices.flat)
+                rows = shard.index[0]
+                assert (rows.start, rows.stop) == (2 * mesh, 2 * mesh + 2), path
+            continue
         assert len(owners) == 1, f"{jax.tree_util.keystr(path)} is not on one mesh"
         mine = jax.process_index() in {d.process_index for d in leaf.sharding.device_set}
         assert bool(leaf.addressable_shards) == mine, (
@@ -110,7 +126,7 @@ def run(out_dir: str, case: str, meshes):
             ref_args = feed(ref, ref_args)
         results.append(got)
         args = feed(out, args)
-    if model != "transformer" and checker:
+    if model != "transformer" and checker:  # (what crosses between processes)
         report = transfer_report(compiled._executable(args, {})[0].program)
         owner = [m.devices.flat[0].process_index for m in meshes]
         for link in report.links:
