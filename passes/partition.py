@@ -661,17 +661,19 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
 _CONTROL_FLOW = frozenset({jprims.cond_p, jprims.while_p, jprims.scan_p})
 
 
-def _warn_of_control_flow_across_meshes(program, eqns, in_meshes) -> None:
+def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> None:
     """A ``PlacementWarning`` for each conditional or loop reading arrays (not scalars)
     of several meshes, other than a stage marker's activation or cotangent (which cross
-    meshes by design): placement is a result, never silent."""
+    meshes by design) and a stage's scan of a layer stack (whose first result is in
+    ``staged``: its loop-invariant operands are sent to it by design): placement is a
+    result, never silent."""
     if not any(eqn.primitive in _CONTROL_FLOW for eqn in eqns):
         return
     mesh_of = dict(zip(program.jaxpr.jaxpr.invars, in_meshes))
     crossing = set()  # values entering a stage: moved between meshes by design
     for eqn in eqns:
         mesh = program.mesh_of_stage(placement_of(eqn).stage)
-        if eqn.primitive in _CONTROL_FLOW:
+        if eqn.primitive in _CONTROL_FLOW and eqn.outvars[0] not in staged:
             # Gathering arrays of several meshes is what no cut could avoid; reading
             # one other mesh's array is what any equation placed with its user does.
             read = {
@@ -717,7 +719,8 @@ def partition(program: Program) -> Program:
         eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
     )
     in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
-    _warn_of_control_flow_across_meshes(program, new_eqns, in_meshes)
+    staged = {e.outvars[0] for e in eqns if _seed_stage(e) is not None and e.outvars}
+    _warn_of_control_flow_across_meshes(program, new_eqns, in_meshes, staged)
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
     )

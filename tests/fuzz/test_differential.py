@@ -11,7 +11,9 @@ marked into that stage or not), and what real code does besides:
 * effects: ``debug.callback`` in the program and inside a jitted helper whose result
   is never used (each callback records its own tag, so two callbacks sharing an
   executable would be seen);
-* a typed PRNG key among the inputs, used for noise and carried across stages.
+* a typed PRNG key among the inputs, used for noise and carried across stages;
+* scanned layer stacks marked ``stage(h, every=k, first=f)`` (even or uneven groups), their
+  weights stacked from a value of the step or captured, per-layer keys split in the step.
 
 Stage markers go at random places (non-monotonic, repeated, skipped, on pytrees, the
 key included), over 1 to 4 meshes of 1 or 2 devices, stages mapped to meshes by
@@ -136,6 +138,7 @@ def programs(draw):
             st.sampled_from(
                 ["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
                 + ["noise"] * with_key
+                + ["stack"]
             )
         )
         if kind == "unary":
@@ -171,6 +174,17 @@ def programs(draw):
                     draw(operand),
                 )
             )
+        elif kind == "stack":  # a scanned layer stack, its iterations cut into stages
+            first = draw(st.integers(0, stages - 1))
+            groups = draw(st.integers(1, stages - first))
+            if draw(st.booleans()):
+                every = draw(st.integers(1, 3))
+                length = every * groups
+            else:
+                every = tuple(draw(st.lists(st.integers(1, 3), min_size=groups, max_size=groups)))
+                length = sum(every)
+            weights = draw(st.sampled_from(["input", "closure"]))
+            ops.append(("stack", first, every, length, weights, draw(operand), draw(operand)))
         elif (
             kind == "effect"
         ):  # a callback recording the operand, live or inside a dead jitted call
@@ -273,6 +287,8 @@ def make_body(desc, meshes, record):
                 else:
                     jax.jit(lambda v: (jax.debug.callback(callback, v), v * 2)[1])(values[i])  # noqa: B023 (called at once)
                     values.append(values[i] * 1.5)
+            elif op[0] == "stack":
+                values.append(scanned_stack(op, values, key, closure_constants))
             else:  # noise
                 noise = jax.random.normal(
                     jax.random.fold_in(key, k), values[op[1]].shape, values[op[1]].dtype
@@ -289,6 +305,31 @@ def make_body(desc, meshes, record):
         return values[-1]
 
     return body
+
+
+def scanned_stack(op, values, key, closure_constants):
+    """A ``scan`` over ``length`` layers ``tanh(h @ w)`` marked ``stage(h, every=...)``: the
+    weights stacked from an operand (computed in the step, so a program input's gradient
+    flows through the stack) or captured; with a key, per-layer noise from split keys; the
+    result adds the final carry and the mean of the per-layer outputs."""
+    _, first, every, length, weights, i, j = op
+    n = values[i].shape[0]
+    if weights == "input":
+        ws = jnp.stack([values[j] * (0.3 + 0.1 * k) for k in range(length)])
+    else:
+        ws = jnp.stack([closure_constants[n][k % 2] * (1 + 0.1 * k) for k in range(length)])
+    keys = jax.random.split(key, length) if key is not None else None
+
+    def layer(h, xs):
+        w, k = xs
+        h = mpmdc.stage(h, every=every, first=first)
+        h = jnp.tanh(h @ w.astype(h.dtype))
+        if k is not None:
+            h = h + 0.05 * jax.random.normal(k, h.shape, h.dtype)
+        return h, h * 0.5
+
+    h, ys = jax.lax.scan(layer, values[i], (ws, keys))
+    return h + jnp.mean(ys, axis=0)
 
 
 def build(desc, meshes, record):
@@ -335,6 +376,10 @@ def build(desc, meshes, record):
 def schedule_of(desc):
     """The drawn schedule where the layout allows it (1F1B and ZB-H1 need one stage per mesh)."""
     stages = {s for s, _, _ in desc["markers"].values()}
+    for op in desc["ops"]:
+        if op[0] == "stack":
+            groups = op[3] // op[2] if isinstance(op[2], int) else len(op[2])
+            stages.update(range(op[1], op[1] + groups))
     one_per_mesh = (
         max(stages, default=0) + 1 == desc["num_meshes"] and desc["stage_to_mesh"] is None
     )
