@@ -1,21 +1,19 @@
 """Train a small Llama (Flax NNX) whose scanned layer stack is pipelined by one line.
 
-The model is ordinary Flax NNX, written the way Llama is: token embedding, pre-norm
-blocks of grouped-query causal attention with rotary position embeddings and a SwiGLU
-MLP, RMSNorm everywhere, a final RMSNorm and an untied output projection. The blocks
-are created stacked (``nnx.vmap``) and run as one ``nnx.scan``, as the Flax docs write
-layer stacks. The only mpmdc-specific line in the model is ``mpmdc.stage(h, every=...)``
-in the scan's body; ``main`` adds ``mpmdc.compile`` and ``mpmdc.accumulate``. Under
-plain ``jax.jit`` the same step runs unchanged (the marker is an identity,
-``accumulate`` is a scan).
+The model is ordinary Flax NNX: token embedding, pre-norm blocks of grouped-query causal
+attention with rotary position embeddings and a SwiGLU MLP, RMSNorm, an untied output
+projection. The blocks are created stacked (``nnx.vmap``) and run as one ``nnx.scan``, as
+the Flax docs write layer stacks. The only mpmdc-specific line in the model is
+``mpmdc.stage(h, every=...)`` in the scan's body; ``main`` adds ``mpmdc.compile`` and
+``mpmdc.accumulate``. Under plain ``jax.jit`` the same step runs unchanged (the marker
+is an identity, ``accumulate`` is a scan).
 
 Run it on CPU (8 virtual devices, 4 meshes of 2)::
 
     python examples/llama_nnx.py
 
 It prints what one step moves between meshes, the loss per step, which rows of the
-stacked block parameters each mesh holds, and the bytes of parameters and optimizer
-state on each mesh.
+stacked block parameters each mesh holds, and the bytes of state each mesh holds.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ import mpmdc
 
 
 def rope(x, base=10000.0):
-    """Rotary position embedding of ``x`` (batch, length, heads, dim): each pair of
-    features turns by an angle proportional to its token's position."""
+    """Rotary position embedding of ``x`` (batch, length, heads, dim), from positions."""
     half = x.shape[-1] // 2
     positions = jnp.arange(x.shape[1], dtype=jnp.float32)
     angles = positions[:, None] * base ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -77,11 +74,8 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(width, dtype=dtype, rngs=rngs)
         self.attn = Attention(width, heads, kv_heads, dtype=dtype, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(width, dtype=dtype, rngs=rngs)
-        self.gate, self.up, self.down = (
-            linear(width, hidden),
-            linear(width, hidden),
-            linear(hidden, width),
-        )
+        self.gate, self.up = linear(width, hidden), linear(width, hidden)
+        self.down = linear(hidden, width)
 
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -90,22 +84,12 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Decoder-only Llama; the ``layers`` blocks are one stacked module run by ``nnx.scan``,
-    block ``j`` in pipeline stage ``j // (layers // stages)``."""
+    """Decoder-only Llama; its blocks are one stacked module run by ``nnx.scan``."""
 
     def __init__(
-        self,
-        vocab=64,
-        width=32,
-        heads=4,
-        kv_heads=2,
-        hidden=64,
-        layers=8,
-        stages=4,
-        *,
-        dtype=None,
-        rngs,
-    ):
+        self, vocab=64, width=32, heads=4, kv_heads=2, hidden=64, layers=8, stages=4, *,
+        dtype=None, rngs,
+    ):  # fmt: skip
         self.embed = nnx.Embed(vocab, width, dtype=dtype, rngs=rngs)
 
         @nnx.split_rngs(splits=layers)

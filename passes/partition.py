@@ -35,7 +35,7 @@ Rules, in the order they apply:
    loop, such as slicing the batch into microbatches).
 6. Cheap equations are cloned into every stage that uses them instead of being
    transferred: those computed from literals alone (constants, ``iota``, broadcasts
-   of literals), and shape or type changes of a small value (broadcasting a global
+   of literals, a jitted helper building a mask from them), and shape or type changes of a small value (broadcasting a global
    norm to a gradient's shape), which therefore move the small value, never the
    large result.
 
@@ -67,6 +67,7 @@ from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
+from mpmdc.ir.calls import call_body
 from mpmdc.ir.graph import DefUse, def_use
 from mpmdc.ir.primitives import (
     LOOP,
@@ -104,15 +105,21 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     """Cloned next to each user: computed from literals alone (``from_literals`` holds
     such values), or a shape/type change of a small value; no effects or bodies.
     ``operands``: the variables ``eqn`` reads."""
-    candidate = all(a in from_literals for a in operands) or (
+    constant = all(a in from_literals for a in operands)
+    candidate = constant or (
         eqn.primitive in _EXPANDING
         and all(a in from_literals or math.prod(a.aval.shape) <= _SMALL for a in operands)
     )
-    # (The structural tests last: few equations get past the first.)
+    # (The structural tests last: few equations get past the first.) A call computing a
+    # constant (a jitted helper building a causal mask) is recomputed where it is used,
+    # like the constant it is; loops and conditionals stay where they are placed.
     return (
         candidate
         and not (is_marker(eqn) or is_microbatch_marker(eqn) or is_loop_edge(eqn) or eqn.effects)
-        and not any(True for _ in jcore.jaxprs_in_params(eqn.params))
+        and (
+            (constant and call_body(eqn) is not None)
+            or not any(True for _ in jcore.jaxprs_in_params(eqn.params))
+        )
     )
 
 

@@ -348,3 +348,27 @@ def test_markers_that_disagree_or_nest_name_the_scan(meshes4):
 
     with pytest.raises(StageError, match="in a scan nested in the `scan`"):
         mpmdc.compile(nested, meshes4).lower(jnp.ones((2, 4, 4, 4)), jnp.ones((2, 4)))
+
+
+def test_a_mask_built_from_constants_is_built_on_every_mesh_not_sent(meshes4):
+    """A causal mask made in the body by ``jnp.where`` (a jitted helper reading only
+    constants, which JAX hoists out of the scan) is recomputed on each stage's mesh; only
+    activations, cotangents and scalars cross."""
+
+    def loss(params, x, y):
+        def body(h, w):
+            h = mpmdc.stage(h, every=2)
+            causal = jnp.tril(jnp.ones((WIDTH, WIDTH), bool))
+            scores = jnp.where(causal, h[:, :, None] * h[:, None, :], -1e30)
+            return block(w, h + jax.nn.softmax(scores, axis=-1).sum(-1)), None
+
+        h, _ = jax.lax.scan(body, x @ params["embed"], params["layers"])
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    params = lax_params()
+    step = training_step(loss)
+    lowered = mpmdc.compile(step, meshes4).lower(params, TX.init(params), *batch())
+    for link in lowered.transfer_report().links:
+        assert link.bytes[1] <= 8 and link.bytes[2] <= 64, link
+    got = run_steps(mpmdc.compile(step, meshes4), params, steps=1)
+    assert largest_difference(got, run_steps(jax.jit(step), params, steps=1)) < ATOL

@@ -79,6 +79,8 @@ UNARY = {
     "total": lambda x: jnp.broadcast_to(jnp.sum(x) * 0.05, x.shape),
     "roll_rows": lambda x: jnp.concatenate([x[1:], x[:1]]),
     "reshape": lambda x: x.reshape(2, -1).reshape(x.shape),
+    # a mask built from constants by a jitted helper (jnp.where), recomputed where used
+    "masked": lambda x: jnp.where(jnp.tril(jnp.ones(x.shape, bool)), x, -1.0),
     "scan": _scan_rows,
     "cond": lambda x: jax.lax.cond(jnp.sum(x) > 0, jnp.tanh, jnp.sin, x),
     "custom_vjp": clipped_tanh,
