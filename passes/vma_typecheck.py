@@ -64,7 +64,8 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
                 f"shard_map at {compat.source_line(eqn)} is in {where}, which runs on "
                 f"mesh{mesh_index} {dict(mesh.shape)} on devices {mesh.device_ids.flatten().tolist()}, "
                 f"but it was built for the mesh {other}; build it with that stage's mesh "
-                f"(meshes[{mesh_index}])."
+                f"(meshes[{mesh_index}]), or, in the body of a scan over layers that several "
+                f"stages run, with their shape alone: mesh=meshes[{mesh_index}].abstract_mesh."
             )
 
 

@@ -252,24 +252,42 @@ def test_the_layer_axis_may_be_any_axis(meshes4):
     assert kernel.sharding.spec[1] == "stages"
 
 
-def test_uneven_interleaved_or_mismatched_layouts_warn_and_still_compute(meshes4):
-    params = lax_params()
-    layouts = {
-        "uneven": dict(every=(3, 2, 2, 1)),
-        "interleaved": dict(every=1),
-    }
-    for name, options in layouts.items():
-        loss = lambda p, x, y, o=options: lax_loss(p, x, y, **o)  # noqa: E731
-        step = training_step(loss, schedule="gpipe")  # (any stage-to-mesh map)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = run_steps(mpmdc.compile(step, meshes4), params, steps=1)
-        assert any(
-            issubclass(w.category, PlacementWarning) and "layer stack" in str(w.message)
-            for w in caught
-        ), name
-        want = run_steps(jax.jit(step), params, steps=1)
-        assert largest_difference(got, want) < ATOL, name
+def _mixed_meshes():
+    """Two meshes of 2 devices and two of 1: meshes of different shapes."""
+    devices = jax.devices()
+    return [
+        jax.sharding.Mesh(np.array(devices[0:2]), ("data",)),
+        jax.sharding.Mesh(np.array(devices[2:4]), ("data",)),
+        jax.sharding.Mesh(np.array(devices[4:5]), ("data",)),
+        jax.sharding.Mesh(np.array(devices[5:6]), ("data",)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "layout,every,schedule",
+    [
+        ("uneven", (3, 2, 2, 1), "1f1b"),
+        ("interleaved", 1, "interleaved-1f1b"),  # 8 stages on 4 meshes
+        ("meshes of different shapes", 2, "1f1b"),
+    ],
+)
+def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
+    meshes4, layout, every, schedule
+):
+    meshes = _mixed_meshes() if layout == "meshes of different shapes" else meshes4
+    step = training_step(lambda p, x, y: lax_loss(p, x, y, every=every), schedule=schedule)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_steps(mpmdc.compile(step, meshes), lax_params(), steps=1)
+    assert any(
+        issubclass(w.category, PlacementWarning)
+        and "args[0]['layers']['w1'] is a layer stack" in str(w.message)
+        for w in caught
+    )
+    want = run_steps(jax.jit(step), lax_params(), steps=1)
+    assert largest_difference(got, want) < ATOL
+    w1 = got[0][1]["layers"]["w1"]
+    assert len(rows_by_mesh(w1, meshes)) == 1  # whole, on one mesh
 
 
 def test_remat_dropout_keys_and_tensor_parallel_specs_inside_the_body():
@@ -372,3 +390,30 @@ def test_a_mask_built_from_constants_is_built_on_every_mesh_not_sent(meshes4):
         assert link.bytes[1] <= 8 and link.bytes[2] <= 64, link
     got = run_steps(mpmdc.compile(step, meshes4), params, steps=1)
     assert largest_difference(got, run_steps(jax.jit(step), params, steps=1)) < ATOL
+
+
+def test_a_shard_map_in_the_body_runs_on_each_stages_mesh():
+    """A ``shard_map`` in the body of a scan that every stage runs is built for the stage
+    meshes' shape (an abstract mesh) and runs on each stage's own mesh."""
+    meshes = mpmdc.make_meshes(4, {"model": 2})
+
+    def loss(ws, x):
+        def body(h, w):
+            h = mpmdc.stage(h, every=2)
+            product = jax.shard_map(
+                lambda a, b: jax.lax.psum(a @ b, "model"),
+                mesh=meshes[0].abstract_mesh,
+                in_specs=(jax.P(None, "model"), jax.P("model", None)),
+                out_specs=jax.P(),
+            )
+            return jnp.tanh(product(h, w)), None
+
+        return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    ws = jax.random.normal(jax.random.key(0), (8, 8, 8)) * 0.3
+    x = jnp.ones((4, 8))
+    got = mpmdc.compile(jax.value_and_grad(loss), meshes)(ws, x)
+    with jax.set_mesh(meshes[0]):  # (plain jax.jit needs the mesh of an abstract shard_map)
+        want = jax.jit(jax.value_and_grad(loss))(ws, x)
+    assert largest_difference(got, want) == 0
+    assert rows_by_mesh(got[1], meshes) == {i: [(2 * i, 2 * i + 2)] for i in range(4)}
