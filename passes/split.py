@@ -46,6 +46,7 @@ from mpmdc.ir.program import (
     fresh_like,
     is_var,
     make_closed_jaxpr,
+    runs_alone,
     sub_jaxpr,
     substituted,
     vars_of,
@@ -58,13 +59,16 @@ def _parts(eqns, reads, placements):
     """``(part of each equation, graph of the parts, values read in another part than
     their own, the placement of each part's first index)``: a part is ``(index into those
     placements, level)``; the parts are acyclic, one per placement where possible, and a
-    loop edge is a part of its own. ``reads[i]``: the variables equation ``i`` reads."""
+    loop edge or an equation marked :func:`~mpmdc.ir.program.alone` is a part of its own.
+    ``reads[i]``: the variables equation ``i`` reads."""
     ids: dict = {}
     distinct: list = []
     # (Small ints hash and compare much faster than placements.)
     placement_id = []
     for eqn, p in zip(eqns, placements):
-        k = len(distinct) if is_loop_edge(eqn) else ids.setdefault(p, len(distinct))
+        # (A loop edge, and a stage's scan of a layer stack, are parts of their own.)
+        own = is_loop_edge(eqn) or runs_alone(eqn)
+        k = len(distinct) if own else ids.setdefault(p, len(distinct))
         if k == len(distinct):
             distinct.append(p)
         placement_id.append(k)

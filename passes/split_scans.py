@@ -8,7 +8,8 @@ from group to group, the loop-invariant operands are read by every group, each
 per-iteration operand is sliced to the group's rows, and each per-iteration result is
 the concatenation of the groups' results. Each new scan is placed in its stage (its
 ``every=`` markers removed, so all groups share one body), which ``partition`` takes as
-a seed, as it takes a marker; and the carry is marked where it crosses stages, with
+a seed, as it takes a marker, and runs as a fragment of its own (so the stages' equal
+scans share one executable on meshes of one shape); and the carry is marked where it crosses stages, with
 ``stage`` markers as ``mpmdc.stage(h, s)`` between per-stage scans would mark it: on
 entering a forward group, on leaving a transposed one.
 
@@ -30,6 +31,7 @@ from mpmdc.ir.layers import ScanSplit, layer_markers, scan_split, without_layer_
 from mpmdc.ir.primitives import is_layer_marker, stage_p
 from mpmdc.ir.program import (
     Placement,
+    alone,
     Program,
     find_eqns,
     fresh_like,
@@ -119,7 +121,7 @@ def _split(eqn, split: ScanSplit) -> list:
             outvars=[*carry_g, *ys_g],
             params={**p, "length": hi - lo, "jaxpr": body},
         )
-        out.append(placed(scan, Placement(stage, split.transpose)))
+        out.append(alone(placed(scan, Placement(stage, split.transpose))))
         if not entering and carry_g:  # (the cotangent leaves the group's stage's backward)
             out.append(_marker(carry_g, leaving, stage, split.transpose, eqn))
         carry = leaving

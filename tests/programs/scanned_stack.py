@@ -6,7 +6,9 @@ stacked weights and the forward's stacked residuals, with the carry marked where
 crosses stages; ``after-slice-stacks`` holds the stacked weights as one input per stage
 (``args[0]['layers'][0:2]``), cancels the slices of the residuals' concatenation and runs
 the SGD update per piece, so each mesh's fragments read and write only its own rows.
-As with a marker between stages, the last stage's backward shares its forward's fragment.
+Each stage's scan is a fragment of its own (``s0_fwd_1``, ``s1_fwd_0``...), so the stages'
+equal scans compile once for meshes of one shape; as with a marker between stages, the
+last stage's backward shares its forward's placement (``s1_fwd``).
 """
 
 import jax
