@@ -31,8 +31,8 @@ from mpmdc.ir.layers import ScanSplit, layer_markers, scan_split, without_layer_
 from mpmdc.ir.primitives import is_layer_marker, stage_p
 from mpmdc.ir.program import (
     Placement,
-    alone,
     Program,
+    alone,
     find_eqns,
     fresh_like,
     make_closed_jaxpr,
