@@ -136,13 +136,14 @@ def slice_stacks(program: Program) -> Program:
         return program
     paths = dict(zip(jaxpr.invars, program.in_paths))
     whole = set()  # inputs whose pieces cannot make one array: they stay whole
+    kept_whole: dict = {}  # why -> the arguments and results kept whole for that reason
     # Work reading a value whole beside a stacked one (an optimizer state beside a
     # gradient) asks for it in pieces; a walk with more in pieces may ask for more (what
     # computed it). Each walk asks for new values or is the last.
     while True:
         for v in [v for v in cut if v in paths and v not in whole]:
             if (why := layout_problem(program, cut[v])) is not None:
-                _warn(paths[v], "argument", why)
+                kept_whole.setdefault(why, []).append(f"argument {paths[v]}")
                 whole.add(v)
         cut = {v: layout for v, layout in cut.items() if v not in whole}
         walk, new_inputs = _walk(jaxpr, cut, producers)
@@ -166,7 +167,7 @@ def slice_stacks(program: Program) -> Program:
     for i, v in enumerate(substituted(jaxpr.outvars, walk.env)):
         found = walk.stack_of(v)
         if found is not None and (why := layout_problem(program, found.layout)):
-            _warn(program.out_paths[i], "result", why)
+            kept_whole.setdefault(why, []).append(f"result {program.out_paths[i]}")
             found = None
         pieces = [v] if found is None else list(found.pieces)
         spans = [None] if found is None else _spans(found.layout)
@@ -179,6 +180,9 @@ def slice_stacks(program: Program) -> Program:
             )
             if program.wanted_out_meshes is not None:
                 wanted.append(program.wanted_out_meshes[i])
+    scans = [e for e in jaxpr.eqns if placement_of(e) is not None]
+    for why, what in kept_whole.items():
+        _warn(scans[0] if scans else None, what, why)
     debug = jaxpr.debug_info._replace(arg_names=tuple(in_paths), result_paths=tuple(out_paths))
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, invars, outvars, walk.eqns, debug
@@ -200,12 +204,15 @@ def _spans(layout: Layout) -> list:
     return [(layout.axis, lo, hi) for _, lo, hi in layout.spans()]
 
 
-def _warn(path: str, what: str, why: str) -> None:
+def _warn(scan, what: list[str], why: str) -> None:
+    """One warning for the stacked arguments and results ``what`` kept whole for ``why``."""
+    where = f" (the scan at {compat.source_line(scan)})" if scan is not None else ""
+    named = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
     warnings.warn(
-        f"{what} {path} is a layer stack cut over stages, but it cannot be one array over "
-        f"the stage meshes: {why}. It is kept whole on one mesh, and each step moves its "
-        f"stages' rows to them and back. Give every stage the same number of layers, one "
+        f"a layer stack{where} cannot be one array over the stage meshes: {why}. Its "
+        f"stacked arrays ({named}) are kept whole on one mesh, and each step moves every "
+        f"stage's rows to it and back. Give every stage the same number of layers, one "
         f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
         PlacementWarning,
-        stacklevel=1,  # (the message names the argument; no frame of the user's is near)
+        stacklevel=1,  # (the message names the scan; no frame of the user's is near)
     )

@@ -20,13 +20,15 @@ group's residuals stay on its stage's mesh.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from mpmdc.passes.base import register
 
 from mpmdc import _jax_compat as compat
-from mpmdc.errors import StageError
+from mpmdc.errors import PlacementWarning, StageError
 from mpmdc.ir.layers import ScanSplit, layer_markers, scan_split, without_layer_markers
 from mpmdc.ir.primitives import is_layer_marker, stage_p
 from mpmdc.ir.program import (
@@ -35,7 +37,9 @@ from mpmdc.ir.program import (
     alone,
     find_eqns,
     fresh_like,
+    is_var,
     make_closed_jaxpr,
+    nbytes,
     placed,
 )
 
@@ -131,6 +135,36 @@ def _split(eqn, split: ScanSplit) -> list:
     return out
 
 
+# An invariant operand of at least this many bytes, stacked as long as the scan, is worth
+# a warning: every stage reads all of it.
+_WHOLE_STACK_BYTES = 1 << 16
+
+
+def _warn_of_whole_stacks(eqn, paths: dict) -> None:
+    """A ``PlacementWarning`` for a loop-invariant operand of the scan ``eqn`` that looks
+    like a stack of per-layer parameters (a program input as long as the scan, large):
+    the body indexes it (``w[i]``), so every stage reads it whole instead of its rows."""
+    p = eqn.params
+    for x in eqn.invars[: p["num_consts"]]:
+        shape = getattr(x.aval, "shape", ())
+        if (
+            is_var(x)
+            and x in paths
+            and shape
+            and shape[0] == p["length"]
+            and nbytes(x.aval) >= _WHOLE_STACK_BYTES
+        ):
+            name = paths[x]
+            warnings.warn(
+                f"the scan at {compat.source_line(eqn)} is cut into stages, but its body reads "
+                f"{name} whole, as a value indexed inside it (w[i]): every stage receives "
+                f"all of it, and its gradient is summed whole. Pass stacked parameters as "
+                f"the scan's xs, jax.lax.scan(body, h, params), to give each stage its rows.",
+                PlacementWarning,
+                stacklevel=1,  # (the message names the scan; no frame of the user's is near)
+            )
+
+
 def _check_no_layer_markers(eqn, own) -> None:
     """A ``StageError`` for an ``every=`` marker in ``eqn``'s bodies other than its ``own``
     (those of the scan ``eqn`` is): in a scan nested in another loop, which cannot be cut
@@ -167,6 +201,7 @@ def split_scans(program: Program) -> Program:
             _check_no_layer_markers(eqn, ())
         else:
             _check_no_layer_markers(eqn, layer_markers(eqn))
+            _warn_of_whole_stacks(eqn, dict(zip(closed.jaxpr.invars, program.in_paths)))
         eqns.extend([eqn] if split is None else _split(eqn, split))
         changed |= split is not None
     if not changed:

@@ -50,6 +50,14 @@ def assert_same_array(got, want, rtol=0, atol=0):
     )
 
 
+def largest_difference(a, b) -> float:
+    """The largest absolute difference between the leaves of two pytrees, in float64."""
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    )
+
+
 def mesh_index(array, meshes):
     """Index of the mesh whose devices hold ``array``."""
     ids = sorted(d.id for d in array.sharding.device_set)

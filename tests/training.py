@@ -21,10 +21,10 @@ def mlp_data(batch=32):
     )
 
 
-def sgd_step(params, x, y, microbatches=8, schedule="1f1b"):
-    """Mean loss and gradient over microbatches, then one SGD update."""
+def sgd_step(params, x, y, microbatches=8, schedule="1f1b", loss_fn=mlp_loss):
+    """Mean loss and gradient of ``loss_fn`` over microbatches, then one SGD update."""
     loss, grads = mpmdc.accumulate(
-        lambda mb: jax.value_and_grad(mlp_loss)(params, *mb),
+        lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
         (x, y),
         microbatches=microbatches,
         schedule=schedule,
@@ -52,18 +52,6 @@ def scanned_loss(params, x, y, every=2):
 
     h, _ = jax.lax.scan(layer, jnp.tanh(x @ params["embed"]), params["layers"])
     return jnp.mean((h @ params["head"] - y) ** 2)
-
-
-def scanned_sgd_step(params, x, y, microbatches=4, schedule="1f1b"):
-    """``sgd_step`` of the scanned stack."""
-    loss, grads = mpmdc.accumulate(
-        lambda mb: jax.value_and_grad(scanned_loss)(params, *mb),
-        (x, y),
-        microbatches=microbatches,
-        schedule=schedule,
-        reduce="mean",
-    )
-    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
 
 def microbatch_mean(loss_fn, params, batch, microbatches):

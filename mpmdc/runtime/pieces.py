@@ -64,16 +64,17 @@ class Pieces:
             if len(group) == 1:  # (the whole array, or its one stage's rows: all of them)
                 out[group[0][0]] = x
                 continue
-            own = (
-                isinstance(x, jax.Array)
-                and isinstance(sharding, NamedSharding)
-                and (x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim))
+            own = isinstance(x, jax.Array) and (
+                x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
             )
+            shards = {s.device: s.data for s in x.addressable_shards} if own else None
             for k, (axis, lo, hi) in group:
                 if not here[k]:
                     continue
                 target = self._in_shardings[k]
-                out[k] = _own_piece(x, target, axis, lo, hi) if own else _rows(x, axis, lo, hi)
+                out[k] = (
+                    _own_piece(x, shards, target, axis, lo, hi) if own else _rows(x, axis, lo, hi)
+                )
         return out
 
     def results(self, values) -> list:
@@ -104,10 +105,10 @@ def _joined(group, shardings):
     return stacked_sharding([shardings[k] for k, _ in group], group[0][1][0])
 
 
-def _own_piece(x: jax.Array, target: NamedSharding, axis: int, lo: int, hi: int):
-    """Rows ``lo:hi`` of ``x``, whose shards on ``target``'s devices are exactly them."""
-    devices = set(target.mesh.devices.flat)
-    shards = [s.data for s in x.addressable_shards if s.device in devices]
+def _own_piece(x: jax.Array, shards: dict, target: NamedSharding, axis: int, lo: int, hi: int):
+    """Rows ``lo:hi`` of ``x``, whose shards (``shards``: device -> buffer, this process's)
+    on ``target``'s devices are exactly them."""
+    shards = [shards[d] for d in target.mesh.devices.flat if d in shards]
     shape = list(x.shape)
     shape[axis] = hi - lo
     return jax.make_array_from_single_device_arrays(tuple(shape), target, shards)

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import mesh_index
+from helpers import largest_difference, mesh_index
 from test_placement import WIDTH, batch, init, residual_loss, training_step
 
 import mpmdc
@@ -51,13 +51,6 @@ def small_gpt(dtype=None, stages=STAGES):
 
 def tokens():
     return jax.random.randint(jax.random.key(1), (8, 9), 0, 32)
-
-
-def largest_difference(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
 
 
 def train(step, params, opt_state, *args, steps):

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import largest_difference
 
 import mpmdc
 from mpmdc.errors import PlacementWarning, StageError
@@ -138,13 +139,6 @@ def training_step(loss, microbatches=MICROBATCHES, schedule="1f1b"):
 def batch():
     k = jax.random.split(jax.random.key(1))
     return jax.random.normal(k[0], (16, WIDTH)), jax.random.normal(k[1], (16, 4))
-
-
-def largest_difference(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
 
 
 def run_steps(step, params, steps=2):
@@ -279,11 +273,10 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = run_steps(mpmdc.compile(step, meshes), lax_params(), steps=1)
-    assert any(
-        issubclass(w.category, PlacementWarning)
-        and "args[0]['layers']['w1'] is a layer stack" in str(w.message)
-        for w in caught
-    )
+    stacks = [w for w in caught if issubclass(w.category, PlacementWarning)]
+    assert len(stacks) == 1  # one warning for all the stack's arrays
+    assert "a layer stack (the scan at" in str(stacks[0].message)
+    assert "argument args[0]['layers']" in str(stacks[0].message)
     want = run_steps(jax.jit(step), lax_params(), steps=1)
     assert largest_difference(got, want) < ATOL
     w1 = got[0][1]["layers"]["w1"]
@@ -417,3 +410,23 @@ def test_a_shard_map_in_the_body_runs_on_each_stages_mesh():
         want = jax.jit(jax.value_and_grad(loss))(ws, x)
     assert largest_difference(got, want) == 0
     assert rows_by_mesh(got[1], meshes) == {i: [(2 * i, 2 * i + 2)] for i in range(4)}
+
+
+def test_a_stack_indexed_inside_the_body_is_named_in_a_warning(meshes4):
+    """Weights read as ``w[i]`` (the scan over ``arange``) cannot be cut per stage: every
+    stage receives the whole stack, which a warning names with the scan's line."""
+
+    def loss(params, x, y):
+        def body(h, i):
+            h = mpmdc.stage(h, every=2)
+            return jnp.tanh(h @ params["layers"]["w1"][i]), None
+
+        h, _ = jax.lax.scan(body, x @ params["embed"], jnp.arange(LAYERS))
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    params = lax_params()
+    params["layers"]["w1"] = jnp.tile(params["layers"]["w1"], (1, 8, 8))  # (8, 128, 128)
+    params["embed"] = jnp.tile(params["embed"], (1, 8))
+    params["head"] = jnp.tile(params["head"], (8, 1))
+    with pytest.warns(PlacementWarning, match=r"reads args\[0\]\['layers'\]\['w1'\] whole"):
+        mpmdc.compile(jax.grad(loss), meshes4).lower(params, *batch())

@@ -15,9 +15,9 @@ import pathlib
 import re
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
+from helpers import largest_difference
 
 import mpmdc
 
@@ -49,13 +49,6 @@ def small_llama():
 
 def tokens():
     return jax.random.randint(jax.random.key(1), (16, 9), 0, 32)
-
-
-def largest_difference(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
 
 
 def train(step, steps=STEPS):

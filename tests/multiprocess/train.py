@@ -30,7 +30,7 @@ from mpmdc.cli.models import TransformerConfig, adam_init, init_transformer, tra
 from mpmdc.ir.traffic import transfer_report  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from training import mlp_data, scanned_params, scanned_sgd_step, sgd_step  # noqa: E402
+from training import mlp_data, scanned_loss, scanned_params, sgd_step  # noqa: E402
 
 SCHEDULE_STAGES = {"interleaved-1f1b": 8}
 # Absolute bounds per model (a case's own where given). The MLP's SGD steps equal
@@ -72,7 +72,7 @@ def case_inputs(model: str, schedule: str):
         x, y = mlp_data(32)
 
         def step(params, x, y):
-            return scanned_sgd_step(params, x, y, microbatches=4, schedule=schedule)
+            return sgd_step(params, x, y, 4, schedule, loss_fn=scanned_loss)
 
         params = scanned_params(jax.random.key(0), layers=2 * stages)
         return step, (params, x, y), lambda out, args: (out[1], *args[1:])
