@@ -215,7 +215,9 @@ def test_results_fed_back_move_nothing_and_compile_nothing(meshes4):
     assert again["layers"]["w1"].sharding == params["layers"]["w1"].sharding
 
 
-def test_only_the_carry_its_cotangent_and_scalars_cross_meshes(meshes4):
+def test_only_the_carry_its_cotangent_and_scalars_cross_and_activations_wait_as_1f1b_says(
+    meshes4,
+):
     params = lax_params()
     lowered = mpmdc.compile(training_step(lax_loss), meshes4).lower(
         params, TX.init(params), *batch()
@@ -233,6 +235,9 @@ def test_only_the_carry_its_cotangent_and_scalars_cross_meshes(meshes4):
     held = report.inputs_held
     for mesh in range(4):  # each mesh holds its quarter of the stack, its moments too
         assert held[mesh] >= 3 * total // 4
+    # Activations in flight as 1F1B promises: the stack's residuals wait on their stage.
+    memory = lowered.compile().memory
+    assert [m.peak_microbatches for m in memory] == [4, 3, 2, 1]
 
 
 def test_the_layer_axis_may_be_any_axis(meshes4):

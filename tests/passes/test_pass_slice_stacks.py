@@ -1,0 +1,89 @@
+"""The ``slice-stacks`` pass (``mpmdc.passes.slice_stacks``).
+
+What it promises: after ``split-scans``, a program input the stages' scans read as rows
+becomes one input per stage (``in_pieces`` saying which rows of which argument), as
+does an input that work on a stacked value reads whole beside it (an optimizer state);
+a slice taking one stage's rows of the stages' concatenated results is that stage's
+piece; elementwise work on stacked values runs per piece, a reduction across the stacked
+axis adds per-piece partial results; a stacked result is returned in pieces
+(``out_pieces``); the program computes what it did. Where the pieces cannot be one
+array over the stage meshes (uneven groups), the input stays whole with one warning.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_same_array, input_program
+from mpmdc.passes import dce, inline, slice_stacks, split_scans
+
+import mpmdc
+from mpmdc.errors import PlacementWarning
+from mpmdc.ir.program import Piece
+
+WS = jax.random.normal(jax.random.key(0), (8, 4, 4)) * 0.5
+X = jnp.ones((2, 4))
+
+
+def adam_like_step(ws, moment, x, every=2):
+    """A gradient step through a scanned stack: a moment updated elementwise beside the
+    gradient, the update scaled by a global norm."""
+
+    def loss(ws):
+        def layer(h, w):
+            return jnp.tanh(mpmdc.stage(h, every=every) @ w), None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    grad = jax.grad(loss)(ws)
+    moment = 0.9 * moment + 0.1 * grad
+    norm = jnp.sqrt(jnp.sum(grad**2))
+    return ws - 0.1 * moment / (norm + 1.0), moment
+
+
+def sliced(fn, meshes, *args):
+    before = dce(split_scans(inline(input_program(fn, meshes, *args))))
+    return before, dce(slice_stacks(before))
+
+
+def run(program, *args):
+    return jax.core.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
+
+
+def pieces_of(program, args):
+    """The program's inputs from the caller's arguments (``in_pieces``)."""
+    out = []
+    for piece in program.in_pieces:
+        x = args[piece.leaf]
+        if piece.rows is None:
+            out.append(x)
+        else:
+            axis, lo, hi = piece.rows
+            out.append(jax.lax.slice_in_dim(x, lo, hi, axis=axis))
+    return out
+
+
+def test_stacked_inputs_results_and_state_are_held_in_pieces(meshes4):
+    moment = jnp.zeros_like(WS)
+    before, after = sliced(adam_like_step, meshes4, WS, moment, X)
+    rows = [Piece(leaf, (0, 2 * i, 2 * i + 2)) for leaf in (0, 1) for i in range(4)]
+    assert after.in_pieces == (*rows, Piece(2))
+    assert after.out_pieces == tuple(rows)
+    assert after.in_paths[1] == "args[0][2:4]"
+    # Nothing gathers the stack: no concatenation is left, and no slice of one.
+    names = [e.primitive.name for e in after.jaxpr.jaxpr.eqns]
+    assert "concatenate" not in names
+    # The global norm: a partial sum per stage, then three additions.
+    assert names.count("reduce_sum") == 4
+    got = run(after, *pieces_of(after, (WS, moment, X)))
+    want = run(before, WS, moment, X)
+    for k, leaf in enumerate(want):
+        parts = [g for g, piece in zip(got, after.out_pieces) if piece.leaf == k]
+        assert_same_array(jnp.concatenate(parts), leaf, rtol=1e-6)
+
+
+def test_a_stack_that_cannot_be_one_array_stays_whole_with_one_warning(meshes4):
+    moment = jnp.zeros_like(WS)
+    uneven = lambda ws, m, x: adam_like_step(ws, m, x, every=(3, 3, 1, 1))  # noqa: E731
+    with pytest.warns(PlacementWarning, match=r"different numbers of rows \(\[3, 3, 1, 1\]\)"):
+        _, after = sliced(uneven, meshes4, WS, moment, X)
+    assert after.in_pieces is None or all(p.rows is None for p in after.in_pieces)
