@@ -6,6 +6,8 @@
 - ``compiling``: each distinct module compiled once, as soon as it is lowered, and
   loaded onto other meshes of one shape;
 - ``transfers``: how a value moves between two meshes (in one process or across);
+- ``pieces``: a stacked argument handed to its per-stage pieces, and a result assembled
+  from them, as one array over the stage meshes;
 - ``memory``: the bytes each mesh holds along a step, from the release plan;
 - ``peers``: what processes agree on before they run, and the progress of a call.
 
