@@ -39,7 +39,7 @@ FOUR_BY_ONE = (
     else ["transformer:gpipe", "scanned:1f1b"]
 )
 TWO_BY_TWO = (
-    [f"{m}:{s}" for m in ("mlp", "transformer") for s in SCHEDULES] + ["mixed:1f1b"]
+    [f"{m}:{s}" for m in ("mlp", "transformer", "scanned") for s in SCHEDULES] + ["mixed:1f1b"]
     if FULL
     else ["mlp:interleaved-1f1b", "transformer:zb-h1", "mixed:1f1b"]
 )
