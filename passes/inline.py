@@ -46,15 +46,14 @@ def _has_marker(jaxpr: jcore.Jaxpr) -> bool:
 def _misplaced_marker(eqn):
     """A marker in ``eqn``'s bodies that cannot be placed: any but the ``every=`` markers
     of a scan (which ``split-scans`` places), or ``None``."""
+    if eqn.primitive is jprims.scan_p:
+        misplaced = _is_pipeline_marker
+    else:
+        misplaced = lambda e: _is_pipeline_marker(e) or is_layer_marker(e)  # noqa: E731
     for sub in jcore.jaxprs_in_params(eqn.params):
-        marker = next(find_eqns(sub.eqns, _is_pipeline_marker), None)
+        marker = next(find_eqns(sub.eqns, misplaced), None)
         if marker is not None:
             return marker
-    if eqn.primitive is not jprims.scan_p:
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            marker = next(find_eqns(sub.eqns, is_layer_marker), None)
-            if marker is not None:
-                return marker
     return None
 
 

@@ -35,9 +35,9 @@ Rules, in the order they apply:
    loop, such as slicing the batch into microbatches).
 6. Cheap equations are cloned into every stage that uses them instead of being
    transferred: those computed from literals alone (constants, ``iota``, broadcasts
-   of literals, a jitted helper building a mask from them), and shape or type changes of a small value (broadcasting a global
-   norm to a gradient's shape), which therefore move the small value, never the
-   large result.
+   of literals, a jitted helper building a mask from them), and shape or type changes
+   of a small value (broadcasting a global norm to a gradient's shape), which therefore
+   move the small value, never the large result.
 
 The rules are steps a test can run alone on a :func:`placement_state`:
 :func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_by_bytes`
@@ -205,10 +205,9 @@ class PlacementState:
         # (``shard_map`` index -> the stages on its mesh: one seeds its stage.)
         self.shard_maps = shard_maps
         seeds = {i: on_mesh[0] for i, on_mesh in shard_maps.items() if len(on_mesh) == 1}
-        self.stage = [
-            s if (s := _seed_stage(e)) is not None else seeds.get(i) for i, e in enumerate(eqns)
-        ]
-        self.default = min((s for s in map(_seed_stage, eqns) if s is not None), default=0)
+        self.seeded = list(map(_seed_stage, eqns))  # (the stage of each marker or stage scan)
+        self.stage = [s if s is not None else seeds.get(i) for i, s in enumerate(self.seeded)]
+        self.default = min((s for s in self.seeded if s is not None), default=0)
         self.depends, self.prepares = self.pipeline_work()
 
     def mesh(self, stage: int) -> int:
@@ -342,7 +341,7 @@ class PlacementState:
         its inputs, such as an embedding lookup)."""
         depends, depending = set(), set()  # (equations, and the values they define)
         for i, eqn in enumerate(self.eqns):
-            if _seed_stage(eqn) is not None or not depending.isdisjoint(self.reads[i]):
+            if self.seeded[i] is not None or not depending.isdisjoint(self.reads[i]):
                 depends.add(i)
                 depending.update(eqn.outvars)
         # (A forward marker, or an equation reaching one.)
@@ -726,7 +725,7 @@ def partition(program: Program) -> Program:
         eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
     )
     in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
-    staged = {e.outvars[0] for e in eqns if _seed_stage(e) is not None and e.outvars}
+    staged = {e.outvars[0] for e, s in zip(eqns, state.seeded) if s is not None and e.outvars}
     _warn_of_control_flow_across_meshes(program, new_eqns, in_meshes, staged)
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info

@@ -23,7 +23,7 @@ from mpmdc.passes.base import register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.program import Piece, Program, make_closed_jaxpr, placement_of, substituted, vars_of
-from mpmdc.ir.stack_rules import STACK_RULES, Layout, Stack, StackWalk, group_rows
+from mpmdc.ir.stack_rules import STACK_RULES, Layout, Stack, StackWalk, group_rows, piece_aval
 
 
 def _cut_inputs(jaxpr, producers) -> dict:
@@ -38,9 +38,9 @@ def _cut_inputs(jaxpr, producers) -> dict:
         rows = group_rows(eqn)
         if rows is None or eqn.invars[0] in producers:
             continue
-        stages = {placement_of(r) for r in readers.get(eqn.outvars[0], [])}
-        if len(stages) == 1 and None not in stages:
-            stage = stages.pop().stage
+        placements = {placement_of(r) for r in readers.get(eqn.outvars[0], [])}
+        if len(placements) == 1 and None not in placements:
+            stage = placements.pop().stage
             spans.setdefault((eqn.invars[0], rows[0]), {})[rows[1:]] = stage
     out = {}
     for (x, axis), found in spans.items():
@@ -84,13 +84,10 @@ def layout_problem(program: Program, layout: Layout) -> str | None:
     return None
 
 
-def _walk(jaxpr, cut: dict, producers: dict):
+def _walk(jaxpr, cut: dict, producers: dict, first_reader: dict):
     """One walk: ``(walk, new inputs per original input)`` with the inputs and running
-    values in ``cut`` in pieces."""
-    walk = StackWalk(jaxpr.eqns, cut)
-    first_reader = {}
-    for eqn in reversed(jaxpr.eqns):
-        first_reader.update((a, eqn) for a in vars_of(eqn.invars))
+    values in ``cut`` in pieces (``first_reader``: input -> the first equation reading it)."""
+    walk = StackWalk(jaxpr.eqns, producers, cut)
     new_inputs = {}
     for v in jaxpr.invars:
         if v not in cut:
@@ -98,8 +95,7 @@ def _walk(jaxpr, cut: dict, producers: dict):
             continue
         layout = cut[v]
         pieces = [
-            compat.Var(v.aval.update(shape=_rows_shape(v.aval.shape, layout.axis, hi - lo)))
-            for _, lo, hi in layout.spans()
+            compat.Var(piece_aval(v.aval, layout.axis, hi - lo)) for _, lo, hi in layout.spans()
         ]
         walk.stacked(v, layout, pieces, first_reader[v])
         new_inputs[v] = pieces
@@ -118,10 +114,6 @@ def _walk(jaxpr, cut: dict, producers: dict):
     return walk, new_inputs
 
 
-def _rows_shape(shape, axis: int, rows: int) -> tuple:
-    return (*shape[:axis], rows, *shape[axis + 1 :])
-
-
 def _rows_text(path: str, axis: int, lo: int, hi: int) -> str:
     return f"{path}[{', '.join([':'] * axis + [f'{lo}:{hi}'])}]"
 
@@ -131,6 +123,9 @@ def slice_stacks(program: Program) -> Program:
     """Take stacked inputs in pieces, run work on stacked values per piece, return pieces."""
     jaxpr = program.jaxpr.jaxpr
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    first_reader = {}
+    for eqn in reversed(jaxpr.eqns):
+        first_reader.update((a, eqn) for a in vars_of(eqn.invars))
     cut = _cut_inputs(jaxpr, producers)
     if not cut and not any(_stage_concatenation(e, producers) for e in jaxpr.eqns):
         return program
@@ -146,7 +141,7 @@ def slice_stacks(program: Program) -> Program:
                 kept_whole.setdefault(why, []).append(f"argument {paths[v]}")
                 whole.add(v)
         cut = {v: layout for v, layout in cut.items() if v not in whole}
-        walk, new_inputs = _walk(jaxpr, cut, producers)
+        walk, new_inputs = _walk(jaxpr, cut, producers, first_reader)
         asked = {v: layout for v, layout in walk.demands.items() if v not in whole}
         if not asked:
             break

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from mpmdc.passes.base import register
@@ -35,6 +34,7 @@ from mpmdc.ir.program import (
     Placement,
     Program,
     alone,
+    derived_eqn,
     find_eqns,
     fresh_like,
     is_var,
@@ -42,44 +42,12 @@ from mpmdc.ir.program import (
     nbytes,
     placed,
 )
-
-
-def slice_rows(x, lo: int, hi: int, like, axis: int = 0):
-    """``(equation, result)``: rows ``lo:hi`` of ``x`` along ``axis`` (``like``: an
-    equation whose source line and context the new one takes)."""
-    shape = list(x.aval.shape)
-    start, limit = [0] * len(shape), list(shape)
-    start[axis], limit[axis] = lo, hi
-    shape[axis] = hi - lo
-    out = compat.Var(x.aval.update(shape=tuple(shape)))
-    params = dict(start_indices=tuple(start), limit_indices=tuple(limit), strides=None)
-    eqn = jcore.new_jaxpr_eqn(
-        [x], [out], jax.lax.slice_p, params, jcore.no_effects, like.source_info, like.ctx
-    )
-    return placed(eqn, None), out
-
-
-def concatenated(pieces, out, like, axis: int = 0):
-    """The equation defining ``out`` as ``pieces`` joined along ``axis``."""
-    eqn = jcore.new_jaxpr_eqn(
-        list(pieces),
-        [out],
-        jax.lax.concatenate_p,
-        {"dimension": axis},
-        jcore.no_effects,
-        like.source_info,
-        like.ctx,
-    )
-    return placed(eqn, None)
+from mpmdc.ir.stack_rules import concatenation, piece_aval, rows_of
 
 
 def _marker(operands, outvars, stage: int, transpose: int, like):
     """A ``stage`` marker equation defining ``outvars`` as ``operands``."""
-    params = {"stage": stage, "transpose": transpose}
-    eqn = jcore.new_jaxpr_eqn(
-        list(operands), list(outvars), stage_p, params, jcore.no_effects, like.source_info, like.ctx
-    )
-    return placed(eqn, None)
+    return derived_eqn(stage_p, operands, outvars, {"stage": stage, "transpose": transpose}, like)
 
 
 def _split(eqn, split: ScanSplit) -> list:
@@ -100,7 +68,7 @@ def _split(eqn, split: ScanSplit) -> list:
         stage = split.first + g
         xs_g = []
         for x in xs:
-            slicing, piece = slice_rows(x, lo, hi, eqn)
+            slicing, piece = rows_of(x, lo, hi, eqn)
             out.append(slicing)
             xs_g.append(piece)
         if entering and carry:  # (the carry enters the group's stage, as stage(h, s) says)
@@ -112,11 +80,10 @@ def _split(eqn, split: ScanSplit) -> list:
         carry_g = [fresh_like(v) for v in carry_out] if not entering else leaving
         ys_g = []
         for k, y in enumerate(ys_out):
-            shape = (hi - lo, *y.aval.shape[1:])
             piece = (
                 fresh_like(y)
                 if isinstance(y, jcore.DropVar)
-                else compat.Var(y.aval.update(shape=shape))
+                else compat.Var(piece_aval(y.aval, 0, hi - lo))
             )
             pieces[k][g] = piece
             ys_g.append(piece)
@@ -131,7 +98,7 @@ def _split(eqn, split: ScanSplit) -> list:
         carry = leaving
     for y, ys in zip(ys_out, pieces):
         if not isinstance(y, jcore.DropVar):
-            out.append(concatenated(ys, y, eqn))
+            out.append(concatenation(ys, y, eqn))
     return out
 
 

@@ -195,15 +195,22 @@ def _elementwise_dce(spec_params=()):
 
 ad.primitive_jvps[stage_p] = _marker_jvp(stage_p)
 ad.primitive_transposes[stage_p] = _marker_transpose(stage_p)
-batching.primitive_batchers[stage_p] = lambda args, dims, **p: (stage_p.bind(*args, **p), dims)
+
+
+def _marker_batcher(primitive):
+    """Batching rule of a marker: the batched values are marked as they are."""
+    return lambda args, dims, **params: (primitive.bind(*args, **params), dims)
+
+
+batching.primitive_batchers[stage_p] = _marker_batcher(stage_p)
 mlir.register_lowering(stage_p, lambda ctx, *args, stage, transpose: list(args))
 pe.dce_rules[stage_p] = _elementwise_dce()
 
 # ---------------------------------------------------------------- layer_stage
 
 # ``stage(h, every=k, first=f)`` inside a scan body: iteration ``j`` enters stage
-# ``f + j // k``. The ``split-scans`` pass cuts the scan into one scan per stage and
-# turns each of these into a plain ``stage`` marker of that stage.
+# ``f + j // k``. The ``split-scans`` pass cuts the scan into one scan per stage, removes
+# these from the body and marks the carry with plain ``stage`` markers between the stages.
 layer_stage_p = jcore.Primitive("layer_stage")
 layer_stage_p.multiple_results = True
 layer_stage_p.def_impl(lambda *xs, every, first, transpose: list(xs))
@@ -217,10 +224,7 @@ def is_layer_marker(eqn) -> bool:
 
 ad.primitive_jvps[layer_stage_p] = _marker_jvp(layer_stage_p)
 ad.primitive_transposes[layer_stage_p] = _marker_transpose(layer_stage_p)
-batching.primitive_batchers[layer_stage_p] = lambda args, dims, **p: (
-    layer_stage_p.bind(*args, **p),
-    dims,
-)
+batching.primitive_batchers[layer_stage_p] = _marker_batcher(layer_stage_p)
 mlir.register_lowering(layer_stage_p, lambda ctx, *args, **params: list(args))
 pe.dce_rules[layer_stage_p] = _elementwise_dce()
 
@@ -261,10 +265,7 @@ microbatch_p.def_impl(lambda *xs, index: list(xs))
 microbatch_p.def_abstract_eval(lambda *avals, index: list(avals))
 ad.primitive_jvps[microbatch_p] = _microbatch_jvp
 ad.primitive_transposes[microbatch_p] = _microbatch_transpose
-batching.primitive_batchers[microbatch_p] = lambda args, dims, **p: (
-    microbatch_p.bind(*args, **p),
-    dims,
-)
+batching.primitive_batchers[microbatch_p] = _marker_batcher(microbatch_p)
 mlir.register_lowering(microbatch_p, lambda ctx, *args, index: list(args))
 pe.dce_rules[microbatch_p] = _elementwise_dce()
 

@@ -270,6 +270,15 @@ def copy_eqn(eqn, env: dict, **changes):
     return eqn.replace(**_renaming(eqn, env), **changes)
 
 
+def derived_eqn(primitive, invars, outvars, params, like):
+    """A new effect-free, unplaced equation with ``like``'s source line and context (work a
+    pass writes for an equation of the user's: its slices, its pieces, a marker)."""
+    eqn = jcore.new_jaxpr_eqn(
+        list(invars), list(outvars), primitive, params, jcore.no_effects, like.source_info, like.ctx
+    )
+    return placed(eqn, None)
+
+
 def make_closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info=None, name="fragment"):
     """Assemble a ``ClosedJaxpr`` whose effects are the union of its equations'.
 

@@ -23,7 +23,7 @@ from jax.extend.core import primitives as jprims
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.primitives import LoopEdge, is_loop_edge, loop_edge_p
-from mpmdc.ir.program import is_var, placed
+from mpmdc.ir.program import derived_eqn, is_var
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,26 @@ class Stack:
     pieces: tuple
 
 
-def _piece_aval(aval, axis: int, rows: int):
+def piece_aval(aval, axis: int, rows: int):
+    """``aval`` with ``rows`` rows along ``axis``."""
     shape = list(aval.shape)
     shape[axis] = rows
     return aval.update(shape=tuple(shape))
 
 
-def _eqn(primitive, invars, outvars, params, like):
-    new = jcore.new_jaxpr_eqn(
-        list(invars), list(outvars), primitive, params, jcore.no_effects, like.source_info, like.ctx
-    )
-    return placed(new, None)
+def rows_of(x, lo: int, hi: int, like, axis: int = 0):
+    """``(equation, result)``: rows ``lo:hi`` of ``x`` along ``axis`` (``like``: the
+    equation whose source line and context the slice takes)."""
+    out = compat.Var(piece_aval(x.aval, axis, hi - lo))
+    start, limit = [0] * x.aval.ndim, list(x.aval.shape)
+    start[axis], limit[axis] = lo, hi
+    params = {"start_indices": tuple(start), "limit_indices": tuple(limit), "strides": None}
+    return derived_eqn(jax.lax.slice_p, [x], [out], params, like), out
+
+
+def concatenation(pieces, out, like, axis: int = 0):
+    """The equation defining ``out`` as ``pieces`` joined along ``axis``."""
+    return derived_eqn(jax.lax.concatenate_p, pieces, [out], {"dimension": axis}, like)
 
 
 class StackWalk:
@@ -75,8 +84,8 @@ class StackWalk:
     pieces where they begin (``wanted``): program inputs, running values, and the results
     of work a rule runs per piece."""
 
-    def __init__(self, eqns, wanted: dict):
-        self.producers = {v: e for e in eqns for v in e.outvars}
+    def __init__(self, eqns, producers: dict, wanted: dict):
+        self.producers = producers  # variable -> the equation of ``eqns`` defining it
         self.wanted = wanted
         self.stacks: dict = {}
         self.eqns: list = []
@@ -105,8 +114,7 @@ class StackWalk:
     def stacked(self, outvar, layout: Layout, pieces, like) -> None:
         """Record ``outvar`` as held in ``pieces``, and define it as their concatenation."""
         self.stacks[outvar] = Stack(layout, tuple(pieces))
-        params = {"dimension": layout.axis}
-        self.emit(_eqn(jax.lax.concatenate_p, pieces, [outvar], params, like))
+        self.emit(concatenation(pieces, outvar, like, layout.axis))
 
     def pieces_of(self, atom, layout: Layout, like) -> list:
         """Per piece of ``layout``, the operand standing for ``atom``: its own pieces if it
@@ -121,23 +129,17 @@ class StackWalk:
         made = self.producers.get(atom)
         out = []
         for _, lo, hi in layout.spans():
-            piece = compat.Var(_piece_aval(atom.aval, axis, hi - lo))
             if (
                 made is not None
                 and made.primitive is jprims.broadcast_in_dim_p
                 and axis not in made.params["broadcast_dimensions"]
             ):
+                piece = compat.Var(piece_aval(atom.aval, axis, hi - lo))
                 params = {**made.params, "shape": piece.aval.shape}
-                self.emit(_eqn(made.primitive, made.invars, [piece], params, like))
+                self.emit(derived_eqn(made.primitive, made.invars, [piece], params, like))
             else:
-                start = [0] * atom.aval.ndim
-                start[axis] = lo
-                params = {
-                    "start_indices": tuple(start),
-                    "limit_indices": (*piece.aval.shape[:axis], hi, *piece.aval.shape[axis + 1 :]),
-                    "strides": None,
-                }
-                self.emit(_eqn(jax.lax.slice_p, [atom], [piece], params, like))
+                slicing, piece = rows_of(atom, lo, hi, like, axis)
+                self.emit(slicing)
             out.append(piece)
         return out
 
@@ -165,8 +167,10 @@ def _elementwise(eqn, walk: StackWalk) -> bool:
     ]
     outs = [[] for _ in eqn.outvars]
     for g, lo, hi in layout.spans():
-        piece_out = [compat.Var(_piece_aval(v.aval, layout.axis, hi - lo)) for v in eqn.outvars]
-        walk.emit(_eqn(eqn.primitive, [ops[g] for ops in operands], piece_out, eqn.params, eqn))
+        piece_out = [compat.Var(piece_aval(v.aval, layout.axis, hi - lo)) for v in eqn.outvars]
+        walk.emit(
+            derived_eqn(eqn.primitive, [ops[g] for ops in operands], piece_out, eqn.params, eqn)
+        )
         for k, v in enumerate(piece_out):
             outs[k].append(v)
     for v, pieces in zip(eqn.outvars, outs):
@@ -196,12 +200,12 @@ def _reduction(eqn, walk: StackWalk) -> bool:
         partial = []
         for piece in found.pieces:
             result = compat.Var(out.aval)
-            walk.emit(_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
+            walk.emit(derived_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
             partial.append(result)
         total = partial[0]
         for k, piece in enumerate(partial[1:], 1):
             result = out if k == len(partial) - 1 else compat.Var(out.aval)
-            walk.emit(_eqn(_COMBINE[eqn.primitive], [total, piece], [result], {}, eqn))
+            walk.emit(derived_eqn(_COMBINE[eqn.primitive], [total, piece], [result], {}, eqn))
             total = result
         if len(partial) == 1:
             walk.env[out] = total
@@ -209,8 +213,8 @@ def _reduction(eqn, walk: StackWalk) -> bool:
     layout = found.layout.along(axis - sum(a < axis for a in axes))
     pieces = []
     for g, lo, hi in layout.spans():
-        result = compat.Var(_piece_aval(out.aval, layout.axis, hi - lo))
-        walk.emit(_eqn(eqn.primitive, [found.pieces[g]], [result], eqn.params, eqn))
+        result = compat.Var(piece_aval(out.aval, layout.axis, hi - lo))
+        walk.emit(derived_eqn(eqn.primitive, [found.pieces[g]], [result], eqn.params, eqn))
         pieces.append(result)
     walk.stacked(out, layout, pieces, eqn)
     return True
@@ -240,11 +244,11 @@ def _moving_axes(eqn, walk: StackWalk, out_axis_of, operand_axis_of) -> bool:
     pieces = []
     for g, lo, hi in layout.spans():
         operand = operands[g]
-        result = compat.Var(_piece_aval(out.aval, layout.axis, hi - lo))
+        result = compat.Var(piece_aval(out.aval, layout.axis, hi - lo))
         params = dict(eqn.params)
         if "shape" in params:
             params["shape"] = result.aval.shape
-        walk.emit(_eqn(eqn.primitive, [operand], [result], params, eqn))
+        walk.emit(derived_eqn(eqn.primitive, [operand], [result], params, eqn))
         pieces.append(result)
     walk.stacked(out, layout, pieces, eqn)
     return True
@@ -307,9 +311,9 @@ def _loop_edge(eqn, walk: StackWalk) -> bool:
     operands = walk.pieces_of(eqn.invars[0], layout, eqn)
     pieces = []
     for g, lo, hi in layout.spans():
-        piece = compat.Var(_piece_aval(out.aval, layout.axis, hi - lo))
+        piece = compat.Var(piece_aval(out.aval, layout.axis, hi - lo))
         params = {**eqn.params, "carry": walk.carry_number(carry, g)}
-        walk.emit(_eqn(loop_edge_p, [operands[g]], [piece], params, eqn))
+        walk.emit(derived_eqn(loop_edge_p, [operands[g]], [piece], params, eqn))
         pieces.append(piece)
     walk.stacked(out, layout, pieces, eqn)
     return True

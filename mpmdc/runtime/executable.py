@@ -350,15 +350,13 @@ class Compiled:
     def argument_specs(self) -> list:
         """Per flat argument, the spec of the sharding a call runs it with (``None``: the
         program chose none), as the call cache compares committed specs with."""
-        per_input = [
-            s if p is None or len(g) == 1 else p.spec
-            for s, p, g in zip(
-                self._pieces.per_argument(self.program.in_specs),
-                self._pieces.arg_shardings,
-                self._pieces.in_groups,
+        pieces = self._pieces
+        return [
+            spec if len(group) == 1 else sharding.spec
+            for spec, sharding, group in zip(
+                pieces.per_argument(self.program.in_specs), pieces.arg_shardings, pieces.in_groups
             )
         ]
-        return per_input
 
     def _fragments_by_mesh(self) -> dict[int, list]:
         """``{mesh: [fragment key per fragment call of one step]}`` for meshes here, in
