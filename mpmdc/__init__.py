@@ -10,6 +10,7 @@ import os as _os
 from mpmdc import (
     _jax_compat,
     backends,
+    checkpoint,
     distributed,
     errors,
     lowering,
@@ -39,6 +40,7 @@ __all__ = [
     "Wrapped",
     "accumulate",
     "backends",
+    "checkpoint",
     "compile",
     "distributed",
     "errors",

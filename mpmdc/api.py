@@ -676,10 +676,14 @@ class Wrapped:
             program = program.replace(
                 schedule=_planned(program, self.schedule or loop.schedule, loop.microbatches)
             )
-        signature = Signature(
-            in_tree=in_tree, in_types=in_types, in_paths=tuple(in_paths), out_tree=out_tree
-        )
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        signature = Signature(
+            in_tree=in_tree,
+            in_types=in_types,
+            in_paths=tuple(in_paths),
+            out_tree=out_tree,
+            function=name,
+        )
         return Traced(program, signature, passes, name, time.perf_counter() - started)
 
     def _trace(self, in_tree, call: _Call, in_types):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import json
 import math
 import os
@@ -362,9 +363,6 @@ def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> No
         )
 
 
-_fetches = 0  # fetch calls so far; every process makes the same ones, in the same order
-
-
 def fetch(tree):
     """The values of a pytree of arrays as numpy arrays, on every process.
 
@@ -375,15 +373,14 @@ def fetch(tree):
     ``jax.distributed`` key-value store: meant for losses and metrics, not for
     gigabytes of parameters.
     """
-    global _fetches
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if jax.process_count() == 1 or not any(isinstance(x, jax.Array) for x in leaves):
         return jax.tree_util.tree_unflatten(
             treedef, [np.asarray(jax.device_get(x)) for x in leaves]
         )
-    _fetches += 1
     client = _client()
-    topic = f"{_PREFIX}fetch/{_fetches}"
+    about = topic("fetch", repr(treedef) + repr([jax.typeof(x) for x in leaves]))
+    prefix = f"{_PREFIX}{about}"
     timeout_ms = int(fault_timeout_seconds() * 1000)
     everyone = set(range(jax.process_count()))
     written = []
@@ -393,7 +390,7 @@ def fetch(tree):
         if x.is_fully_replicated and {d.process_index for d in x.sharding.device_set} == everyone:
             continue  # every process has it whole
         for shard in x.addressable_shards:
-            key = f"{topic}/{k}/{_index_text(shard.index, x.shape)}"
+            key = f"{prefix}/{k}/{_index_text(shard.index, x.shape)}"
             if key not in written:
                 client.key_value_set_bytes(
                     key,
@@ -412,7 +409,7 @@ def fetch(tree):
         }
         for text, index in indices.items():
             try:
-                data = client.blocking_key_value_get_bytes(f"{topic}/{k}/{text}", timeout_ms)
+                data = client.blocking_key_value_get_bytes(f"{prefix}/{k}/{text}", timeout_ms)
             except Exception:
                 raise MpmdRuntimeError(
                     f"mpmdc.fetch on process {jax.process_index()}: leaf {k} ({x.dtype}{list(x.shape)}) did not "
@@ -422,7 +419,7 @@ def fetch(tree):
             value[index] = np.frombuffer(data, x.dtype).reshape(value[index].shape)
         out.append(value)
     try:
-        barrier(f"fetch/{_fetches}")
+        barrier(about)
     finally:
         for key in written:
             client.key_value_delete(key)
@@ -437,6 +434,24 @@ def _index_text(index, shape) -> str:
     )
 
 
+_topic_uses: dict[str, int] = {}
+
+
+def topic(kind: str, about: str) -> str:
+    """A key-value topic for the next exchange of ``kind`` about ``about``.
+
+    Named by what the exchange is about (a digest of ``about``: a function's name, a
+    program, a checkpoint's path) and how many exchanges of that kind about it this
+    process began, never by a count of all exchanges: a process that compiles or fetches
+    something once more than its peers then waits alone on that one topic (and says
+    so) instead of shifting every later exchange onto the wrong partner.
+    """
+    digest = hashlib.sha256(about.encode()).hexdigest()[:16]
+    key = f"{kind}/{digest}"
+    _topic_uses[key] = _topic_uses.get(key, 0) + 1
+    return f"{key}/{_topic_uses[key]}"
+
+
 def barrier(topic: str) -> None:
     """Wait until every process reaches ``topic`` (bounded by the fault timeout)."""
     try:
@@ -446,6 +461,18 @@ def barrier(topic: str) -> None:
             f"process {jax.process_index()} waited {fault_timeout_seconds():g} s at {topic} for the other "
             f"processes; not all came ({type(err).__name__}). Check the other processes' output."
         ) from None
+
+
+def rendezvous(topic: str, what: str) -> None:
+    """Wait until every process reaches ``topic``, as :func:`barrier` does, but stop as
+    soon as a process announces a failure (``MpmdRuntimeError`` naming it and why)
+    instead of at the fault timeout. ``what`` says what is waited for, for the error."""
+    client = _client()
+    here = jax.process_index()
+    client.key_value_set(f"{_PREFIX}meet/{topic}/{here}", "1")
+    for peer in range(jax.process_count()):
+        if peer != here:
+            _wait_for(f"{_PREFIX}meet/{topic}/{peer}", peer, what)
 
 
 def merge_timelines(topic: str, timeline):

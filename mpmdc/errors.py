@@ -86,6 +86,11 @@ class AccumulateError(MpmdcError):
     """``mpmdc.accumulate`` got microbatches, inputs or reductions it cannot use."""
 
 
+class CheckpointError(MpmdcError):
+    """A checkpoint is missing, partial or already there, or does not fit the tree saved to
+    it or restored from it (named with the leaf's path and the checkpoint's directory)."""
+
+
 class PlacementWarning(UserWarning):
     """Work that mpmdc could not keep next to its values: it runs on one mesh and reads
     arrays that live on others every step (named with its source line)."""

@@ -54,6 +54,7 @@ class Signature:
     in_types: tuple[tuple, ...]  # per leaf: ``leaf_type``'s (shape, dtype, weak type)
     in_paths: tuple[str, ...]
     out_tree: Any
+    function: str = "the function"  # the user's function's name: what processes agree about
 
     def args_info(self, donated: tuple[bool, ...]):
         """Each argument's type and whether it is ``donated`` (one flag per leaf), as
@@ -202,9 +203,6 @@ class Compiled:
     """A compiled MPMD program, as ``jax.stages.Compiled``: call it like the function it
     was lowered from (static arguments left out, as they were fixed by ``lower``)."""
 
-    _built_multiprocess = 0  # executables built in a multi-process run, numbering their checks
-    _timed_runs = 0  # multi-process ``run_timed`` calls, numbering their barriers
-
     def __init__(
         self, program: Program, signature: Signature, *, compiler: FragmentCompiler | None = None
     ):
@@ -258,12 +256,15 @@ class Compiled:
             signature.out_tree.num_leaves,
         )
         if self.multiprocess:
-            Compiled._built_multiprocess += 1
+            entries = program_entries(program)
+            # Named by the function, not by the program: processes that traced different
+            # programs for it meet on the same topic, and the check names the difference.
             distributed.check_agreement(
-                f"program-{Compiled._built_multiprocess}",
-                program_entries(program),
+                distributed.topic("program", signature.function),
+                entries,
                 "the program they compiled",
             )
+            self._agreed = repr(entries)  # what this program's later exchanges are about
 
     def _plan_steps(self, slots: _Slots, backend, here: list[bool], keys: dict) -> list[_Step]:
         """One step per top-level equation this process takes part in, in program order."""
@@ -508,8 +509,7 @@ class Compiled:
             return self._finish(env), timeline
         # Every process starts its clock as the last one arrives, so the merged
         # timeline of all processes lines up to a barrier's latency.
-        Compiled._timed_runs += 1
-        topic = f"timed-{Compiled._timed_runs}"
+        topic = distributed.topic("timed", self._agreed)
         distributed.barrier(topic)
         env = self._start(leaves)
         try:

@@ -27,6 +27,7 @@ LAYERS = [
     ("mpmdc.runtime", 5),
     ("mpmdc.pipeline", 6),
     ("mpmdc.api", 6),
+    ("mpmdc.checkpoint", 6),
     ("mpmdc.cli", 7),
     ("mpmdc.__main__", 8),
     ("mpmdc", 8),  # the package's own __init__: the public API

@@ -1,0 +1,149 @@
+"""Numbered checkpoints of a training run in one directory, saved in the background."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+
+from mpmdc.checkpoint import storage
+from mpmdc.checkpoint.layout import COMMITTED, is_leftover_name
+from mpmdc.checkpoint.restoring import restore
+from mpmdc.checkpoint.saving import Save
+from mpmdc.errors import CheckpointError
+
+
+class CheckpointManager:
+    """Checkpoints of a training run, one per step, in ``directory/<step>``.
+
+    As Orbax's ``CheckpointManager``: :meth:`save` saves at every
+    ``save_interval_steps``-th step and keeps the newest ``max_to_keep`` (all when
+    ``None``); :meth:`latest_step` is the newest complete one, and :meth:`restore`
+    restores it (or another step) onto any layout. Every process calls each method,
+    in the same order, as for :func:`~mpmdc.checkpoint.save`.
+
+    With ``asynchronous=True`` (the default) :meth:`save` returns once this process's
+    arrays are copied to the host, so the next training step may run (and donate them)
+    while the copies are written; a save waits for the one before it, and
+    :meth:`wait_until_finished` (or :meth:`close`, or leaving a ``with`` block) waits for
+    the last and raises its error if it failed. Call one of them before the program
+    ends.
+    """
+
+    def __init__(
+        self,
+        directory,
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        asynchronous: bool = True,
+    ):
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise CheckpointError(
+                f"max_to_keep must be a positive integer or None, got {max_to_keep!r}."
+            )
+        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise CheckpointError(
+                f"save_interval_steps must be a positive integer, got {save_interval_steps!r}."
+            )
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
+        self.save_interval_steps = save_interval_steps
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="mpmdc-checkpoint") if asynchronous else None
+        )
+        self._pending: Future | None = None
+        self._pending_step: int | None = None
+
+    def step_directory(self, step: int) -> str:
+        """Where step ``step`` is saved."""
+        return os.path.join(self.directory, str(step))
+
+    def all_steps(self) -> list[int]:
+        """The steps with a complete checkpoint, oldest first (not one still being saved)."""
+        return [s for s in _complete_steps(self.directory) if s != self._pending_step]
+
+    def latest_step(self) -> int | None:
+        """The newest step with a complete checkpoint, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` saves ``step``: every ``save_interval_steps``-th step."""
+        return step % self.save_interval_steps == 0
+
+    def save(self, step: int, tree, *, force: bool = False) -> bool:
+        """Save ``tree`` as step ``step`` if :meth:`should_save` (or ``force``); returns
+        whether it saves. Saving a step that already has a checkpoint is an error."""
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"a step is a non-negative integer, got {step!r}.")
+        if not (force or self.should_save(step)):
+            return False
+        self.wait_until_finished()
+        asynchronous = self._executor is not None
+        save = Save(
+            self.step_directory(step),
+            tree,
+            copy=asynchronous,
+            after_commit=self._remove_old if jax.process_index() == 0 else None,
+        )
+        if asynchronous:
+            self._pending, self._pending_step = self._executor.submit(save.finish), step
+        else:
+            save.finish()
+        return True
+
+    def restore(self, target=None, *, step: int | None = None):
+        """Step ``step`` (the latest complete one by default) restored onto ``target``, as
+        :func:`~mpmdc.checkpoint.restore` does."""
+        self.wait_until_finished()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no complete checkpoint in {self.directory} to restore.")
+        return restore(self.step_directory(step), target)
+
+    def wait_until_finished(self) -> None:
+        """Wait for the save in the background, if any; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        self._pending_step = None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the last save, then stop the background thread."""
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _remove_old(self) -> None:
+        """After a commit (process 0): remove steps beyond the newest ``max_to_keep`` and
+        what saves that never finished left behind."""
+        for name in os.listdir(self.directory):
+            if is_leftover_name(name):
+                storage.remove(os.path.join(self.directory, name))
+        if self.max_to_keep is not None:
+            for step in _complete_steps(self.directory)[: -self.max_to_keep]:
+                storage.remove(self.step_directory(step))
+
+
+def _complete_steps(directory: str) -> list[int]:
+    """The steps with a complete checkpoint in ``directory``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        int(name)
+        for name in names
+        if name.isdigit() and os.path.exists(os.path.join(directory, name, COMMITTED))
+    )

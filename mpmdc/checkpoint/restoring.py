@@ -1,0 +1,184 @@
+"""Restoring a checkpoint onto any layout: each process reads only the index ranges its
+own devices need, and every array comes back with the sharding the target asks for."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from mpmdc.checkpoint import storage
+from mpmdc.checkpoint.layout import (
+    COMMITTED,
+    INDEX_FILE,
+    PARTIAL_SUFFIX,
+    Index,
+    LeafEntry,
+    path_text,
+)
+from mpmdc.errors import CheckpointError
+
+_SHOWN = 4  # paths listed in an error about paths that do not match
+
+
+def read_index(directory) -> Index:
+    """The index of the complete checkpoint in ``directory``; ``CheckpointError`` when
+    there is none, or only a save that has not finished (or died)."""
+    root = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(root):
+        partial = os.path.isdir(root + PARTIAL_SUFFIX)
+        why = (
+            f"only {root + PARTIAL_SUFFIX} is there: a save to it has not finished, or died"
+            if partial
+            else "the directory does not exist"
+        )
+        raise CheckpointError(f"no checkpoint at {root}: {why}.")
+    document = storage.read_json(os.path.join(root, INDEX_FILE))
+    index = Index.from_json(document) if document is not None else None
+    if index is None or not os.path.exists(os.path.join(root, COMMITTED)):
+        raise CheckpointError(
+            f"{root} is no complete mpmdc checkpoint (its index or its {COMMITTED} marker is "
+            f"missing): it was not written by mpmdc.checkpoint.save, or not to the end."
+        )
+    return index
+
+
+def restore(directory, target=None):
+    """The checkpoint in ``directory``, put where ``target`` says.
+
+    ``target`` is a pytree with the saved tree's paths whose leaves say where each array
+    goes: a ``jax.ShapeDtypeStruct`` with a sharding, a bare ``Sharding`` (e.g. from
+    ``compiled.input_shardings``: the saved shape and dtype), or an array whose shape,
+    dtype and sharding to take (a numpy array or Python number comes back as a numpy
+    array). A struct without a
+    sharding goes to this process's first device. The sharding may be any layout:
+    other meshes or stages, another number of processes, a plain ``jax.jit`` program's;
+    each process reads only the parts its devices hold. Leaves are matched by pytree
+    path; a path, shape or dtype that differs is a ``CheckpointError`` naming it.
+
+    Without ``target``: ``{path: numpy array}`` of every leaf, whole, on the host.
+    """
+    root = os.path.abspath(os.fspath(directory))
+    index = read_index(root)
+    context = ts.Context()
+    if target is None:
+        return {leaf.path: _read_whole(root, leaf, context) for leaf in index.leaves}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    saved = {leaf.path: leaf for leaf in index.leaves}
+    wanted = [path_text(path) for path, _ in flat]
+    _check_paths(root, list(saved), wanted)
+    plans = [_Plan(root, saved[text], leaf, context) for text, (_, leaf) in zip(wanted, flat)]
+    for plan in plans:
+        plan.start()
+    return jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
+
+
+class _Plan:
+    """One leaf's restore: its reads (one per distinct index range this process's devices
+    hold), started for every leaf before any is waited for."""
+
+    def __init__(self, root: str, entry: LeafEntry, leaf, context: ts.Context):
+        self.root, self.entry, self.context = root, entry, context
+        shape, dtype, self.sharding = _target_type(leaf, entry, root)
+        if shape != entry.shape or str(dtype) != entry.dtype:
+            raise CheckpointError(
+                f"leaf {entry.path} of the checkpoint at {root} is {entry.dtype}{list(entry.shape)}; "
+                f"the target asks for {dtype}{list(shape)}. Restore into a target of the saved "
+                f"shape and dtype, and convert after."
+            )
+        self.reads: dict[str, object] = {}
+
+    def start(self) -> None:
+        store = storage.reader(self.root, self.entry.array, self.context)
+        if self.sharding is None:
+            self.reads["whole"] = store.read()
+            return
+        self.places = []
+        for device, index in self.sharding.addressable_devices_indices_map(
+            self.entry.shape
+        ).items():
+            key = repr(index)
+            if key not in self.reads:
+                self.reads[key] = store[index].read()
+            self.places.append((device, key))
+
+    def result(self):
+        if self.sharding is None:
+            return self.reads["whole"].result()
+        values = {key: read.result() for key, read in self.reads.items()}
+        devices = [device for device, _ in self.places]
+        parts = jax.device_put([values[key] for _, key in self.places], devices)
+        if self.entry.key_impl is not None:
+            parts = [jax.random.wrap_key_data(p, impl=self.entry.key_impl) for p in parts]
+        dtype = parts[0].dtype if parts else _logical_dtype(self.entry)
+        return jax.make_array_from_single_device_arrays(
+            self.entry.shape, self.sharding, parts, dtype=dtype
+        )
+
+
+def _read_whole(root: str, entry: LeafEntry, context: ts.Context) -> np.ndarray:
+    return storage.reader(root, entry.array, context).read().result()
+
+
+def _logical_dtype(entry: LeafEntry):
+    """The dtype of a leaf this process holds no part of (arrays of no local shard)."""
+    if entry.key_impl is not None:
+        return jax.eval_shape(lambda: jax.random.key(0, impl=entry.key_impl)).dtype
+    return np.dtype(entry.dtype)
+
+
+def _target_type(leaf, entry: LeafEntry, root: str):
+    """``(shape, dtype, sharding)`` a target leaf asks for (a bare sharding asks for the
+    saved shape and dtype); sharding ``None`` for a leaf restored on the host (a numpy
+    array or Python number)."""
+    text = entry.path
+    if isinstance(leaf, jax.sharding.Sharding):
+        leaf = jax.ShapeDtypeStruct(entry.shape, _logical_dtype(entry), sharding=leaf)
+    if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array):
+        sharding = leaf.sharding
+        if sharding is None:
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        if not isinstance(sharding, jax.sharding.Sharding) or not _has_devices(sharding):
+            raise CheckpointError(
+                f"target leaf {text} for the checkpoint at {root} has sharding {sharding!r}, which "
+                f"names no devices: give a NamedSharding on a concrete mesh (jax.sharding.Mesh)."
+            )
+        return tuple(leaf.shape), leaf.dtype, sharding
+    if isinstance(leaf, bool | int | float | complex | np.ndarray | np.generic):
+        value = np.asarray(leaf)
+        return value.shape, value.dtype, None
+    raise CheckpointError(
+        f"target leaf {text} for the checkpoint at {root} is a {type(leaf).__name__}: give a "
+        f"jax.ShapeDtypeStruct with a sharding, or an array, for every leaf."
+    )
+
+
+def _has_devices(sharding) -> bool:
+    try:
+        return bool(sharding.device_set)
+    except (AttributeError, ValueError, RuntimeError):
+        return False
+
+
+def _check_paths(root: str, saved: list[str], wanted: list[str]) -> None:
+    saved_set, wanted_set = set(saved), set(wanted)
+    missing = [p for p in wanted if p not in saved_set]
+    extra = [p for p in saved if p not in wanted_set]
+    if not missing and not extra:
+        return
+    lines = [
+        f"the target does not match the checkpoint at {root} (leaves are matched by pytree path):"
+    ]
+    if missing:
+        lines.append(f"  the checkpoint has no {_listed(missing)}")
+    if extra:
+        lines.append(f"  the target has no {_listed(extra)}")
+    lines.append("Restore into a target built like the tree that was saved.")
+    raise CheckpointError("\n".join(lines))
+
+
+def _listed(paths: list[str]) -> str:
+    shown = ", ".join(paths[:_SHOWN])
+    return shown + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")

@@ -1,0 +1,240 @@
+"""Saving a pytree of arrays as a checkpoint, from one process or from many.
+
+Every process calls :func:`save` with the same tree (the same structure, shapes and
+dtypes, as for a compiled step). Each writes only the shards it holds (one copy of a
+replicated shard: the replica numbered 0), in parallel, straight into the chunks that
+shard covers; nothing is gathered to one process. Process 0 writes the metadata and,
+once every process has written, the index and the commit marker, then renames the
+partial directory into place (see :mod:`mpmdc.checkpoint.layout`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from mpmdc import distributed
+from mpmdc.checkpoint import storage
+from mpmdc.checkpoint.layout import (
+    COMMITTED,
+    INDEX_FILE,
+    PARTIAL_SUFFIX,
+    Index,
+    LeafEntry,
+    array_names,
+    chunk_shape,
+    group_names,
+    is_key,
+    path_text,
+    stored_type,
+)
+from mpmdc.errors import CheckpointError, MpmdRuntimeError
+
+_NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)
+
+
+@dataclass
+class _LeafWrite:
+    """One leaf's stored array (its TensorStore spec) and the shards this process writes
+    of it: (index range in the stored array, value on the host)."""
+
+    spec: dict
+    shards: list[tuple[tuple[slice, ...], np.ndarray]]
+
+
+class Save:
+    """One save in progress.
+
+    Creating it does everything that must happen before the caller may change or donate
+    the saved arrays: checking the tree, agreeing on it with the other processes, copying
+    this process's shards to the host (``copy=True`` makes them copies that outlive the
+    device buffers), and process 0 making the partial directory and every array's
+    metadata. :meth:`finish` writes the shards, waits for every process and commits; it
+    may run on another thread. ``after_commit`` runs on process 0 once the checkpoint is
+    in place (a manager removes old steps there).
+    """
+
+    def __init__(
+        self,
+        directory,
+        tree,
+        *,
+        overwrite: bool = False,
+        copy: bool = False,
+        after_commit: Callable[[], None] | None = None,
+    ):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.partial = self.directory + PARTIAL_SUFFIX
+        self.after_commit = after_commit
+        self.many = distributed.is_multiprocess()
+        self.first = jax.process_index() == 0
+        if os.path.exists(os.path.join(self.directory, COMMITTED)) and not overwrite:
+            raise CheckpointError(
+                f"a checkpoint is already at {self.directory}; save to a new directory, or pass "
+                f"overwrite=True to replace it (the old one stays whole until the new one is complete)."
+            )
+        if os.path.exists(self.directory) and not overwrite:
+            raise CheckpointError(
+                f"{self.directory} exists and is no complete checkpoint; remove it, or pass "
+                f"overwrite=True to replace it."
+            )
+        self.index, writes = _planned(tree, self.directory, self.partial)
+        self.topic = distributed.topic("checkpoint", self.directory) if self.many else ""
+        if self.many:
+            distributed.check_agreement(
+                f"{self.topic}/tree",
+                [(leaf.path, f"{leaf.dtype}{list(leaf.shape)}") for leaf in self.index.leaves],
+                f"the tree they save to {self.directory}",
+            )
+        self.writes = _on_host(writes, copy)
+        self.bytes_written = sum(v.nbytes for w in self.writes for _, v in w.shards)
+        self._attempt(self._start)
+
+    def _start(self) -> None:
+        """Process 0 makes a fresh partial directory with every group's and array's
+        metadata; the others wait for it and check that they see it."""
+        if self.first:
+            storage.remove(self.partial)
+            names = [leaf.array for leaf in self.index.leaves]
+            for group in group_names(names):
+                storage.write_json(
+                    os.path.join(self.partial, group, INDEX_FILE),
+                    {"zarr_format": 3, "node_type": "group", "attributes": {}},
+                )
+            storage.create_arrays([w.spec for w in self.writes], ts.Context())
+        self._meet("started", "the start of the save")
+        if not os.path.isdir(self.partial):
+            raise CheckpointError(
+                f"process {jax.process_index()} does not see {self.partial}, which process 0 made to save "
+                f"{self.directory}: every process must save to one shared filesystem."
+            )
+
+    def finish(self) -> None:
+        """Write this process's shards, wait for every process, then commit."""
+        self._attempt(self._finish)
+
+    def _finish(self) -> None:
+        context = ts.Context()
+        pending = []
+        for write in self.writes:
+            if write.shards:
+                store = storage.writer(write.spec, context)
+                pending += [store[index].write(value) for index, value in write.shards]
+        for future in pending:
+            future.result()
+        self._meet("written", f"the end of its writes to {self.partial}")
+        if self.first:
+            storage.write_json(os.path.join(self.partial, INDEX_FILE), self.index.as_json())
+            storage.write_json(
+                os.path.join(self.partial, COMMITTED),
+                {"time": time.time(), "processes": jax.process_count()},
+            )
+            storage.publish(self.partial, self.directory)
+            if self.after_commit is not None:
+                self.after_commit()
+        self._meet("committed", f"the commit of {self.directory}")
+
+    def _meet(self, stage: str, what: str) -> None:
+        if self.many:
+            distributed.rendezvous(f"{self.topic}/{stage}", what)
+
+    def _attempt(self, work: Callable[[], None]) -> None:
+        """Run ``work``; with several processes, a failure here is announced to the others
+        first, so that they stop waiting for this process at once and name it."""
+        try:
+            work()
+        except (CheckpointError, MpmdRuntimeError, OSError, ValueError) as err:
+            if self.many and not isinstance(err, MpmdRuntimeError):
+                distributed.announce_failure(
+                    f"process {jax.process_index()} failed to save {self.directory}: {err}"
+                )
+            raise
+
+
+def save(directory, tree, *, overwrite: bool = False) -> None:
+    """Save ``tree`` (a pytree of arrays) as a checkpoint in ``directory``.
+
+    Every process calls it with the same tree; each writes only the arrays, or the
+    slices of arrays, that it holds. Leaves are ``jax.Array`` (any sharding, typed PRNG
+    keys included), numpy arrays and Python numbers, each stored at its full logical
+    shape and keyed by its pytree path, so :func:`~mpmdc.checkpoint.restore` can put it
+    onto any layout. The checkpoint appears only once complete: a save that dies
+    leaves ``directory`` as it was. ``overwrite=True`` replaces a checkpoint that is
+    there; without it that is a ``CheckpointError``. Returns when the checkpoint is
+    complete on every process.
+    """
+    Save(directory, tree, overwrite=overwrite).finish()
+
+
+def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:
+    """The checkpoint's index and, per leaf, what this process writes of it into the
+    arrays under ``root`` (values still on their devices)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if not flat:
+        raise CheckpointError(
+            f"the tree saved to {directory} has no leaves; there is nothing to save."
+        )
+    names = array_names([path for path, _ in flat])
+    leaves, writes = [], []
+    here = jax.process_index()
+    for (path, x), name in zip(flat, names):
+        text = path_text(path)
+        _check_leaf(x, text, directory)
+        shape, dtype = stored_type(x)
+        if isinstance(x, jax.Array):
+            extra = (slice(None),) * (len(shape) - x.ndim)
+            indices = x.sharding.devices_indices_map(x.shape)
+            chunks = chunk_shape(shape, [i + extra for i in indices.values()])
+            shards = [
+                (indices[s.device] + extra, jax.random.key_data(s.data) if is_key(x) else s.data)
+                for s in x.addressable_shards
+                if s.replica_id == 0
+            ]
+        else:
+            chunks = tuple(max(n, 1) for n in shape)
+            shards = [((slice(None),) * len(shape), np.asarray(x))] if here == 0 else []
+        key_impl = str(jax.random.key_impl(x)) if is_key(x) else None
+        logical = str(x.dtype) if hasattr(x, "dtype") else str(dtype)
+        leaves.append(LeafEntry(text, name, tuple(np.shape(x)), logical, key_impl))
+        writes.append(_LeafWrite(storage.array_spec(root, name, shape, dtype, chunks), shards))
+    return Index(tuple(leaves)), writes
+
+
+def _check_leaf(x, text: str, directory: str) -> None:
+    if isinstance(x, jax.Array):
+        if x.is_deleted():
+            raise CheckpointError(
+                f"leaf {text} saved to {directory} was deleted (donated to a call?): save the "
+                f"arrays a step returned, or save before the call that donates them."
+            )
+    elif not isinstance(x, _NUMBERS):
+        raise CheckpointError(
+            f"leaf {text} saved to {directory} is a {type(x).__name__}, not an array: a checkpoint "
+            f"holds jax.Array, numpy arrays and Python numbers. Leave it out of the tree."
+        )
+    _, dtype = stored_type(x)
+    if not storage.supports(dtype):
+        raise CheckpointError(
+            f"leaf {text} saved to {directory} has dtype {dtype}, which Zarr arrays cannot hold; "
+            f"cast it (e.g. to a wider type) before saving."
+        )
+
+
+def _on_host(writes: list[_LeafWrite], copy: bool) -> list[_LeafWrite]:
+    """``writes`` with every shard's value on the host, fetched from the devices at once;
+    ``copy`` makes each a copy of its own (a host view of a device buffer would not
+    survive the buffer being donated)."""
+    values = jax.device_get([value for w in writes for _, value in w.shards])
+    if copy:
+        values = [np.array(v, copy=True) for v in values]
+    values = iter(values)
+    return [
+        _LeafWrite(w.spec, [(index, np.asarray(next(values))) for index, _ in w.shards])
+        for w in writes
+    ]

@@ -1,0 +1,387 @@
+"""Checkpoints (``mpmdc.checkpoint``) of a pipelined training state in one process: saved,
+restored and trained on as if never stopped; restored onto other layouts (other meshes, a
+plain ``jax.jit`` program on one device or on an SPMD mesh, and back); nothing half-written
+ever read; the manager's steps; every error naming the leaf and the directory.
+
+Numbers: restoring moves values, never computes them, so restored arrays equal the saved
+ones bit for bit, and a run resumed on the same compiled step equals the uninterrupted
+run bit for bit. Where the resumed run is another program (``jax.jit`` against the
+pipeline), the bound is ``ATOL`` below.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tensorstore as ts
+from flax import nnx
+from helpers import largest_difference
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+from training import mlp_data, scanned_loss, scanned_params
+
+import mpmdc
+from mpmdc.checkpoint import CheckpointManager, restore, save
+from mpmdc.errors import CheckpointError
+
+LAYERS, MICROBATCHES = 8, 4
+TX = optax.adamw(1e-2)
+# The pipelined steps against jax.jit's of the same function: the noise floor (jax.jit of
+# this step against itself with the microbatches reversed, CPU float32) is 6.0e-8 after two
+# steps of Adam and 1.2e-7 after four, the most a test here runs; ten times the larger.
+ATOL = 1.2e-6
+
+
+def make_step(every):
+    def step(params, opt_state, x, y):
+        loss, grads = mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(scanned_loss)(params, *mb, every=every),
+            (x, y),
+            microbatches=MICROBATCHES,
+            reduce="mean",
+        )
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def initial_state():
+    params = scanned_params(jax.random.key(0), layers=LAYERS)
+    return params, TX.init(params)
+
+
+def train(step, state, steps):
+    """``steps`` training steps from ``state`` on fixed data; the state after them."""
+    x, y = mlp_data(32)
+    for _ in range(steps):
+        _, *state = step(*state, x, y)
+    return tuple(state)
+
+
+def target_of(state, shardings):
+    """``state``'s shapes and dtypes with ``shardings``: a restore target."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings
+    )
+
+
+def assert_bitwise(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.fixture(scope="module")
+def meshes4():
+    return mpmdc.make_meshes(4, {"data": 2})
+
+
+@pytest.fixture(scope="module")
+def pipelined(meshes4):
+    """The pipelined step on 4 meshes (2 layers per stage) and the state after 2 steps."""
+    step = mpmdc.compile(make_step(every=2), meshes4)
+    return step, train(step, initial_state(), 2)
+
+
+@pytest.fixture(scope="module")
+def saved(pipelined, tmp_path_factory):
+    """The checkpoint of the pipelined state after 2 steps."""
+    directory = tmp_path_factory.mktemp("saved") / "step2"
+    save(directory, pipelined[1])
+    return directory
+
+
+def input_shardings(step, state):
+    x, y = mlp_data(32)
+    return step.input_shardings(*state, x, y)[0][:2]
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(pipelined, saved):
+    step, state = pipelined
+    restored = restore(saved, target_of(state, input_shardings(step, state)))
+    assert_bitwise(restored, state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert got.sharding == want.sharding  # a stacked leaf: its rows on their stages' meshes
+    compiles = len(step._cache)
+    assert_bitwise(train(step, restored, 2), train(step, initial_state(), 4))
+    assert len(step._cache) == compiles  # restored where the step wants it: nothing recompiles
+
+
+def test_each_stages_rows_are_chunks_of_their_own(pipelined, saved):
+    """Every shard is whole chunks: the stacked layers are cut at the stages' rows, so each
+    mesh's process writes files no other process writes."""
+    index = restore_index(saved)
+    layers = next(leaf for leaf in index.leaves if leaf.path == "[0]['layers']")
+    store = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{saved}/{layers.array}/"}}
+    ).result()
+    assert store.shape == (LAYERS, 16, 16)
+    assert store.chunk_layout.read_chunk.shape == (2, 16, 16)  # 2 layers per stage
+
+
+def restore_index(directory):
+    from mpmdc.checkpoint.restoring import read_index
+
+    return read_index(directory)
+
+
+def test_a_checkpoint_is_read_without_mpmdc(pipelined, saved):
+    """Zarr v3 arrays under the leaf's name, the index in the root group's attributes."""
+    import json
+
+    with open(saved / "zarr.json") as f:
+        leaves = json.load(f)["attributes"]["mpmdc"]["leaves"]
+    params = pipelined[1][0]
+    for leaf in leaves:
+        if leaf["path"].startswith("[0]"):
+            key = leaf["path"][len("[0]['") : -len("']")]
+            store = ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": {"driver": "file", "path": f"{saved}/{leaf['array']}/"},
+                }
+            ).result()
+            np.testing.assert_array_equal(store.read().result(), np.asarray(params[key]))
+
+
+def two_mesh_layout():
+    meshes = mpmdc.make_meshes(2, {"data": 4})
+    step = mpmdc.compile(make_step(every=4), meshes)
+    return step, None
+
+
+def one_device_layout():
+    return jax.jit(make_step(every=2)), SingleDeviceSharding(jax.devices()[5])
+
+
+def spmd_layout():
+    """An SPMD program on all 8 devices, the stacked layers split over them one per device."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.jit(make_step(every=2)), mesh
+
+
+LAYOUTS = {"two meshes": two_mesh_layout, "one device": one_device_layout, "spmd": spmd_layout}
+
+
+def layout_shardings(kind, state):
+    step, where = LAYOUTS[kind]()
+    if kind == "two meshes":
+        return step, input_shardings(step, state)
+    if kind == "one device":
+        return step, jax.tree.map(lambda _: where, state)
+    return step, jax.tree.map(lambda a: NamedSharding(where, P("x") if a.ndim == 3 else P()), state)
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_restore_onto_another_layout_moves_the_values_unchanged(pipelined, saved, kind):
+    _, state = pipelined
+    step, shardings = layout_shardings(kind, state)
+    restored = restore(saved, target_of(state, shardings))
+    assert_bitwise(restored, state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
+        assert got.sharding == want
+    # and trains on from there as the pipeline would
+    resumed = train(step, restored, 1)
+    assert largest_difference(resumed, train(pipelined[0], state, 1)) <= ATOL
+
+
+def test_a_plain_programs_checkpoint_restores_onto_a_pipeline(pipelined, tmp_path):
+    step, _ = pipelined
+    plain = train(jax.jit(make_step(every=2)), initial_state(), 2)
+    save(tmp_path / "plain", plain)
+    bare = input_shardings(step, plain)  # a bare sharding per leaf: the saved shape and dtype
+    restored = restore(tmp_path / "plain", bare)
+    assert_bitwise(restored, plain)
+    assert (
+        largest_difference(train(step, restored, 2), train(jax.jit(make_step(2)), plain, 2)) <= ATOL
+    )
+
+
+def test_keys_numpy_values_and_an_nnx_models_state_round_trip(tmp_path):
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    model = Model(nnx.Rngs(params=0, dropout=1))
+    tree = {
+        "model": nnx.state(model),
+        "keys": jax.random.split(jax.random.key(3, impl="rbg"), 4),
+        "bf16": jnp.arange(6, dtype=jnp.bfloat16),
+        "table": np.arange(5, dtype=np.int16),
+        "epoch": 7,
+    }
+    save(tmp_path / "c", tree)
+    restored = restore(tmp_path / "c", tree)
+    assert jax.tree.structure(restored) == jax.tree.structure(tree)
+    assert restored["keys"].dtype == tree["keys"].dtype
+    np.testing.assert_array_equal(
+        jax.random.key_data(restored["keys"]), jax.random.key_data(tree["keys"])
+    )
+    for got, want in zip(jax.tree.leaves(restored["model"]), jax.tree.leaves(tree["model"])):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        np.testing.assert_array_equal(got, want)
+    assert isinstance(restored["table"], np.ndarray) and restored["epoch"] == 7
+    nnx.update(model, restored["model"])  # the model takes its state back
+    everything = restore(tmp_path / "c")  # no target: every leaf whole, by path
+    assert everything["['bf16']"].dtype == jnp.bfloat16 and len(everything) == len(
+        jax.tree.leaves(tree)
+    )
+
+
+def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
+    save(tmp_path / "c", {"w": jnp.zeros(3)})
+    with pytest.raises(CheckpointError, match="already at"):
+        save(tmp_path / "c", {"w": jnp.ones(3)})
+    save(tmp_path / "c", {"w": jnp.ones(3), "b": jnp.ones(2)}, overwrite=True)
+    assert sorted(restore(tmp_path / "c")) == ["['b']", "['w']"]
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+ERRORS = {
+    "missing": (
+        lambda d, t: restore(d / "nowhere", t),
+        "no checkpoint at .*nowhere: the directory does not exist",
+    ),
+    "partial": (
+        lambda d, t: (os.makedirs(d / "half.partial"), restore(d / "half", t)),
+        r"no checkpoint at .*half: only .*half\.partial is there: a save to it has not finished, or died",
+    ),
+    "not a checkpoint": (
+        lambda d, t: (os.makedirs(d / "other"), restore(d / "other", t)),
+        r"other is no complete mpmdc checkpoint",
+    ),
+    "path missing": (
+        lambda d, t: restore(d / "c", {**t, "extra": jnp.zeros(2)}),
+        r"the checkpoint has no \['extra'\]",
+    ),
+    "path extra": (
+        lambda d, t: restore(d / "c", {"w": t["w"]}),
+        r"the target has no \['b'\]",
+    ),
+    "shape": (
+        lambda d, t: restore(d / "c", {**t, "w": jnp.zeros((3, 2))}),
+        r"leaf \['w'\] of the checkpoint at .*c is float32\[2, 3\]; the target asks for float32\[3, 2\]",
+    ),
+    "dtype": (
+        lambda d, t: restore(d / "c", {**t, "b": jnp.zeros(2, jnp.int32)}),
+        r"leaf \['b'\] .* is float32\[2\]; the target asks for int32\[2\]",
+    ),
+    "abstract sharding": (
+        lambda d, t: restore(
+            d / "c",
+            {
+                **t,
+                "b": jax.ShapeDtypeStruct(
+                    (2,),
+                    jnp.float32,
+                    sharding=NamedSharding(jax.make_mesh((8,), ("x",)).abstract_mesh, P()),
+                ),
+            },
+        ),
+        r"target leaf \['b'\] .* names no devices",
+    ),
+    "no array": (
+        lambda d, t: save(d / "new", {**t, "name": "run-1"}),
+        r"leaf \['name'\] saved to .*new is a str, not an array",
+    ),
+    "donated": (
+        lambda d, t: save(d / "new", {"w": donated()}),
+        r"leaf \['w'\] saved to .*new was deleted",
+    ),
+    "exists": (lambda d, t: save(d / "c", t), r"a checkpoint is already at .*c;"),
+    "occupied": (
+        lambda d, t: (os.makedirs(d / "folder"), save(d / "folder", t)),
+        r"folder exists and is no complete checkpoint",
+    ),
+}
+
+
+def donated():
+    x = jnp.ones(3)
+    jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    return x
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors_name_the_leaf_and_the_directory(tmp_path, case):
+    tree = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(2)}
+    save(tmp_path / "c", tree)
+    make, says = ERRORS[case]
+    with pytest.raises(CheckpointError, match=says):
+        make(tmp_path, tree)
+    assert not os.path.exists(tmp_path / "new")  # a refused save writes nothing
+
+
+def test_the_manager_keeps_the_newest_steps_and_saves_while_the_next_step_runs(
+    pipelined, saved, tmp_path
+):
+    """Asynchronous saves copy to the host first: a step donating the saved arrays right
+    after ``save`` returns changes nothing in the checkpoint."""
+    step, state = pipelined
+    donating = mpmdc.compile(make_step(every=2), step.meshes, donate_argnums=(0, 1))
+    x, y = mlp_data(32)
+    state = restore(saved, target_of(state, input_shardings(step, state)))  # arrays of its own
+    expected = {}
+    with CheckpointManager(tmp_path, max_to_keep=2, save_interval_steps=2) as manager:
+        for n in range(7):
+            values = jax.tree.map(np.array, state)
+            if manager.save(n, state):
+                expected[n] = values
+            _, *state = donating(*state, x, y)
+            state = tuple(state)
+        assert manager.latest_step() == 4  # 6 is being written: not yet a step to resume from
+    assert manager.all_steps() == [4, 6]
+    assert sorted(os.listdir(tmp_path)) == ["4", "6"]
+    target = target_of(state, input_shardings(step, state))
+    assert_bitwise(manager.restore(target), expected[6])
+    assert_bitwise(manager.restore(target, step=4), expected[4])
+
+
+KILLED_DURING_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax.numpy as jnp
+    from mpmdc.checkpoint import CheckpointManager, storage
+
+    manager = CheckpointManager(sys.argv[1], asynchronous=False)
+    manager.save(1, {"w": jnp.full((64, 64), 1.0), "b": jnp.ones(64)})
+    writer = storage.writer
+
+    def dying(spec, context):  # dies with its first chunk written, the rest not
+        store = writer(spec, context)
+        store[...].write(jnp.full(store.shape, 2.0, store.dtype.numpy_dtype)).result()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.writer = dying
+    manager.save(2, {"w": jnp.full((64, 64), 2.0), "b": jnp.ones(64)})
+    """
+)
+
+
+def test_a_process_killed_during_a_save_leaves_the_last_checkpoint_and_nothing_readable(
+    tmp_path,
+):
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_DURING_SAVE, str(tmp_path)], capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["1", "2.partial"]
+    manager = CheckpointManager(tmp_path)
+    assert manager.latest_step() == 1
+    with pytest.raises(CheckpointError, match="a save to it has not finished, or died"):
+        manager.restore(step=2)
+    assert float(manager.restore()["['w']"][0, 0]) == 1.0
+    manager.save(2, {"w": jnp.full((64, 64), 3.0), "b": jnp.ones(64)})  # the step saved again
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    assert float(manager.restore()["['w']"][0, 0]) == 3.0
