@@ -172,9 +172,9 @@ def _check_paths(root: str, saved: list[str], wanted: list[str]) -> None:
         f"the target does not match the checkpoint at {root} (leaves are matched by pytree path):"
     ]
     if missing:
-        lines.append(f"  the checkpoint has no {_listed(missing)}")
+        lines.append(f"  in the target, not in the checkpoint: {_listed(missing)}")
     if extra:
-        lines.append(f"  the target has no {_listed(extra)}")
+        lines.append(f"  in the checkpoint, not in the target: {_listed(extra)}")
     lines.append("Restore into a target built like the tree that was saved.")
     raise CheckpointError("\n".join(lines))
 

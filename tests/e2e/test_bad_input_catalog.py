@@ -558,6 +558,37 @@ MISTAKES = [
             status=1,
         ),
     ),
+    # checkpoints
+    Mistake(
+        "restoring a checkpoint that is not there",
+        errors.CheckpointError,
+        r"no checkpoint at .*nowhere: the directory does not exist",
+        lambda w: mpmdc.checkpoint.restore(w.tmp / "nowhere", {"w": w.w}),
+    ),
+    Mistake(
+        "restoring into a target with other leaves than were saved",
+        errors.CheckpointError,
+        r"in the target, not in the checkpoint: \['x'\]",
+        lambda w: mpmdc.checkpoint.restore(w.tmp / "checkpoint", {"w": w.w, "x": w.x}),
+    ),
+    Mistake(
+        "restoring into a target of another shape",
+        errors.CheckpointError,
+        r"leaf \['w'\] of the checkpoint at .* is float32\[4, 4\]; the target asks for float32\[2, 8\]",
+        lambda w: mpmdc.checkpoint.restore(w.tmp / "checkpoint", {"w": w.w.reshape(2, 8)}),
+    ),
+    Mistake(
+        "saving over a checkpoint",
+        errors.CheckpointError,
+        r"a checkpoint is already at .*checkpoint; .* overwrite=True",
+        lambda w: mpmdc.checkpoint.save(w.tmp / "checkpoint", {"w": w.w}),
+    ),
+    Mistake(
+        "saving a leaf that is no array",
+        errors.CheckpointError,
+        r"leaf \['note'\] saved to .*new is a str, not an array",
+        lambda w: mpmdc.checkpoint.save(w.tmp / "new", {"w": w.w, "note": "step 1"}),
+    ),
 ]
 
 
@@ -570,6 +601,7 @@ def world(meshes2, tmp_path_factory):
     (tmp / "occupied").mkdir()
     (tmp / "occupied" / "notes.txt").write_text("mine\n")
     w, x = jnp.full((4, 4), 0.25), jnp.arange(16.0).reshape(4, 4) / 16
+    mpmdc.checkpoint.save(tmp / "checkpoint", {"w": w})
     return World(meshes2, mpmdc.compile(two_stage, meshes2), w, x, tmp)
 
 
@@ -614,7 +646,7 @@ def test_each_mistake_is_named_and_leaves_things_working(mistake, world):
     np.testing.assert_array_equal(np.asarray(world.step(world.w, world.x)), np.asarray(want))
     # Nothing half-written: the occupied folder is untouched, no dump folder appeared.
     assert sorted(p.name for p in (world.tmp / "occupied").iterdir()) == ["notes.txt"]
-    assert sorted(p.name for p in world.tmp.iterdir()) == ["model.py", "occupied"]
+    assert sorted(p.name for p in world.tmp.iterdir()) == ["checkpoint", "model.py", "occupied"]
 
 
 def _message(mistake, world, capsys) -> str:

@@ -262,11 +262,11 @@ ERRORS = {
     ),
     "path missing": (
         lambda d, t: restore(d / "c", {**t, "extra": jnp.zeros(2)}),
-        r"the checkpoint has no \['extra'\]",
+        r"in the target, not in the checkpoint: \['extra'\]",
     ),
     "path extra": (
         lambda d, t: restore(d / "c", {"w": t["w"]}),
-        r"the target has no \['b'\]",
+        r"in the checkpoint, not in the target: \['b'\]",
     ),
     "shape": (
         lambda d, t: restore(d / "c", {**t, "w": jnp.zeros((3, 2))}),
