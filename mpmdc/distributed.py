@@ -326,17 +326,26 @@ def _wait_for(key: str, peer: int, what: str) -> str:
                 ) from None
 
 
+def offer_agreement(topic: str, entries: list[tuple[str, str]]) -> None:
+    """Publish this process's ``entries`` for :func:`check_agreement` on ``topic``, without
+    waiting for anyone (so the peers' checks can go on before this process comes to its)."""
+    _client().key_value_set(
+        f"{_PREFIX}agree/{topic}/{jax.process_index()}", json.dumps(entries), allow_overwrite=True
+    )
+
+
 def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> None:
     """Raise ``ProgramMismatchError`` unless every process holds the same ``entries``.
 
     ``entries`` are ``(name, digest)`` pairs in order; the error names the first name
     whose digest differs between this process and another, or the first one missing.
     ``what`` says what the entries are ("the program compiled at the first call").
-    Every process must call this with the same ``topic``, in the same order.
+    Every process must call this with the same ``topic``; it waits for the others'
+    entries (offered here, or earlier by :func:`offer_agreement`).
     """
     client = _client()
     here = jax.process_index()
-    client.key_value_set(f"{_PREFIX}agree/{topic}/{here}", json.dumps(entries))
+    offer_agreement(topic, entries)
     for peer in range(jax.process_count()):
         if peer == here:
             continue

@@ -255,15 +255,16 @@ class Compiled:
             len(signature.in_types),
             signature.out_tree.num_leaves,
         )
+        # Among several processes, what all must agree on before the first call: offered
+        # now, checked at the first call (a collective anyway), so processes may compile
+        # ahead of time in any order. The topic is named by the function, not by the
+        # program: processes that traced different programs for it meet there, and the
+        # check names the difference.
+        self._agreement = None
         if self.multiprocess:
             entries = program_entries(program)
-            # Named by the function, not by the program: processes that traced different
-            # programs for it meet on the same topic, and the check names the difference.
-            distributed.check_agreement(
-                distributed.topic("program", signature.function),
-                entries,
-                "the program they compiled",
-            )
+            self._agreement = (distributed.topic("program", signature.function), entries)
+            distributed.offer_agreement(*self._agreement)
             self._agreed = repr(entries)  # what this program's later exchanges are about
 
     def _plan_steps(self, slots: _Slots, backend, here: list[bool], keys: dict) -> list[_Step]:
@@ -472,6 +473,9 @@ class Compiled:
                 )
 
     def _start(self, leaves) -> list:
+        if self._agreement is not None:
+            distributed.check_agreement(*self._agreement, "the program they compiled")
+            self._agreement = None
         env = list(self._initial)
         leaves = self._pieces.arguments(leaves, self._input_here)
         for (i, sharding), x in zip(self._inputs, self._local_leaves(leaves)):

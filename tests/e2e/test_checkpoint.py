@@ -385,3 +385,21 @@ def test_a_process_killed_during_a_save_leaves_the_last_checkpoint_and_nothing_r
     manager.close()
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]
     assert float(manager.restore()["['w']"][0, 0]) == 3.0
+
+
+def test_the_example_resumes_in_one_process_where_the_uninterrupted_run_ends(tmp_path, capsys):
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "resume_training", pathlib.Path(__file__).parents[2] / "examples" / "resume_training.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main([str(tmp_path / "whole"), "--steps", "8"])
+    example.main([str(tmp_path / "resumed"), "--steps", "4"])
+    example.main([str(tmp_path / "resumed"), "--steps", "8"])
+    assert f"resumed from step 4 in {tmp_path}/resumed/4" in capsys.readouterr().out
+    got, want = restore(tmp_path / "resumed" / "8"), restore(tmp_path / "whole" / "8")
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)

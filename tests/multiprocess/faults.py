@@ -7,7 +7,9 @@
 - ``raise``: a callback in process 1's fragment raises, in step 2;
 - ``uncaught``: process 1's script raises an exception of its own before step 2;
 - ``code``: process 1 traces a different function;
-- ``arguments``: process 1 passes an argument of another shape.
+- ``arguments``: process 1 passes an argument of another shape;
+- ``order``: no failure: the processes compile two functions ahead of the first call in
+  opposite orders (their agreement checks meet by function, not by count).
 
 A process that gets an ``mpmdc.MpmdcError`` prints ``caught <type>: <message>`` with
 the seconds since the step began and exits with status 3.
@@ -62,6 +64,11 @@ def main():
     rows = 6 if (MODE == "arguments" and HERE == 1) else 4
     x = jnp.ones((rows, 8))
     compiled = mpmdc.compile(step, meshes)
+    evaluate = mpmdc.compile(loss, meshes)
+    if MODE == "order":
+        ahead = [compiled, evaluate] if HERE == 0 else [evaluate, compiled]
+        for fn in ahead:
+            fn.lower(params, x).compile()
     for k in range(3):
         if MODE == "uncaught" and HERE == 1 and k == 1:
             raise ValueError("a mistake in the training loop")
@@ -75,6 +82,7 @@ def main():
                 flush=True,
             )
             sys.exit(3)
+    print(f"evaluated: loss {float(mpmdc.fetch(evaluate(params, x))):.6f}", flush=True)
 
 
 if __name__ == "__main__":

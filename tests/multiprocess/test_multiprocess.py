@@ -212,6 +212,16 @@ def test_processes_that_traced_different_programs_fail_at_the_first_call(mode, d
         )
 
 
+def test_processes_may_compile_functions_in_different_orders():
+    status, output = faults("order")
+    assert status == 0, output[-3000:]
+    for index in range(2):
+        lines = process_lines(output, index)
+        assert "step 2: loss" in " ".join(lines) and any(
+            line.startswith("evaluated: loss") for line in lines
+        ), output[-3000:]
+
+
 def test_the_demo_runs_in_four_processes():
     status, output = run_launch("-n", "4", "--", sys.executable, "-m", "mpmdc", "demo")
     assert status == 0, output[-3000:]

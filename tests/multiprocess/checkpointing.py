@@ -1,0 +1,45 @@
+"""``examples/resume_training.py`` with a process that dies saving; run it under ``mpmdc launch``
+(``test_checkpoints.py`` does).
+
+``python checkpointing.py DIE_AT ARGS...``: the example with ``ARGS``; with ``DIE_AT`` a
+step number, the last process kills itself (SIGKILL) while saving that step, its first
+array's writes begun and the rest not (``-`` for none).
+"""
+
+import importlib.util
+import os
+import pathlib
+import signal
+import sys
+
+from mpmdc.checkpoint import storage
+
+_spec = importlib.util.spec_from_file_location(
+    "resume_training", pathlib.Path(__file__).parents[2] / "examples" / "resume_training.py"
+)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+
+def dying_at(step: str):
+    """``storage.writer`` that kills this process as it opens the second array of ``step``."""
+    writer = storage.writer
+    opened = []
+
+    def dying(spec, context):
+        if f"/{step}.partial/" in spec["kvstore"]["path"]:
+            opened.append(spec)
+            if len(opened) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return writer(spec, context)
+
+    return dying
+
+
+if __name__ == "__main__":
+    die_at, argv = sys.argv[1], sys.argv[2:]
+    if die_at != "-" and os.environ.get("MPMDC_PROCESS_ID") == str(
+        int(os.environ["MPMDC_NUM_PROCESSES"]) - 1
+    ):
+        storage.writer = dying_at(die_at)
+    example.main(argv)
