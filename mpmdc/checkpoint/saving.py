@@ -51,12 +51,12 @@ class _LeafWrite:
 class Save:
     """One save in progress.
 
-    Creating it does everything that must happen before the caller may change or donate
-    the saved arrays: checking the tree, agreeing on it with the other processes, copying
-    this process's shards to the host (``copy=True`` makes them copies that outlive the
-    device buffers), and process 0 making the partial directory and every array's
-    metadata. :meth:`finish` writes the shards, waits for every process and commits; it
-    may run on another thread. ``after_commit`` runs on process 0 once the checkpoint is
+    Creating it does what must happen before the caller may change or donate the saved
+    arrays, and nothing on disk: checking the tree, agreeing on it with the other
+    processes, taking this process's shards to the host (``copy=True`` also copies the
+    tree's numpy arrays, which the caller could change while the save goes on). :meth:`finish` does the rest, and may run on
+    another thread: process 0 makes the partial directory and every array's metadata,
+    every process writes its shards, and once all have, process 0 commits. ``after_commit`` runs on process 0 once the checkpoint is
     in place (a manager removes old steps there).
     """
 
@@ -94,7 +94,6 @@ class Save:
             )
         self.writes = _on_host(writes, copy)
         self.bytes_written = sum(v.nbytes for w in self.writes for _, v in w.shards)
-        self._attempt(self._start)
 
     def _start(self) -> None:
         """Process 0 makes a fresh partial directory with every group's and array's
@@ -103,9 +102,12 @@ class Save:
             storage.remove(self.partial)
             names = [leaf.array for leaf in self.index.leaves]
             for group in group_names(names):
+                # Not synced one by one: groups serve readers that walk the hierarchy;
+                # restoring opens arrays by the index, which is synced.
                 storage.write_json(
                     os.path.join(self.partial, group, INDEX_FILE),
                     {"zarr_format": 3, "node_type": "group", "attributes": {}},
+                    sync=False,
                 )
             storage.create_arrays([w.spec for w in self.writes], ts.Context())
         self._meet("started", "the start of the save")
@@ -116,7 +118,9 @@ class Save:
             )
 
     def finish(self) -> None:
-        """Write this process's shards, wait for every process, then commit."""
+        """Make the partial directory, write this process's shards, wait for every
+        process, then commit."""
+        self._attempt(self._start)
         self._attempt(self._finish)
 
     def _finish(self) -> None:
@@ -227,14 +231,16 @@ def _check_leaf(x, text: str, directory: str) -> None:
 
 
 def _on_host(writes: list[_LeafWrite], copy: bool) -> list[_LeafWrite]:
-    """``writes`` with every shard's value on the host, fetched from the devices at once;
-    ``copy`` makes each a copy of its own (a host view of a device buffer would not
-    survive the buffer being donated)."""
-    values = jax.device_get([value for w in writes for _, value in w.shards])
-    if copy:
-        values = [np.array(v, copy=True) for v in values]
-    values = iter(values)
-    return [
-        _LeafWrite(w.spec, [(index, np.asarray(next(values))) for index, _ in w.shards])
-        for w in writes
-    ]
+    """``writes`` with every shard's value on the host, fetched from the devices at once.
+
+    ``copy`` copies the tree's numpy arrays, which the caller may change in place while a
+    save goes on. A device array's host value needs no copy: on an accelerator it is a
+    copy already, and on CPU it is a view that keeps the device buffer alive (a donation
+    of that array then copies the buffer instead of reusing it).
+    """
+    values = [value for w in writes for _, value in w.shards]
+    fetched = iter(
+        np.array(f, copy=True) if copy and not isinstance(v, jax.Array) else np.asarray(f)
+        for v, f in zip(values, jax.device_get(values))
+    )
+    return [_LeafWrite(w.spec, [(index, next(fetched)) for index, _ in w.shards]) for w in writes]

@@ -57,13 +57,15 @@ def reader(root: str, name: str, context: ts.Context) -> ts.TensorStore:
     return ts.open(spec, open=True, read=True, context=context).result()
 
 
-def write_json(path: str, document: dict) -> None:
-    """Write ``document`` to ``path`` whole or not at all (through a renamed temporary)."""
+def write_json(path: str, document: dict, *, sync: bool = True) -> None:
+    """Write ``document`` to ``path`` whole or not at all (through a renamed temporary),
+    on the disk before this returns unless ``sync=False``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(document, f)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
