@@ -343,7 +343,6 @@ def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> No
     Every process must call this with the same ``topic``; it waits for the others'
     entries (offered here, or earlier by :func:`offer_agreement`).
     """
-    client = _client()
     here = jax.process_index()
     offer_agreement(topic, entries)
     for peer in range(jax.process_count()):

@@ -74,16 +74,7 @@ class Save:
         self.after_commit = after_commit
         self.many = distributed.is_multiprocess()
         self.first = jax.process_index() == 0
-        if os.path.exists(os.path.join(self.directory, COMMITTED)) and not overwrite:
-            raise CheckpointError(
-                f"a checkpoint is already at {self.directory}; save to a new directory, or pass "
-                f"overwrite=True to replace it (the old one stays whole until the new one is complete)."
-            )
-        if os.path.exists(self.directory) and not overwrite:
-            raise CheckpointError(
-                f"{self.directory} exists and is no complete checkpoint; remove it, or pass "
-                f"overwrite=True to replace it."
-            )
+        _check_replaceable(self.directory, overwrite)
         self.index, writes = _planned(tree, self.directory, self.partial)
         self.topic = distributed.topic("checkpoint", self.directory) if self.many else ""
         if self.many:
@@ -174,6 +165,22 @@ def save(directory, tree, *, overwrite: bool = False) -> None:
     complete on every process.
     """
     Save(directory, tree, overwrite=overwrite).finish()
+
+
+def _check_replaceable(directory: str, overwrite: bool) -> None:
+    """Refuse to save over anything but a complete checkpoint (with ``overwrite``) or an
+    empty directory: a folder of other files is never replaced, whatever ``overwrite`` says."""
+    if os.path.exists(os.path.join(directory, COMMITTED)):
+        if not overwrite:
+            raise CheckpointError(
+                f"a checkpoint is already at {directory}; save to a new directory, or pass "
+                f"overwrite=True to replace it (the old one stays whole until the new one is complete)."
+            )
+    elif os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise CheckpointError(
+            f"{directory} exists and is no checkpoint; save to a new or empty directory "
+            f"(overwrite=True replaces only a complete checkpoint)."
+        )
 
 
 def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:

@@ -300,8 +300,8 @@ ERRORS = {
     ),
     "exists": (lambda d, t: save(d / "c", t), r"a checkpoint is already at .*c;"),
     "occupied": (
-        lambda d, t: (os.makedirs(d / "folder"), save(d / "folder", t)),
-        r"folder exists and is no complete checkpoint",
+        lambda d, t: (os.makedirs(d / "folder"), (d / "folder" / "notes.txt").write_text("mine"), save(d / "folder", t, overwrite=True)),
+        r"folder exists and is no checkpoint; .* overwrite=True replaces only a complete checkpoint",
     ),
 }
 
@@ -320,6 +320,8 @@ def test_errors_name_the_leaf_and_the_directory(tmp_path, case):
     with pytest.raises(CheckpointError, match=says):
         make(tmp_path, tree)
     assert not os.path.exists(tmp_path / "new")  # a refused save writes nothing
+    if case == "occupied":
+        assert os.listdir(tmp_path / "folder") == ["notes.txt"]
 
 
 def test_the_manager_keeps_the_newest_steps_and_saves_while_the_next_step_runs(
