@@ -300,8 +300,12 @@ ERRORS = {
     ),
     "exists": (lambda d, t: save(d / "c", t), r"a checkpoint is already at .*c;"),
     "occupied": (
-        lambda d, t: (os.makedirs(d / "folder"), (d / "folder" / "notes.txt").write_text("mine"), save(d / "folder", t, overwrite=True)),
-        r"folder exists and is no checkpoint; .* overwrite=True replaces only a complete checkpoint",
+        lambda d, t: (
+            os.makedirs(d / "folder"),
+            (d / "folder" / "notes.txt").write_text("mine"),
+            save(d / "folder", t, overwrite=True),
+        ),
+        r"folder exists and is no checkpoint; .*overwrite=True replaces only a complete checkpoint",
     ),
 }
 
