@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,21 @@ def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b"
         params,
         adam_init(params),
         tokens,
+    )
+
+
+def launched(script: str, *args: str, processes: int = 4, timeout: int = 600):
+    """Run ``script --worker ARGS`` as ``processes`` processes under ``mpmdc launch`` and
+    return what process 0 printed as JSON after ``RESULT `` (exits if it printed none)."""
+    command = [sys.executable, "-m", "mpmdc", "launch", "-n", str(processes)]
+    command += ["--timeout", str(timeout), "--", sys.executable, script, "--worker", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60)
+    for line in result.stdout.splitlines():
+        if line.startswith("[0] RESULT "):
+            return json.loads(line[len("[0] RESULT ") :])
+    raise SystemExit(
+        f"the launched run printed no result (status {result.returncode}):\n"
+        f"{result.stdout[-3000:]}{result.stderr[-2000:]}"
     )
 
 

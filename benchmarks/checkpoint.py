@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -178,19 +177,6 @@ def worker(root: str, repeat: int) -> None:
         print("RESULT " + json.dumps(every), flush=True)
 
 
-def launched(root: str, repeat: int) -> list[dict]:
-    command = [sys.executable, "-m", "mpmdc", "launch", "-n", "4", "--timeout", "900", "--"]
-    command += [sys.executable, __file__, "--worker", "--dir", root, "--repeat", str(repeat)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=960)
-    for line in result.stdout.splitlines():
-        if line.startswith("[0] RESULT "):
-            return json.loads(line[len("[0] RESULT ") :])
-    raise SystemExit(
-        f"the launched run printed no result (status {result.returncode}):\n"
-        f"{result.stdout[-3000:]}{result.stderr[-2000:]}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=3)
@@ -202,7 +188,7 @@ def main() -> None:
         worker(root, args.repeat)
         return
     try:
-        many = launched(root, args.repeat)
+        many = _common.launched(__file__, "--dir", root, "--repeat", str(args.repeat), timeout=900)
         one = run_states(_common.four_meshes(), root, args.repeat, in_one_process=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

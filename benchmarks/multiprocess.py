@@ -23,7 +23,6 @@ its measurements as one JSON line, which the parent reads.
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -156,32 +155,8 @@ def in_one_process():
     }
 
 
-def launched():
-    command = [
-        sys.executable,
-        "-m",
-        "mpmdc",
-        "launch",
-        "-n",
-        "4",
-        "--timeout",
-        "600",
-        "--",
-        sys.executable,
-        __file__,
-        "--worker",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=660)
-    for line in result.stdout.splitlines():
-        if line.startswith("[0] RESULT "):
-            return json.loads(line[len("[0] RESULT ") :])
-    raise SystemExit(
-        f"the launched run printed no result (status {result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-2000:]}"
-    )
-
-
 def main():
-    many = launched()
+    many = _common.launched(__file__)
     one = in_one_process()
     steps = [
         {"run": "jax.jit, 1 device", "step ms": one["jit_s"] * 1e3, "vs jit": 1.0},
