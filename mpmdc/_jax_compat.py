@@ -166,6 +166,16 @@ def with_weak_type(x, weak: bool):
     return _lax._convert_element_type(x, weak_type=weak)
 
 
+def weakly_typed(x):
+    """The global array ``x`` (from ``make_array_from_single_device_arrays``, whose result
+    is never weakly typed) with a weak type, over the same buffers; no computation runs,
+    so it works for an array with no shard on this process too."""
+    aval = _core.update_aval_with_sharding(
+        _core.ShapedArray(x.shape, x.dtype, weak_type=True), x.sharding
+    )
+    return _array.ArrayImpl(aval, x.sharding, x._arrays, committed=True)
+
+
 def current_trace():
     """The trace JAX binds primitives with now (an object to compare by identity)."""
     return _core.trace_ctx.trace

@@ -17,6 +17,7 @@ written its part, so ``<directory>`` is never seen half-written. Any Zarr v3 rea
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass
 from urllib.parse import quote
@@ -37,13 +38,15 @@ class LeafEntry:
     """One saved leaf: ``path`` is ``jax.tree_util.keystr`` of its pytree path, ``array`` the
     name of its Zarr array under the checkpoint, ``shape`` and ``dtype`` the leaf's own (a
     typed PRNG key, ``key<fry>``, is stored as its key data, with ``key_impl`` naming the
-    implementation that wraps it again)."""
+    implementation that wraps it again); ``weak_type`` is the saved array's weak type, as
+    JAX promotes it."""
 
     path: str
     array: str
     shape: tuple[int, ...]
     dtype: str
     key_impl: str | None = None
+    weak_type: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Index:
                     shape=tuple(leaf["shape"]),
                     dtype=leaf["dtype"],
                     key_impl=leaf.get("key_impl"),
+                    weak_type=leaf.get("weak_type", False),
                 )
                 for leaf in index["leaves"]
             )
@@ -91,9 +95,15 @@ def path_text(path) -> str:
     return jax.tree_util.keystr(path) or "(the tree itself)"
 
 
+_RESERVED = {INDEX_FILE, COMMITTED}  # file names a node name must not take
+_LONGEST = 96  # bytes of a node name; longer keys are cut and end in a digest
+
+
 def _segment(key) -> str:
     """One pytree key as a Zarr node name: text, with ``/`` and other odd characters
-    percent-escaped, and never ``.``, ``..`` or a name Zarr reserves (``__`` first)."""
+    percent-escaped; never ``.``, ``..``, a name Zarr reserves (``__`` first), a file name
+    of the format (``zarr.json``, ``COMMITTED``, a ``.tmp``), nor longer than a file name
+    may be (the index keeps the key whole)."""
     if isinstance(key, jax.tree_util.DictKey):
         text = str(key.key)
     elif isinstance(key, jax.tree_util.GetAttrKey):
@@ -105,8 +115,15 @@ def _segment(key) -> str:
     else:
         text = str(key)
     text = quote(text, safe="-_.")
-    if text in ("", ".", "..") or text.startswith("__"):
+    if (
+        text in ("", ".", "..")
+        or text.startswith("__")
+        or text in _RESERVED
+        or text.endswith(".tmp")
+    ):
         text = "%" + text.encode().hex()
+    if len(text) > _LONGEST:
+        text = text[: _LONGEST - 17] + "~" + hashlib.sha256(text.encode()).hexdigest()[:16]
     return text
 
 
@@ -162,7 +179,6 @@ def stored_type(x) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(np.shape(x)), np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
-def is_leftover_name(name: str) -> bool:
-    """Whether a directory entry is what a save leaves only while in progress: its partial
-    checkpoint, or the one it replaces (left behind by a save that died)."""
-    return name.endswith((PARTIAL_SUFFIX, REPLACED_SUFFIX))
+def is_partial_name(name: str) -> bool:
+    """Whether a directory entry is a save in progress, or one that died."""
+    return name.endswith(PARTIAL_SUFFIX)

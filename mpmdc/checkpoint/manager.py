@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
 from mpmdc.checkpoint import storage
-from mpmdc.checkpoint.layout import COMMITTED, is_leftover_name
+from mpmdc.checkpoint.layout import COMMITTED, is_partial_name
 from mpmdc.checkpoint.restoring import restore
 from mpmdc.checkpoint.saving import Save
 from mpmdc.errors import CheckpointError
@@ -48,6 +49,10 @@ class CheckpointManager:
                 f"save_interval_steps must be a positive integer, got {save_interval_steps!r}."
             )
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(
+                f"{self.directory} is a file; a CheckpointManager needs a directory."
+            )
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self._executor = (
@@ -55,6 +60,7 @@ class CheckpointManager:
         )
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        self._closed = False
 
     def step_directory(self, step: int) -> str:
         """Where step ``step`` is saved."""
@@ -71,15 +77,23 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` saves ``step``: every ``save_interval_steps``-th step."""
-        return step % self.save_interval_steps == 0
+        return _step_number(step) % self.save_interval_steps == 0
 
     def save(self, step: int, tree, *, force: bool = False) -> bool:
         """Save ``tree`` as step ``step`` if :meth:`should_save` (or ``force``); returns
         whether it saves. Saving a step that already has a checkpoint is an error."""
-        if not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"a step is a non-negative integer, got {step!r}.")
+        step = _step_number(step)
         if not (force or self.should_save(step)):
             return False
+        if self._closed:
+            raise CheckpointError(
+                f"the CheckpointManager of {self.directory} is closed; make a new one."
+            )
+        if step in _complete_steps(self.directory):
+            raise CheckpointError(
+                f"step {step} is already saved in {self.step_directory(step)}; save another step, "
+                f"or remove that directory first."
+            )
         self.wait_until_finished()
         asynchronous = self._executor is not None
         save = Save(
@@ -116,6 +130,7 @@ class CheckpointManager:
         try:
             self.wait_until_finished()
         finally:
+            self._closed = True
             if self._executor is not None:
                 self._executor.shutdown()
 
@@ -129,11 +144,22 @@ class CheckpointManager:
         """After a commit (process 0): remove steps beyond the newest ``max_to_keep`` and
         what saves that never finished left behind."""
         for name in os.listdir(self.directory):
-            if is_leftover_name(name):
+            if is_partial_name(name):
                 storage.remove(os.path.join(self.directory, name))
         if self.max_to_keep is not None:
             for step in _complete_steps(self.directory)[: -self.max_to_keep]:
                 storage.remove(self.step_directory(step))
+
+
+def _step_number(step) -> int:
+    """``step`` as a non-negative ``int`` (a numpy or JAX integer too)."""
+    try:
+        number = operator.index(step)
+    except TypeError:
+        number = -1
+    if number < 0 or isinstance(step, bool):
+        raise CheckpointError(f"a step is a non-negative integer, got {step!r}.")
+    return number
 
 
 def _complete_steps(directory: str) -> list[int]:

@@ -9,11 +9,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from mpmdc import _jax_compat as compat
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
     INDEX_FILE,
     PARTIAL_SUFFIX,
+    REPLACED_SUFFIX,
     Index,
     LeafEntry,
     path_text,
@@ -23,17 +25,25 @@ from mpmdc.errors import CheckpointError
 _SHOWN = 4  # paths listed in an error about paths that do not match
 
 
-def read_index(directory) -> Index:
-    """The index of the complete checkpoint in ``directory``; ``CheckpointError`` when
-    there is none, or only a save that has not finished (or died)."""
+def resolve(directory) -> tuple[str, Index]:
+    """The folder holding the complete checkpoint saved to ``directory`` and its index;
+    ``CheckpointError`` when there is none, or only a save that has not finished (or
+    died).
+
+    While ``save(..., overwrite=True)`` swaps a new checkpoint in, the old one is for a
+    moment only at ``<directory>.replaced``; it is read from there then (and stays there
+    should the save die in that moment).
+    """
     root = os.path.abspath(os.fspath(directory))
+    if not os.path.exists(root) and os.path.exists(os.path.join(root + REPLACED_SUFFIX, COMMITTED)):
+        root += REPLACED_SUFFIX
     if not os.path.isdir(root):
-        partial = os.path.isdir(root + PARTIAL_SUFFIX)
-        why = (
-            f"only {root + PARTIAL_SUFFIX} is there: a save to it has not finished, or died"
-            if partial
-            else "the directory does not exist"
-        )
+        if os.path.exists(root):
+            why = "it is a file, not a checkpoint's directory"
+        elif os.path.isdir(root + PARTIAL_SUFFIX):
+            why = f"only {root + PARTIAL_SUFFIX} is there: a save to it has not finished, or died"
+        else:
+            why = "the directory does not exist"
         raise CheckpointError(f"no checkpoint at {root}: {why}.")
     document = storage.read_json(os.path.join(root, INDEX_FILE))
     index = Index.from_json(document) if document is not None else None
@@ -42,7 +52,7 @@ def read_index(directory) -> Index:
             f"{root} is no complete mpmdc checkpoint (its index or its {COMMITTED} marker is "
             f"missing): it was not written by mpmdc.checkpoint.save, or not to the end."
         )
-    return index
+    return root, index
 
 
 def restore(directory, target=None):
@@ -60,8 +70,7 @@ def restore(directory, target=None):
 
     Without ``target``: ``{path: numpy array}`` of every leaf, whole, on the host.
     """
-    root = os.path.abspath(os.fspath(directory))
-    index = read_index(root)
+    root, index = resolve(directory)
     context = ts.Context()
     if target is None:
         return {leaf.path: _read_whole(root, leaf, context) for leaf in index.leaves}
@@ -81,13 +90,15 @@ class _Plan:
 
     def __init__(self, root: str, entry: LeafEntry, leaf, context: ts.Context):
         self.root, self.entry, self.context = root, entry, context
-        shape, dtype, self.sharding = _target_type(leaf, entry, root)
+        shape, dtype, self.sharding, self.weak_type = _target_type(leaf, entry, root)
         if shape != entry.shape or str(dtype) != entry.dtype:
             raise CheckpointError(
                 f"leaf {entry.path} of the checkpoint at {root} is {entry.dtype}{list(entry.shape)}; "
                 f"the target asks for {dtype}{list(shape)}. Restore into a target of the saved "
                 f"shape and dtype, and convert after."
             )
+        if self.sharding is not None:
+            _check_fits(self.sharding, entry, root)
         self.reads: dict[str, object] = {}
 
     def start(self) -> None:
@@ -113,9 +124,10 @@ class _Plan:
         if self.entry.key_impl is not None:
             parts = [jax.random.wrap_key_data(p, impl=self.entry.key_impl) for p in parts]
         dtype = parts[0].dtype if parts else _logical_dtype(self.entry)
-        return jax.make_array_from_single_device_arrays(
+        array = jax.make_array_from_single_device_arrays(
             self.entry.shape, self.sharding, parts, dtype=dtype
         )
+        return compat.weakly_typed(array) if self.weak_type else array
 
 
 def _read_whole(root: str, entry: LeafEntry, context: ts.Context) -> np.ndarray:
@@ -130,12 +142,14 @@ def _logical_dtype(entry: LeafEntry):
 
 
 def _target_type(leaf, entry: LeafEntry, root: str):
-    """``(shape, dtype, sharding)`` a target leaf asks for (a bare sharding asks for the
-    saved shape and dtype); sharding ``None`` for a leaf restored on the host (a numpy
-    array or Python number)."""
+    """``(shape, dtype, sharding, weak type)`` a target leaf asks for (a bare sharding asks
+    for the saved shape, dtype and weak type); sharding ``None`` for a leaf restored on
+    the host (a numpy array or Python number)."""
     text = entry.path
     if isinstance(leaf, jax.sharding.Sharding):
-        leaf = jax.ShapeDtypeStruct(entry.shape, _logical_dtype(entry), sharding=leaf)
+        leaf = jax.ShapeDtypeStruct(
+            entry.shape, _logical_dtype(entry), sharding=leaf, weak_type=entry.weak_type
+        )
     if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array):
         sharding = leaf.sharding
         if sharding is None:
@@ -145,14 +159,39 @@ def _target_type(leaf, entry: LeafEntry, root: str):
                 f"target leaf {text} for the checkpoint at {root} has sharding {sharding!r}, which "
                 f"names no devices: give a NamedSharding on a concrete mesh (jax.sharding.Mesh)."
             )
-        return tuple(leaf.shape), leaf.dtype, sharding
+        weak = (
+            leaf.weak_type if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf).weak_type
+        )
+        return tuple(leaf.shape), leaf.dtype, sharding, bool(weak)
     if isinstance(leaf, bool | int | float | complex | np.ndarray | np.generic):
         value = np.asarray(leaf)
-        return value.shape, value.dtype, None
+        return value.shape, value.dtype, None, False
     raise CheckpointError(
         f"target leaf {text} for the checkpoint at {root} is a {type(leaf).__name__}: give a "
         f"jax.ShapeDtypeStruct with a sharding, or an array, for every leaf."
     )
+
+
+def _check_fits(sharding, entry: LeafEntry, root: str) -> None:
+    """A ``CheckpointError`` unless ``entry`` can be a device array of ``sharding``: JAX
+    would store its dtype as such (64-bit types need ``jax_enable_x64``) and the sharding
+    splits its shape evenly."""
+    if entry.key_impl is None:
+        dtype = np.dtype(entry.dtype)
+        if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            raise CheckpointError(
+                f"leaf {entry.path} of the checkpoint at {root} is {dtype}, which JAX holds as "
+                f"{jax.dtypes.canonicalize_dtype(dtype)} while 64-bit types are off: its values "
+                f"would change. Turn on jax_enable_x64, or restore it onto the host (a numpy "
+                f"array as its target leaf)."
+            )
+    try:
+        sharding.shard_shape(entry.shape)
+    except Exception as err:  # JAX's own error names neither the leaf nor the checkpoint
+        raise CheckpointError(
+            f"target leaf {entry.path} for the checkpoint at {root}: {sharding} does not fit its "
+            f"shape {list(entry.shape)} ({str(err).splitlines()[0]})."
+        ) from None
 
 
 def _has_devices(sharding) -> bool:

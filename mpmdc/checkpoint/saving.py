@@ -81,7 +81,8 @@ class Save:
             distributed.check_agreement(
                 f"{self.topic}/tree",
                 [(leaf.path, f"{leaf.dtype}{list(leaf.shape)}") for leaf in self.index.leaves],
-                f"the tree they save to {self.directory}",
+                f"the save to {self.directory} (every process saves the same tree to the "
+                f"same directory)",
             )
         self.writes = _on_host(writes, copy)
         self.bytes_written = sum(v.nbytes for w in self.writes for _, v in w.shards)
@@ -169,7 +170,13 @@ def save(directory, tree, *, overwrite: bool = False) -> None:
 
 def _check_replaceable(directory: str, overwrite: bool) -> None:
     """Refuse to save over anything but a complete checkpoint (with ``overwrite``) or an
-    empty directory: a folder of other files is never replaced, whatever ``overwrite`` says."""
+    empty directory: a folder of other files is never replaced, whatever ``overwrite`` says.
+    Every existing folder above ``directory`` must be a folder."""
+    above = os.path.dirname(directory)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise CheckpointError(f"cannot save to {directory}: {above} is a file, not a directory.")
     if os.path.exists(os.path.join(directory, COMMITTED)):
         if not overwrite:
             raise CheckpointError(
@@ -212,7 +219,8 @@ def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:
             shards = [((slice(None),) * len(shape), np.asarray(x))] if here == 0 else []
         key_impl = str(jax.random.key_impl(x)) if is_key(x) else None
         logical = str(x.dtype) if hasattr(x, "dtype") else str(dtype)
-        leaves.append(LeafEntry(text, name, tuple(np.shape(x)), logical, key_impl))
+        weak = isinstance(x, jax.Array) and jax.typeof(x).weak_type
+        leaves.append(LeafEntry(text, name, tuple(np.shape(x)), logical, key_impl, weak))
         writes.append(_LeafWrite(storage.array_spec(root, name, shape, dtype, chunks), shards))
     return Index(tuple(leaves)), writes
 

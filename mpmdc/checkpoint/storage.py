@@ -85,15 +85,14 @@ def remove(path: str) -> None:
 
 def publish(partial: str, final: str) -> None:
     """Rename the finished ``partial`` to ``final``, replacing a ``final`` that is there:
-    the old one is moved aside first and removed after, so ``final`` is always whole."""
+    the old one is moved aside first and removed after, so a complete checkpoint is always
+    at ``final`` or, for that moment, beside it (which readers look for)."""
+    aside = final + REPLACED_SUFFIX
     if os.path.exists(final):
-        aside = final + REPLACED_SUFFIX
         remove(aside)
         os.replace(final, aside)
-        os.replace(partial, final)
-        remove(aside)
-    else:
-        os.replace(partial, final)
+    os.replace(partial, final)
+    remove(aside)  # also one that a save which died in that moment left
     _sync_directory(os.path.dirname(final))
 
 

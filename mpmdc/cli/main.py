@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices-per-process",
         type=int,
         metavar="K",
-        help="CPU devices per process (jax_num_cpu_devices)",
+        help="CPU devices per process (jax_num_cpu_devices; default JAX's own: 1)",
     )
     launch_cmd.add_argument(
         "--timeout", type=float, metavar="S", help="stop everything after S seconds (exit 124)"

@@ -128,9 +128,9 @@ def test_each_stages_rows_are_chunks_of_their_own(pipelined, saved):
 
 
 def restore_index(directory):
-    from mpmdc.checkpoint.restoring import read_index
+    from mpmdc.checkpoint.restoring import resolve
 
-    return read_index(directory)
+    return resolve(directory)[1]
 
 
 def test_a_checkpoint_is_read_without_mpmdc(pipelined, saved):
@@ -238,6 +238,75 @@ def test_keys_numpy_values_and_an_nnx_models_state_round_trip(tmp_path):
     )
 
 
+def test_a_leaf_kept_on_the_host_keeps_its_64_bits(tmp_path):
+    wide = np.array([2**40, 2**40 + 1, 3])
+    save(tmp_path / "c", {"n": wide})
+    np.testing.assert_array_equal(restore(tmp_path / "c", {"n": wide * 0})["n"], wide)
+
+
+def test_keys_the_format_uses_or_a_filesystem_refuses_are_escaped(tmp_path):
+    tree = {
+        "zarr.json": jnp.ones(2),
+        "COMMITTED": jnp.full(2, 2.0),
+        "x" * 300: jnp.full(2, 3.0),
+        "a.tmp": jnp.full(2, 4.0),
+        "nested": {"zarr.json": jnp.full(2, 5.0), "a/b": jnp.full(2, 6.0), "..": jnp.zeros(1)},
+        "numbered": {1: jnp.full(2, 7.0)},
+    }
+    save(tmp_path / "c", tree)
+    assert_bitwise(restore(tmp_path / "c", tree), tree)
+
+
+def test_weak_types_come_back_as_saved_or_as_the_target_says(meshes4, tmp_path):
+    """A weakly typed scalar (a step counter from ``jnp.asarray(0)``) fed back to a compiled
+    step after a restore hits its cache."""
+    count = jnp.asarray(0)
+    save(tmp_path / "c", {"count": count})
+    one = SingleDeviceSharding(jax.devices()[0])
+    assert jax.typeof(restore(tmp_path / "c", {"count": one})["count"]).weak_type
+    assert jax.typeof(restore(tmp_path / "c", {"count": count})["count"]).weak_type
+    strong = jax.ShapeDtypeStruct((), jnp.int32, sharding=one)
+    assert not jax.typeof(restore(tmp_path / "c", {"count": strong})["count"]).weak_type
+
+    def step(w, count):
+        return mpmdc.stage(w * 2, 1), count + 1
+
+    compiled = mpmdc.compile(step, meshes4[:2])
+    compiled(jnp.ones(4), count)
+    compiles = len(compiled._cache)
+    compiled(jnp.ones(4), restore(tmp_path / "c", {"count": one})["count"])
+    assert len(compiled._cache) == compiles
+
+
+def test_a_checkpoint_being_replaced_is_read_from_beside_it(tmp_path):
+    """``overwrite=True`` moves the old checkpoint aside for a moment; a reader in that
+    moment, or after a save that died in it, reads it there, and the next save clears it."""
+    save(tmp_path / "c", {"w": jnp.ones(3)})
+    os.replace(tmp_path / "c", tmp_path / "c.replaced")  # where a save that died left it
+    np.testing.assert_array_equal(restore(tmp_path / "c")["['w']"], np.ones(3))
+    save(tmp_path / "c", {"w": jnp.zeros(3)})
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    np.testing.assert_array_equal(restore(tmp_path / "c")["['w']"], np.zeros(3))
+
+
+def test_manager_mistakes_name_what_to_do(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file; a CheckpointManager needs a directory"):
+        CheckpointManager(tmp_path / "file")
+    manager = CheckpointManager(tmp_path / "run")
+    assert manager.save(np.int64(3), {"w": jnp.ones(2)})  # a numpy step number
+    manager.wait_until_finished()
+    with pytest.raises(
+        CheckpointError, match=r"step 3 is already saved in .*run/3; save another step"
+    ):
+        manager.save(3, {"w": jnp.ones(2)})
+    with pytest.raises(CheckpointError, match="a step is a non-negative integer, got -1"):
+        manager.save(-1, {"w": jnp.ones(2)})
+    manager.close()
+    with pytest.raises(CheckpointError, match="is closed; make a new one"):
+        manager.save(4, {"w": jnp.ones(2)})
+
+
 def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
     save(tmp_path / "c", {"w": jnp.zeros(3)})
     with pytest.raises(CheckpointError, match="already at"):
@@ -299,6 +368,28 @@ ERRORS = {
         r"leaf \['w'\] saved to .*new was deleted",
     ),
     "exists": (lambda d, t: save(d / "c", t), r"a checkpoint is already at .*c;"),
+    "under a file": (
+        lambda d, t: ((d / "file").write_text("x"), save(d / "file" / "c", t)),
+        r"cannot save to .*file/c: .*file is a file, not a directory",
+    ),
+    "a file": (
+        lambda d, t: ((d / "file").write_text("x"), restore(d / "file", t)),
+        r"no checkpoint at .*file: it is a file",
+    ),
+    "indivisible": (
+        lambda d, t: restore(
+            d / "c", {**t, "w": NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))}
+        ),
+        r"target leaf \['w'\] for the checkpoint at .*c: NamedSharding.* does not fit its shape \[2, 3\]",
+    ),
+    "64-bit": (
+        lambda d, t: (
+            save(d / "wide", {"n": np.array([2**40, 3])}),
+            restore(d / "wide", {"n": SingleDeviceSharding(jax.devices()[0])}),
+        ),
+        r"leaf \['n'\] of the checkpoint at .*wide is int64, which JAX holds as int32 while "
+        r"64-bit types are off",
+    ),
     "occupied": (
         lambda d, t: (
             os.makedirs(d / "folder"),
