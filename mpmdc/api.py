@@ -10,6 +10,7 @@ not retrace.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -404,6 +405,16 @@ class Lowered:
         return Compiled(self._lowered(), self.signature, compiler=compiler)
 
 
+def _qualified_name(fn) -> str:
+    """``module.qualname`` of ``fn``, seen through ``functools.partial``: the same in every
+    process running the same script, unlike an address."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"{module}.{name or type(fn).__qualname__}"
+
+
 class Traced:
     """A function traced for given argument types, before any pass (as
     ``jax.stages.Traced``): its ``jaxpr``, ``args_info`` and ``out_info``; :meth:`lower`
@@ -682,7 +693,7 @@ class Wrapped:
             in_types=in_types,
             in_paths=tuple(in_paths),
             out_tree=out_tree,
-            function=name,
+            function=_qualified_name(self.fn),
         )
         return Traced(program, signature, passes, name, time.perf_counter() - started)
 

@@ -284,13 +284,31 @@ def announce_failure(message: str) -> None:
         os.replace(path + ".tmp", path)
 
 
-def peer_failures() -> dict[int, str]:
-    """``{process: message}`` of the processes that announced a failure."""
+def peer_failures(about: str = "") -> dict[int, str]:
+    """``{process: message}`` of the processes that announced a failure (of the whole run,
+    or with ``about`` also of that one exchange: :func:`announce_exchange_failure`)."""
+    found = {}
+    for prefix in (f"{_PREFIX}failed/", f"{_PREFIX}{about}/failed/" if about else None):
+        if prefix is None:
+            continue
+        try:
+            entries = _client().key_value_dir_get(prefix)
+        except Exception:
+            continue
+        found.update({int(key.rsplit("/", 1)[1]): message for key, message in entries})
+    return found
+
+
+def announce_exchange_failure(about: str, message: str) -> None:
+    """Tell the processes meeting on topic ``about`` (:func:`rendezvous`) that this one
+    failed there, and why, without failing the run: they raise, naming it, and the run
+    may go on (a save that failed on a full disk need not end training)."""
     try:
-        entries = _client().key_value_dir_get(f"{_PREFIX}failed/")
-    except Exception:
-        return {}
-    return {int(key.rsplit("/", 1)[1]): message for key, message in entries}
+        _client().key_value_set(
+            f"{_PREFIX}{about}/failed/{jax.process_index()}", message, allow_overwrite=True
+        )
+    except Exception:  # the store itself may be gone: the peers then find it dead
+        pass
 
 
 def dead_peers() -> list[int]:
@@ -302,24 +320,40 @@ def dead_peers() -> list[int]:
     return sorted(set(range(jax.process_count())) - set(live))
 
 
-def _wait_for(key: str, peer: int, what: str) -> str:
+_LOOK_FOR_DEAD_EVERY = 2.0  # seconds between asking which peers still answer, when patient
+
+
+def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, about: str = "") -> str:
     """The value of ``key``, which process ``peer`` sets on reaching ``what``; raises
-    ``MpmdRuntimeError`` once a process announces a failure, or after the fault timeout."""
+    ``MpmdRuntimeError`` once a process announces a failure (see :func:`peer_failures`
+    for ``about``), or after the fault timeout; a ``patient`` wait has no timeout but
+    ends when a process stops answering (work that may take long, such as writing a
+    checkpoint, is not a hang)."""
     client = _client()
     timeout = fault_timeout_seconds()
     deadline = time.monotonic() + timeout
+    next_look = time.monotonic() + _LOOK_FOR_DEAD_EVERY
     while True:
         try:
             return client.blocking_key_value_get(key, 250)
         except Exception:
-            failed = peer_failures()
+            failed = peer_failures(about)
             if failed:
                 first = min(failed)
                 raise MpmdRuntimeError(
                     f"process {jax.process_index()} stopped waiting for process {peer} to reach {what}: "
                     f"process {first} failed: {failed[first]}"
                 ) from None
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if patient and now > next_look:
+                next_look = now + _LOOK_FOR_DEAD_EVERY
+                dead = dead_peers()
+                if dead:
+                    raise MpmdRuntimeError(
+                        f"process {jax.process_index()} stopped waiting for process {peer} to reach {what}: "
+                        f"process(es) {', '.join(map(str, dead))} no longer answer."
+                    ) from None
+            if not patient and now > deadline:
                 raise MpmdRuntimeError(
                     f"process {jax.process_index()} waited {timeout:g} s for process {peer} to reach {what}; "
                     f"it did not: it failed, hangs, or runs different code. Check its output."
@@ -387,7 +421,10 @@ def fetch(tree):
             treedef, [np.asarray(jax.device_get(x)) for x in leaves]
         )
     client = _client()
-    about = topic("fetch", repr(treedef) + repr([jax.typeof(x) for x in leaves]))
+    # Named by the leaves' paths and types: a treedef's text can hold addresses of
+    # functions (``Partial``, modules' fields), different in every process.
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    about = topic("fetch", repr(paths) + repr([jax.typeof(x) for x in leaves]))
     prefix = f"{_PREFIX}{about}"
     timeout_ms = int(fault_timeout_seconds() * 1000)
     everyone = set(range(jax.process_count()))
@@ -471,16 +508,33 @@ def barrier(topic: str) -> None:
         ) from None
 
 
-def rendezvous(topic: str, what: str) -> None:
+def rendezvous(topic: str, what: str, *, patient: bool = False) -> None:
     """Wait until every process reaches ``topic``, as :func:`barrier` does, but stop as
-    soon as a process announces a failure (``MpmdRuntimeError`` naming it and why)
-    instead of at the fault timeout. ``what`` says what is waited for, for the error."""
+    soon as a process announces a failure, of the run or of this exchange
+    (:func:`announce_exchange_failure` with ``topic``'s first part), with an
+    ``MpmdRuntimeError`` naming it and why, instead of at the fault timeout. ``what``
+    says what is waited for, for the error; ``patient`` waits as long as the peers
+    answer (see :func:`_wait_for`)."""
     client = _client()
     here = jax.process_index()
     client.key_value_set(f"{_PREFIX}meet/{topic}/{here}", "1")
+    about = topic.rsplit("/", 1)[0]
     for peer in range(jax.process_count()):
         if peer != here:
-            _wait_for(f"{_PREFIX}meet/{topic}/{peer}", peer, what)
+            _wait_for(f"{_PREFIX}meet/{topic}/{peer}", peer, what, patient=patient, about=about)
+
+
+def forget(topic: str) -> None:
+    """Delete this process's keys of a :func:`rendezvous` on ``topic`` and of a
+    :func:`check_agreement` on it, once every process is past them (the key-value store
+    keeps what is not deleted for the whole run)."""
+    client = _client()
+    here = jax.process_index()
+    for key in (f"{_PREFIX}meet/{topic}/{here}", f"{_PREFIX}agree/{topic}/{here}"):
+        try:
+            client.key_value_delete(key)
+        except Exception:  # nothing there: nothing to forget
+            pass
 
 
 def merge_timelines(topic: str, timeline):

@@ -30,6 +30,7 @@ VERSION = 1
 COMMITTED = "COMMITTED"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"  # a checkpoint being replaced by ``overwrite=True``
+NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)  # leaves kept on the host
 INDEX_FILE = "zarr.json"
 
 

@@ -6,10 +6,8 @@ import operator
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import jax
-
 from mpmdc.checkpoint import storage
-from mpmdc.checkpoint.layout import COMMITTED, is_partial_name
+from mpmdc.checkpoint.layout import REPLACED_SUFFIX, is_partial_name
 from mpmdc.checkpoint.restoring import restore
 from mpmdc.checkpoint.saving import Save
 from mpmdc.errors import CheckpointError
@@ -40,26 +38,26 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         asynchronous: bool = True,
     ):
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+        if max_to_keep is not None and not _is_count(max_to_keep):
             raise CheckpointError(
                 f"max_to_keep must be a positive integer or None, got {max_to_keep!r}."
             )
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+        if not _is_count(save_interval_steps):
             raise CheckpointError(
                 f"save_interval_steps must be a positive integer, got {save_interval_steps!r}."
             )
         self.directory = os.path.abspath(os.fspath(directory))
-        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise CheckpointError(
-                f"{self.directory} is a file; a CheckpointManager needs a directory."
-            )
+        for path in (self.directory, storage.first_existing_above(self.directory)):
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise CheckpointError(
+                    f"{path} is a file; a CheckpointManager needs a directory at {self.directory}."
+                )
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="mpmdc-checkpoint") if asynchronous else None
         )
         self._pending: Future | None = None
-        self._pending_step: int | None = None
         self._closed = False
 
     def step_directory(self, step: int) -> str:
@@ -67,8 +65,10 @@ class CheckpointManager:
         return os.path.join(self.directory, str(step))
 
     def all_steps(self) -> list[int]:
-        """The steps with a complete checkpoint, oldest first (not one still being saved)."""
-        return [s for s in _complete_steps(self.directory) if s != self._pending_step]
+        """The steps with a complete checkpoint, oldest first. Waits for a save in the
+        background first, so that every process sees the same steps."""
+        self.wait_until_finished()
+        return _complete_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest step with a complete checkpoint, or ``None``."""
@@ -89,21 +89,18 @@ class CheckpointManager:
             raise CheckpointError(
                 f"the CheckpointManager of {self.directory} is closed; make a new one."
             )
+        self.wait_until_finished()
         if step in _complete_steps(self.directory):
             raise CheckpointError(
                 f"step {step} is already saved in {self.step_directory(step)}; save another step, "
                 f"or remove that directory first."
             )
-        self.wait_until_finished()
         asynchronous = self._executor is not None
         save = Save(
-            self.step_directory(step),
-            tree,
-            copy=asynchronous,
-            after_commit=self._remove_old if jax.process_index() == 0 else None,
+            self.step_directory(step), tree, copy=asynchronous, after_commit=self._remove_old
         )
         if asynchronous:
-            self._pending, self._pending_step = self._executor.submit(save.finish), step
+            self._pending = self._executor.submit(save.finish)
         else:
             save.finish()
         return True
@@ -121,7 +118,6 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Wait for the save in the background, if any; raise its error if it failed."""
         pending, self._pending = self._pending, None
-        self._pending_step = None
         if pending is not None:
             pending.result()
 
@@ -149,6 +145,7 @@ class CheckpointManager:
         if self.max_to_keep is not None:
             for step in _complete_steps(self.directory)[: -self.max_to_keep]:
                 storage.remove(self.step_directory(step))
+                storage.remove(self.step_directory(step) + REPLACED_SUFFIX)
 
 
 def _step_number(step) -> int:
@@ -168,8 +165,14 @@ def _complete_steps(directory: str) -> list[int]:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    steps = {name.removesuffix(REPLACED_SUFFIX) for name in names}
     return sorted(
         int(name)
-        for name in names
-        if name.isdigit() and os.path.exists(os.path.join(directory, name, COMMITTED))
+        for name in steps
+        if name.isdigit() and storage.located(os.path.join(directory, name)) is not None
     )
+
+
+def _is_count(value) -> bool:
+    """Whether ``value`` is a positive ``int`` (not a ``bool``)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -14,8 +14,8 @@ from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
     INDEX_FILE,
+    NUMBERS,
     PARTIAL_SUFFIX,
-    REPLACED_SUFFIX,
     Index,
     LeafEntry,
     path_text,
@@ -25,34 +25,34 @@ from mpmdc.errors import CheckpointError
 _SHOWN = 4  # paths listed in an error about paths that do not match
 
 
-def resolve(directory) -> tuple[str, Index]:
-    """The folder holding the complete checkpoint saved to ``directory`` and its index;
-    ``CheckpointError`` when there is none, or only a save that has not finished (or
-    died).
-
-    While ``save(..., overwrite=True)`` swaps a new checkpoint in, the old one is for a
-    moment only at ``<directory>.replaced``; it is read from there then (and stays there
-    should the save die in that moment).
+def resolve(directory) -> tuple[str, Index, dict]:
+    """The folder holding the complete checkpoint saved to ``directory``, its index and
+    its commit marker; ``CheckpointError`` when there is none, or only a save that has not
+    finished (or died). A checkpoint being replaced (``overwrite=True``) is for a moment
+    only beside ``directory`` (:func:`~mpmdc.checkpoint.storage.located`): it is read
+    there then.
     """
-    root = os.path.abspath(os.fspath(directory))
-    if not os.path.exists(root) and os.path.exists(os.path.join(root + REPLACED_SUFFIX, COMMITTED)):
-        root += REPLACED_SUFFIX
-    if not os.path.isdir(root):
-        if os.path.exists(root):
+    wanted = os.path.abspath(os.fspath(directory))
+    root = storage.located(wanted)
+    if root is None:
+        if os.path.isfile(wanted):
             why = "it is a file, not a checkpoint's directory"
-        elif os.path.isdir(root + PARTIAL_SUFFIX):
-            why = f"only {root + PARTIAL_SUFFIX} is there: a save to it has not finished, or died"
+        elif os.path.isdir(wanted + PARTIAL_SUFFIX) and not os.path.exists(wanted):
+            why = f"only {wanted + PARTIAL_SUFFIX} is there: a save to it has not finished, or died"
+        elif os.path.isdir(wanted):
+            why = f"it has no {COMMITTED} marker: it was not written by mpmdc.checkpoint.save, or not to the end"
         else:
             why = "the directory does not exist"
-        raise CheckpointError(f"no checkpoint at {root}: {why}.")
+        raise CheckpointError(f"no checkpoint at {wanted}: {why}.")
     document = storage.read_json(os.path.join(root, INDEX_FILE))
     index = Index.from_json(document) if document is not None else None
-    if index is None or not os.path.exists(os.path.join(root, COMMITTED)):
+    marker = storage.read_json(os.path.join(root, COMMITTED))
+    if index is None or marker is None:
         raise CheckpointError(
-            f"{root} is no complete mpmdc checkpoint (its index or its {COMMITTED} marker is "
-            f"missing): it was not written by mpmdc.checkpoint.save, or not to the end."
+            f"{root} is no mpmdc checkpoint, or a damaged one: its index ({INDEX_FILE}) or its "
+            f"{COMMITTED} marker cannot be read."
         )
-    return root, index
+    return root, index, marker
 
 
 def restore(directory, target=None):
@@ -70,18 +70,31 @@ def restore(directory, target=None):
 
     Without ``target``: ``{path: numpy array}`` of every leaf, whole, on the host.
     """
-    root, index = resolve(directory)
+    root, index, marker = resolve(directory)
     context = ts.Context()
-    if target is None:
-        return {leaf.path: _read_whole(root, leaf, context) for leaf in index.leaves}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    saved = {leaf.path: leaf for leaf in index.leaves}
-    wanted = [path_text(path) for path, _ in flat]
-    _check_paths(root, list(saved), wanted)
-    plans = [_Plan(root, saved[text], leaf, context) for text, (_, leaf) in zip(wanted, flat)]
-    for plan in plans:
-        plan.start()
-    return jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
+    try:
+        if target is None:
+            restored = {leaf.path: _read_whole(root, leaf, context) for leaf in index.leaves}
+        else:
+            flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+            saved = {leaf.path: leaf for leaf in index.leaves}
+            wanted = [path_text(path) for path, _ in flat]
+            _check_paths(root, list(saved), wanted)
+            plans = [
+                _Plan(root, saved[text], leaf, context) for text, (_, leaf) in zip(wanted, flat)
+            ]
+            for plan in plans:
+                plan.start()
+            restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
+    except ValueError as err:  # TensorStore's: a chunk or an array's metadata is not there
+        raise CheckpointError(
+            f"the checkpoint at {root} is damaged or was removed while read: {str(err).splitlines()[0]}"
+        ) from None
+    if storage.read_json(os.path.join(root, COMMITTED)) != marker:
+        raise CheckpointError(
+            f"the checkpoint at {root} was replaced while it was read; restore it again."
+        )
+    return restored
 
 
 class _Plan:
@@ -163,7 +176,7 @@ def _target_type(leaf, entry: LeafEntry, root: str):
             leaf.weak_type if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf).weak_type
         )
         return tuple(leaf.shape), leaf.dtype, sharding, bool(weak)
-    if isinstance(leaf, bool | int | float | complex | np.ndarray | np.generic):
+    if isinstance(leaf, NUMBERS):
         value = np.asarray(leaf)
         return value.shape, value.dtype, None, False
     raise CheckpointError(

@@ -24,6 +24,7 @@ from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
     INDEX_FILE,
+    NUMBERS,
     PARTIAL_SUFFIX,
     Index,
     LeafEntry,
@@ -35,8 +36,6 @@ from mpmdc.checkpoint.layout import (
     stored_type,
 )
 from mpmdc.errors import CheckpointError, MpmdRuntimeError
-
-_NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)
 
 
 @dataclass
@@ -54,10 +53,11 @@ class Save:
     Creating it does what must happen before the caller may change or donate the saved
     arrays, and nothing on disk: checking the tree, agreeing on it with the other
     processes, taking this process's shards to the host (``copy=True`` also copies the
-    tree's numpy arrays, which the caller could change while the save goes on). :meth:`finish` does the rest, and may run on
-    another thread: process 0 makes the partial directory and every array's metadata,
-    every process writes its shards, and once all have, process 0 commits. ``after_commit`` runs on process 0 once the checkpoint is
-    in place (a manager removes old steps there).
+    tree's numpy arrays, which the caller could change while the save goes on).
+    :meth:`finish` does the rest, and may run on another thread: process 0 makes the
+    partial directory and every array's metadata, every process writes its shards, and
+    once all have, process 0 commits. ``after_commit`` runs on process 0 once the
+    checkpoint is in place (a manager removes old steps there).
     """
 
     def __init__(
@@ -135,22 +135,36 @@ class Save:
             if self.after_commit is not None:
                 self.after_commit()
         self._meet("committed", f"the commit of {self.directory}")
+        self._forget()
 
     def _meet(self, stage: str, what: str) -> None:
+        # Patient: writing may take longer than the fault timeout; a peer that dies or
+        # fails its part of the save still ends the wait.
         if self.many:
-            distributed.rendezvous(f"{self.topic}/{stage}", what)
+            distributed.rendezvous(f"{self.topic}/{stage}", what, patient=True)
+
+    def _forget(self) -> None:
+        """Drop this save's keys from the key-value store, but the last meeting's (a peer
+        may still be reading those)."""
+        if self.many:
+            for name in ("tree", "started", "written"):
+                distributed.forget(f"{self.topic}/{name}")
 
     def _attempt(self, work: Callable[[], None]) -> None:
-        """Run ``work``; with several processes, a failure here is announced to the others
-        first, so that they stop waiting for this process at once and name it."""
+        """Run ``work``; with several processes, a failure is first told to the others
+        taking part in this save, so that they stop waiting for this process at once and
+        name it (the run may go on: a failed save need not end training)."""
         try:
             work()
-        except (CheckpointError, MpmdRuntimeError, OSError, ValueError) as err:
-            if self.many and not isinstance(err, MpmdRuntimeError):
-                distributed.announce_failure(
-                    f"process {jax.process_index()} failed to save {self.directory}: {err}"
-                )
+        except MpmdRuntimeError:
             raise
+        except (CheckpointError, OSError, ValueError) as err:
+            message = f"process {jax.process_index()} failed to save {self.directory}: {err}"
+            if self.many:
+                distributed.announce_exchange_failure(self.topic, message)
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(message) from err
 
 
 def save(directory, tree, *, overwrite: bool = False) -> None:
@@ -172,12 +186,10 @@ def _check_replaceable(directory: str, overwrite: bool) -> None:
     """Refuse to save over anything but a complete checkpoint (with ``overwrite``) or an
     empty directory: a folder of other files is never replaced, whatever ``overwrite`` says.
     Every existing folder above ``directory`` must be a folder."""
-    above = os.path.dirname(directory)
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
+    above = storage.first_existing_above(directory)
     if not os.path.isdir(above):
         raise CheckpointError(f"cannot save to {directory}: {above} is a file, not a directory.")
-    if os.path.exists(os.path.join(directory, COMMITTED)):
+    if storage.located(directory) is not None:
         if not overwrite:
             raise CheckpointError(
                 f"a checkpoint is already at {directory}; save to a new directory, or pass "
@@ -232,7 +244,7 @@ def _check_leaf(x, text: str, directory: str) -> None:
                 f"leaf {text} saved to {directory} was deleted (donated to a call?): save the "
                 f"arrays a step returned, or save before the call that donates them."
             )
-    elif not isinstance(x, _NUMBERS):
+    elif not isinstance(x, NUMBERS):
         raise CheckpointError(
             f"leaf {text} saved to {directory} is a {type(x).__name__}, not an array: a checkpoint "
             f"holds jax.Array, numpy arrays and Python numbers. Leave it out of the tree."

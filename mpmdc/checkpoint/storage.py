@@ -10,15 +10,25 @@ import shutil
 import numpy as np
 import tensorstore as ts
 
-from mpmdc.checkpoint.layout import REPLACED_SUFFIX
+from mpmdc.checkpoint.layout import COMMITTED, REPLACED_SUFFIX
+
+
+def _array(root: str, name: str) -> dict:
+    """The part of a TensorStore spec naming Zarr v3 array ``name`` under ``root``."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": os.path.join(root, name) + "/"},
+    }
 
 
 def array_spec(root: str, name: str, shape, dtype: np.dtype, chunks) -> dict:
     """The TensorStore spec of array ``name`` under ``root``: Zarr v3, uncompressed
-    little-endian chunks of shape ``chunks``."""
+    little-endian chunks of shape ``chunks``, every chunk written (TensorStore leaves out
+    chunks equal to the fill value by default, and a missing chunk could then not be
+    told from one that was lost)."""
     return {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": os.path.join(root, name) + "/"},
+        **_array(root, name),
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": list(shape),
             "data_type": np.dtype(dtype).name,
@@ -49,11 +59,9 @@ def writer(spec: dict, context: ts.Context) -> ts.TensorStore:
 
 
 def reader(root: str, name: str, context: ts.Context) -> ts.TensorStore:
-    """Array ``name`` under ``root`` opened for reading, from its own metadata."""
-    spec = {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": os.path.join(root, name) + "/"},
-    }
+    """Array ``name`` under ``root`` opened for reading, from its own metadata; reading a
+    chunk that is not there fails rather than giving the fill value."""
+    spec = {**_array(root, name), "fill_missing_data_reads": False}
     return ts.open(spec, open=True, read=True, context=context).result()
 
 
@@ -70,12 +78,30 @@ def write_json(path: str, document: dict, *, sync: bool = True) -> None:
 
 
 def read_json(path: str) -> dict | None:
-    """The JSON document at ``path``, or ``None`` where there is none."""
+    """The JSON document at ``path``, or ``None`` where there is none or it is no JSON."""
     try:
         with open(path) as f:
             return json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def located(directory: str) -> str | None:
+    """Where the complete checkpoint saved to ``directory`` is: ``directory``, or while a
+    save with ``overwrite=True`` swaps a new one in (or after it died doing so) the old
+    one beside it at ``<directory>.replaced``; ``None`` where there is none."""
+    for place in (directory, directory + REPLACED_SUFFIX):
+        if os.path.isfile(os.path.join(place, COMMITTED)):
+            return place
+    return None
+
+
+def first_existing_above(path: str) -> str:
+    """The nearest folder (or file) above ``path`` that exists."""
+    above = os.path.dirname(path)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    return above
 
 
 def remove(path: str) -> None:

@@ -472,10 +472,14 @@ class Compiled:
                     f"donate_argnums to keep it."
                 )
 
-    def _start(self, leaves) -> list:
+    def _check_agreed(self) -> None:
+        """At the first call among several processes: every process compiled this program."""
         if self._agreement is not None:
             distributed.check_agreement(*self._agreement, "the program they compiled")
             self._agreement = None
+
+    def _start(self, leaves) -> list:
+        self._check_agreed()
         env = list(self._initial)
         leaves = self._pieces.arguments(leaves, self._input_here)
         for (i, sharding), x in zip(self._inputs, self._local_leaves(leaves)):
@@ -513,6 +517,7 @@ class Compiled:
             return self._finish(env), timeline
         # Every process starts its clock as the last one arrives, so the merged
         # timeline of all processes lines up to a barrier's latency.
+        self._check_agreed()  # before meeting on a topic named by the program
         topic = distributed.topic("timed", self._agreed)
         distributed.barrier(topic)
         env = self._start(leaves)

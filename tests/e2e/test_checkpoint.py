@@ -284,9 +284,38 @@ def test_a_checkpoint_being_replaced_is_read_from_beside_it(tmp_path):
     save(tmp_path / "c", {"w": jnp.ones(3)})
     os.replace(tmp_path / "c", tmp_path / "c.replaced")  # where a save that died left it
     np.testing.assert_array_equal(restore(tmp_path / "c")["['w']"], np.ones(3))
-    save(tmp_path / "c", {"w": jnp.zeros(3)})
+    with pytest.raises(CheckpointError, match="a checkpoint is already at"):
+        save(tmp_path / "c", {"w": jnp.zeros(3)})
+    save(tmp_path / "c", {"w": jnp.zeros(3)}, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["c"]
     np.testing.assert_array_equal(restore(tmp_path / "c")["['w']"], np.zeros(3))
+
+
+def test_a_lost_chunk_is_an_error_not_zeros(tmp_path):
+    """Every chunk is written, zeros too, and a chunk that is not there fails the read."""
+    save(tmp_path / "c", {"w": jnp.zeros((4, 4))})
+    chunks = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "c" / "w" / "c") for f in fs]
+    assert chunks  # zeros are written as any other values
+    os.remove(chunks[0])
+    with pytest.raises(
+        CheckpointError, match=r"the checkpoint at .*c is damaged or was removed while read"
+    ):
+        restore(tmp_path / "c", {"w": jnp.zeros((4, 4))})
+
+
+def test_a_checkpoint_replaced_while_read_is_an_error(tmp_path, monkeypatch):
+    from mpmdc.checkpoint import storage
+
+    save(tmp_path / "c", {"w": jnp.ones(3)})
+    reader = storage.reader
+
+    def replacing(root, name, context):  # another process's overwrite lands mid-read
+        storage.write_json(os.path.join(root, "COMMITTED"), {"time": 0})
+        return reader(root, name, context)
+
+    monkeypatch.setattr(storage, "reader", replacing)
+    with pytest.raises(CheckpointError, match="was replaced while it was read; restore it again"):
+        restore(tmp_path / "c", {"w": jnp.ones(3)})
 
 
 def test_manager_mistakes_name_what_to_do(tmp_path):
@@ -327,7 +356,7 @@ ERRORS = {
     ),
     "not a checkpoint": (
         lambda d, t: (os.makedirs(d / "other"), restore(d / "other", t)),
-        r"other is no complete mpmdc checkpoint",
+        r"no checkpoint at .*other: it has no COMMITTED marker",
     ),
     "path missing": (
         lambda d, t: restore(d / "c", {**t, "extra": jnp.zeros(2)}),
@@ -436,7 +465,7 @@ def test_the_manager_keeps_the_newest_steps_and_saves_while_the_next_step_runs(
                 expected[n] = values
             _, *state = donating(*state, x, y)
             state = tuple(state)
-        assert manager.latest_step() == 4  # 6 is being written: not yet a step to resume from
+        assert manager.latest_step() == 6  # waits for the save of 6 in the background
     assert manager.all_steps() == [4, 6]
     assert sorted(os.listdir(tmp_path)) == ["4", "6"]
     target = target_of(state, input_shardings(step, state))

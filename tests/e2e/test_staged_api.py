@@ -174,3 +174,19 @@ def test_stablehlo_takes_a_platform_or_a_backend(meshes2, monkeypatch):
     sending = mpmdc.compile(loss, meshes2, backend="test-cuda-sends").lower(WS, X)
     assert sending.stablehlo(platform="cuda") == sending.stablehlo()
     assert sending.stablehlo(platform="rocm") == lowered.stablehlo(platform="rocm")
+
+
+def _named_for_processes(x, scale):
+    return x * scale
+
+
+def test_processes_meet_on_a_functions_qualified_name_seen_through_partials():
+    """Several processes check their programs on a topic named by the function: its module
+    and qualified name, the same in every process (a ``partial``'s is its function's)."""
+    import functools
+
+    from mpmdc.api import _qualified_name
+
+    name = f"{__name__}._named_for_processes"
+    assert _qualified_name(_named_for_processes) == name
+    assert _qualified_name(functools.partial(_named_for_processes, scale=2)) == name

@@ -6,7 +6,8 @@
 - ``kill``: process 1 kills itself (SIGKILL) inside its stage's fragment, in step 2;
 - ``raise``: a callback in process 1's fragment raises, in step 2;
 - ``uncaught``: process 1's script raises an exception of its own before step 2;
-- ``code``: process 1 traces a different function;
+- ``code``: process 1 traces a different function (``code-timed``: and the first call is
+  ``run_timed``);
 - ``arguments``: process 1 passes an argument of another shape;
 - ``order``: no failure: the processes compile two functions ahead of the first call in
   opposite orders (their agreement checks meet by function, not by count).
@@ -46,7 +47,7 @@ def loss(params, x):
         x = mpmdc.stage(x, i)
         if i == 1 and MODE in ("kill", "raise"):
             jax.debug.callback(misbehave, x)
-        scale = 2.0 if (MODE == "code" and HERE == 1 and i == 1) else 1.0
+        scale = 2.0 if (MODE.startswith("code") and HERE == 1 and i == 1) else 1.0
         x = jnp.tanh(x @ w) * scale
     return jnp.mean(x**2)
 
@@ -74,7 +75,10 @@ def main():
             raise ValueError("a mistake in the training loop")
         start = time.monotonic()
         try:
-            value, params = compiled(params, x)
+            if MODE == "code-timed":
+                (value, params), _ = compiled.lower(params, x).compile().run_timed(params, x)
+            else:
+                value, params = compiled(params, x)
             print(f"step {k}: loss {float(mpmdc.fetch(value)):.6f}", flush=True)
         except mpmdc.MpmdcError as err:
             print(
@@ -82,7 +86,9 @@ def main():
                 flush=True,
             )
             sys.exit(3)
-    print(f"evaluated: loss {float(mpmdc.fetch(evaluate(params, x))):.6f}", flush=True)
+    # A tree whose structure prints differently in every process (a function's address).
+    fetched = mpmdc.fetch(jax.tree_util.Partial(loss, evaluate(params, x)))
+    print(f"evaluated: loss {float(fetched.args[0]):.6f}", flush=True)
 
 
 if __name__ == "__main__":

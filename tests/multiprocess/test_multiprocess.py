@@ -199,7 +199,11 @@ def test_an_uncaught_error_in_one_script_fails_the_others_naming_it():
 
 @pytest.mark.parametrize(
     "mode, differ",
-    [("code", "equation 5 (s1_fwd_mb0)"), ("arguments", "argument args[1]")],
+    [
+        ("code", "equation 5 (s1_fwd_mb0)"),
+        ("code-timed", "equation 5 (s1_fwd_mb0)"),
+        ("arguments", "argument args[1]"),
+    ],
 )
 def test_processes_that_traced_different_programs_fail_at_the_first_call(mode, differ):
     status, output = faults(mode)
