@@ -298,7 +298,7 @@ def test_weak_types_come_back_as_saved_or_as_the_target_says(meshes4, tmp_path):
     assert not jax.typeof(restore(tmp_path / "c", {"count": strong})["count"]).weak_type
 
     def step(w, count):
-        return mpmdc.stage(mpmdc.stage(w, 0) * 2, 1), count + 1
+        return mpmdc.stage(mpmdc.stage(w, 0) * 2, 1) + 1, count + 1
 
     compiled = mpmdc.compile(step, meshes4[:2])
     compiled(jnp.ones(4), count)
