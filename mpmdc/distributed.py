@@ -284,13 +284,12 @@ def announce_failure(message: str) -> None:
         os.replace(path + ".tmp", path)
 
 
-def peer_failures(about: str = "") -> dict[int, str]:
+def peer_failures(exchange: str = "") -> dict[int, str]:
     """``{process: message}`` of the processes that announced a failure (of the whole run,
-    or with ``about`` also of that one exchange: :func:`announce_exchange_failure`)."""
+    or with ``exchange`` also of that one exchange: :func:`announce_exchange_failure`)."""
+    prefixes = [f"{_PREFIX}failed/"] + ([f"{_PREFIX}{exchange}/failed/"] if exchange else [])
     found = {}
-    for prefix in (f"{_PREFIX}failed/", f"{_PREFIX}{about}/failed/" if about else None):
-        if prefix is None:
-            continue
+    for prefix in prefixes:
         try:
             entries = _client().key_value_dir_get(prefix)
         except Exception:
@@ -299,13 +298,13 @@ def peer_failures(about: str = "") -> dict[int, str]:
     return found
 
 
-def announce_exchange_failure(about: str, message: str) -> None:
-    """Tell the processes meeting on topic ``about`` (:func:`rendezvous`) that this one
-    failed there, and why, without failing the run: they raise, naming it, and the run
-    may go on (a save that failed on a full disk need not end training)."""
+def announce_exchange_failure(exchange: str, message: str) -> None:
+    """Tell the processes meeting in ``exchange`` (:func:`rendezvous`) that this one failed
+    there, and why, without failing the run: they raise, naming it, and the run may go on
+    (a save that failed on a full disk need not end training)."""
     try:
         _client().key_value_set(
-            f"{_PREFIX}{about}/failed/{jax.process_index()}", message, allow_overwrite=True
+            f"{_PREFIX}{exchange}/failed/{jax.process_index()}", message, allow_overwrite=True
         )
     except Exception:  # the store itself may be gone: the peers then find it dead
         pass
@@ -323,10 +322,10 @@ def dead_peers() -> list[int]:
 _LOOK_FOR_DEAD_EVERY = 2.0  # seconds between asking which peers still answer, when patient
 
 
-def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, about: str = "") -> str:
+def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, exchange: str = "") -> str:
     """The value of ``key``, which process ``peer`` sets on reaching ``what``; raises
     ``MpmdRuntimeError`` once a process announces a failure (see :func:`peer_failures`
-    for ``about``), or after the fault timeout; a ``patient`` wait has no timeout but
+    for ``exchange``), or after the fault timeout; a ``patient`` wait has no timeout but
     ends when a process stops answering (work that may take long, such as writing a
     checkpoint, is not a hang)."""
     client = _client()
@@ -337,7 +336,7 @@ def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, about: s
         try:
             return client.blocking_key_value_get(key, 250)
         except Exception:
-            failed = peer_failures(about)
+            failed = peer_failures(exchange)
             if failed:
                 first = min(failed)
                 raise MpmdRuntimeError(
@@ -415,7 +414,8 @@ def fetch(tree):
     ``jax.distributed`` key-value store: meant for losses and metrics, not for
     gigabytes of parameters.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in flat]
     if jax.process_count() == 1 or not any(isinstance(x, jax.Array) for x in leaves):
         return jax.tree_util.tree_unflatten(
             treedef, [np.asarray(jax.device_get(x)) for x in leaves]
@@ -423,7 +423,7 @@ def fetch(tree):
     client = _client()
     # Named by the leaves' paths and types: a treedef's text can hold addresses of
     # functions (``Partial``, modules' fields), different in every process.
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
     about = topic("fetch", repr(paths) + repr([jax.typeof(x) for x in leaves]))
     prefix = f"{_PREFIX}{about}"
     timeout_ms = int(fault_timeout_seconds() * 1000)
@@ -508,20 +508,19 @@ def barrier(topic: str) -> None:
         ) from None
 
 
-def rendezvous(topic: str, what: str, *, patient: bool = False) -> None:
+def rendezvous(topic: str, what: str, *, patient: bool = False, exchange: str = "") -> None:
     """Wait until every process reaches ``topic``, as :func:`barrier` does, but stop as
-    soon as a process announces a failure, of the run or of this exchange
-    (:func:`announce_exchange_failure` with ``topic``'s first part), with an
-    ``MpmdRuntimeError`` naming it and why, instead of at the fault timeout. ``what``
-    says what is waited for, for the error; ``patient`` waits as long as the peers
-    answer (see :func:`_wait_for`)."""
+    soon as a process announces a failure, of the run or of ``exchange``
+    (:func:`announce_exchange_failure`), with an ``MpmdRuntimeError`` naming it and why,
+    instead of at the fault timeout. ``what`` says what is waited for, for the error;
+    ``patient`` waits as long as the peers answer (see :func:`_wait_for`)."""
     client = _client()
     here = jax.process_index()
     client.key_value_set(f"{_PREFIX}meet/{topic}/{here}", "1")
-    about = topic.rsplit("/", 1)[0]
     for peer in range(jax.process_count()):
         if peer != here:
-            _wait_for(f"{_PREFIX}meet/{topic}/{peer}", peer, what, patient=patient, about=about)
+            key = f"{_PREFIX}meet/{topic}/{peer}"
+            _wait_for(key, peer, what, patient=patient, exchange=exchange)
 
 
 def forget(topic: str) -> None:

@@ -73,8 +73,11 @@ def restore(directory, target=None):
     root, index, marker = resolve(directory)
     context = ts.Context()
     try:
-        if target is None:
-            restored = {leaf.path: _read_whole(root, leaf, context) for leaf in index.leaves}
+        if target is None:  # every read started before any is waited for
+            reads = {
+                leaf.path: storage.reader(root, leaf.array, context).read() for leaf in index.leaves
+            }
+            restored = {path: read.result() for path, read in reads.items()}
         else:
             flat, treedef = jax.tree_util.tree_flatten_with_path(target)
             saved = {leaf.path: leaf for leaf in index.leaves}
@@ -141,10 +144,6 @@ class _Plan:
             self.entry.shape, self.sharding, parts, dtype=dtype
         )
         return compat.weakly_typed(array) if self.weak_type else array
-
-
-def _read_whole(root: str, entry: LeafEntry, context: ts.Context) -> np.ndarray:
-    return storage.reader(root, entry.array, context).read().result()
 
 
 def _logical_dtype(entry: LeafEntry):

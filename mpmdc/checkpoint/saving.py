@@ -141,7 +141,7 @@ class Save:
         # Patient: writing may take longer than the fault timeout; a peer that dies or
         # fails its part of the save still ends the wait.
         if self.many:
-            distributed.rendezvous(f"{self.topic}/{stage}", what, patient=True)
+            distributed.rendezvous(f"{self.topic}/{stage}", what, patient=True, exchange=self.topic)
 
     def _forget(self) -> None:
         """Drop this save's keys from the key-value store, but the last meeting's (a peer
@@ -215,21 +215,21 @@ def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:
     here = jax.process_index()
     for (path, x), name in zip(flat, names):
         text = path_text(path)
-        _check_leaf(x, text, directory)
-        shape, dtype = stored_type(x)
+        shape, dtype = _checked_type(x, text, directory)
+        key = is_key(x)
         if isinstance(x, jax.Array):
             extra = (slice(None),) * (len(shape) - x.ndim)
             indices = x.sharding.devices_indices_map(x.shape)
             chunks = chunk_shape(shape, [i + extra for i in indices.values()])
             shards = [
-                (indices[s.device] + extra, jax.random.key_data(s.data) if is_key(x) else s.data)
+                (indices[s.device] + extra, jax.random.key_data(s.data) if key else s.data)
                 for s in x.addressable_shards
                 if s.replica_id == 0
             ]
         else:
             chunks = tuple(max(n, 1) for n in shape)
             shards = [((slice(None),) * len(shape), np.asarray(x))] if here == 0 else []
-        key_impl = str(jax.random.key_impl(x)) if is_key(x) else None
+        key_impl = str(jax.random.key_impl(x)) if key else None
         logical = str(x.dtype) if hasattr(x, "dtype") else str(dtype)
         weak = isinstance(x, jax.Array) and jax.typeof(x).weak_type
         leaves.append(LeafEntry(text, name, tuple(np.shape(x)), logical, key_impl, weak))
@@ -237,7 +237,9 @@ def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:
     return Index(tuple(leaves)), writes
 
 
-def _check_leaf(x, text: str, directory: str) -> None:
+def _checked_type(x, text: str, directory: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype leaf ``x`` is stored with (:func:`stored_type`), or a
+    ``CheckpointError`` naming it where it cannot be saved."""
     if isinstance(x, jax.Array):
         if x.is_deleted():
             raise CheckpointError(
@@ -249,12 +251,13 @@ def _check_leaf(x, text: str, directory: str) -> None:
             f"leaf {text} saved to {directory} is a {type(x).__name__}, not an array: a checkpoint "
             f"holds jax.Array, numpy arrays and Python numbers. Leave it out of the tree."
         )
-    _, dtype = stored_type(x)
+    shape, dtype = stored_type(x)
     if not storage.supports(dtype):
         raise CheckpointError(
             f"leaf {text} saved to {directory} has dtype {dtype}, which Zarr arrays cannot hold; "
             f"cast it (e.g. to a wider type) before saving."
         )
+    return shape, dtype
 
 
 def _on_host(writes: list[_LeafWrite], copy: bool) -> list[_LeafWrite]:
