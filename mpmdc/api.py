@@ -250,20 +250,25 @@ class _Call:
         return tuple(flags)
 
 
-def _planned(program: Program, schedule, microbatches: int):
-    """``schedule`` on the layout the traced ``program``'s stage markers make (the mesh
-    of each stage, a ``StageError`` naming the marker of a stage without one), as the
-    plain data the program holds."""
+def _planned(program: Program, schedule, microbatches: int) -> Program:
+    """``program`` with ``schedule`` run on the layout its stage markers make: the mesh of
+    each stage (``stage_to_mesh``, else the schedule's own placement, else stage ``s`` on
+    mesh ``s mod M``; a ``StageError`` names the marker of a stage without one) and each
+    mesh's actions, as the plain data the program holds."""
     markers: dict = {}
     for eqn in find_eqns(program.jaxpr.jaxpr.eqns, is_marker):
         markers.setdefault(eqn.params["stage"], eqn)
+    stages = max([*markers, *layer_stages(program.jaxpr.jaxpr.eqns)], default=0) + 1
+    if program.stage_to_mesh is None:
+        placement = schedule.placement(stages, len(program.meshes))
+        if placement is not None:
+            program = program.replace(stage_to_mesh=placement)
     for stage, marker in sorted(markers.items()):
         program.mesh_of_stage(stage, marker)
-    stages = max([*markers, *layer_stages(program.jaxpr.jaxpr.eqns)], default=0) + 1
     layout = schedules.Layout.make(
         stages, microbatches, tuple(map(program.mesh_of_stage, range(stages)))
     )
-    return schedules.loop_schedule(schedule, layout)
+    return program.replace(schedule=schedules.loop_schedule(schedule, layout))
 
 
 def _through_passes(program: Program, passes, signature, trace_seconds: float) -> Lowered:
@@ -684,9 +689,7 @@ class Wrapped:
             microbatches=loop.microbatches if loop else None,
         )
         if loop:
-            program = program.replace(
-                schedule=_planned(program, self.schedule or loop.schedule, loop.microbatches)
-            )
+            program = _planned(program, self.schedule or loop.schedule, loop.microbatches)
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         signature = Signature(
             in_tree=in_tree,

@@ -29,7 +29,15 @@ from mpmdc.errors import (
 )
 from mpmdc.passes import PASSES
 from mpmdc.pipeline import DEFAULT_PIPELINE, stage_names, verifying
-from mpmdc.schedules import UNIT_COSTS, Layout, bubble_formula, simulate
+from mpmdc.schedules import (
+    BUBBLE_FORMULAS,
+    UNIT_COSTS,
+    Layout,
+    bubble_formula,
+    bubble_time_formula,
+    simulate,
+    steady_bubble,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -216,9 +224,13 @@ def _parse_costs(text: str | None) -> dict[str, float]:
 def _schedule(args) -> int:
     costs = _parse_costs(args.costs)
     try:
-        layout = Layout.make(args.stages, args.microbatches, num_meshes=args.meshes or args.stages)
         schedule = schedules.get(args.schedule)
-        timeline = simulate(schedule.actions(layout), layout, costs)
+        meshes = args.meshes or args.stages
+        placement = schedule.placement(args.stages, meshes)
+        layout = Layout.make(args.stages, args.microbatches, placement, num_meshes=meshes)
+        per_mesh = schedule.actions(layout)
+        timeline = simulate(per_mesh, layout, costs)
+        steady = steady_bubble(per_mesh, layout, costs)
     except ScheduleError as err:
         raise UsageError(str(err)) from None
     cost_text = " ".join(f"{k}={v:g}" for k, v in costs.items())
@@ -232,6 +244,11 @@ def _schedule(args) -> int:
         v = layout.num_stages // layout.num_meshes
         formula = bubble_formula(schedule.name, layout.num_meshes, layout.microbatches, v)
         line += f" (formula (p-1)/(v*m+p-1) = {formula:.4f})"
+    print(line)
+    line = f"steady training (steps back to back): bubble {steady:g} per mesh and step"
+    if schedule.name in BUBBLE_FORMULAS:
+        formula = bubble_time_formula(schedule.name, layout.num_meshes, costs)
+        line += f" (published formula {formula:g})"
     print(line)
     if args.png:
         timeline.save_png(args.png, title=f"{schedule.name}: bubble {timeline.bubble_fraction:.3f}")
@@ -377,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         "makespan and the bubble fraction, with the textbook formula where there is one.",
         epilog="examples:\n  mpmdc schedule --schedule 1f1b --stages 4 --microbatches 8\n"
         "  mpmdc schedule --schedule interleaved-1f1b --stages 8 --meshes 4 --microbatches 8\n"
-        "  mpmdc schedule --schedule zb-h1 --stages 4 --microbatches 8 --png zb.png --trace zb.json\n",
+        "  mpmdc schedule --schedule zb-h1 --stages 4 --microbatches 8 --png zb.png --trace zb.json\n"
+        "  mpmdc schedule --schedule zb-v --stages 8 --meshes 4 --microbatches 8 --costs F=1,I=1,W=1\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     schedule.add_argument(
@@ -389,7 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--stages", type=int, required=True, help="pipeline stages")
     schedule.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     schedule.add_argument(
-        "--meshes", type=int, help="meshes (default: one per stage); stage s on mesh s mod N"
+        "--meshes",
+        type=int,
+        help="meshes (default: one per stage); stage s on mesh s mod N, or the V order of "
+        "zb-v and dualpipev",
     )
     schedule.add_argument(
         "--costs", metavar="K=V,...", help="costs per kind (default F=1,B=2,I=1,W=1)"

@@ -3,7 +3,9 @@
 - ``actions``: :class:`Action` (``0F3``), :class:`Layout` and the action of a fragment;
 - ``library``: :class:`Schedule` and the built-in schedules, by class or by name;
 - ``accumulate``: :func:`mpmdc.accumulate`, the microbatch loop a schedule orders;
-- ``simulate``: the dependency check and the timed simulation of a schedule;
+- ``greedy``: list scheduling under an in-flight cap, which ZB-H2 is built by;
+- ``simulate``: the dependency check, the timed simulation of a schedule, steady-state
+  step time, in-flight peaks and the published bubble formulas;
 - ``timeline``: :class:`Timeline`, simulated or measured, and its drawings.
 
 Layer 2: imports :mod:`mpmdc.ir` and below.
@@ -21,27 +23,39 @@ from mpmdc.schedules.actions import (
 from mpmdc.schedules.library import (
     SCHEDULES,
     ActionLists,
+    DualPipeV,
     GPipe,
     Interleaved1F1B,
     OneFOneB,
     Schedule,
     ZeroBubbleH1,
+    ZeroBubbleH2,
+    ZeroBubbleV,
     get,
+    v_placement,
 )
 from mpmdc.schedules.simulate import (
+    BUBBLE_FORMULAS,
     UNIT_COSTS,
+    back_to_back,
     bubble_formula,
+    bubble_time_formula,
+    in_flight,
     measured_costs,
     simulate,
+    steady_bubble,
+    step_time,
 )
 from mpmdc.schedules.timeline import Slot, Timeline
 
 __all__ = [
+    "BUBBLE_FORMULAS",
     "SCHEDULES",
     "UNIT_COSTS",
     "Action",
     "ActionKind",
     "ActionLists",
+    "DualPipeV",
     "GPipe",
     "Interleaved1F1B",
     "Layout",
@@ -50,12 +64,20 @@ __all__ = [
     "Slot",
     "Timeline",
     "ZeroBubbleH1",
+    "ZeroBubbleH2",
+    "ZeroBubbleV",
     "action_of",
     "actions_of",
+    "back_to_back",
     "bubble_formula",
+    "bubble_time_formula",
     "get",
+    "in_flight",
     "layout_of",
     "loop_schedule",
     "measured_costs",
     "simulate",
+    "steady_bubble",
+    "step_time",
+    "v_placement",
 ]

@@ -10,6 +10,12 @@ stage-to-mesh map) into one list of :class:`~mpmdc.schedules.actions.Action` per
   mesh ``s mod p``), forwards in groups of ``p`` microbatches per stage, 1F1B between.
 - ``ZeroBubbleH1()`` ("zb-h1"): the backward split into ``I`` and ``W``; weight
   gradients wait to fill the bubbles 1F1B leaves, with 1F1B's memory limit.
+- ``ZeroBubbleH2()`` ("zb-h2"): up to ``2p - 1`` microbatches in flight on every mesh,
+  input gradients first: no bubble in steady training at equal F, I and W costs.
+- ``ZeroBubbleV()`` ("zb-v"): two stages per mesh in V order, no bubble in steady
+  training at equal costs with 1F1B's peak activation memory.
+- ``DualPipeV()`` ("dualpipev"): DeepSeek's V-shaped DualPipe, forward of one stage
+  and backward of the other in pairs, ``2p + 1`` stage activations per mesh.
 - ``ActionLists([...])``: a user's own lists, e.g. ``["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]``.
 
 Every schedule is checked against the data dependencies by :mod:`mpmdc.schedules.simulate`
@@ -23,6 +29,7 @@ from typing import ClassVar
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import ActionKind
 from mpmdc.schedules.actions import Action, Layout
+from mpmdc.schedules.greedy import list_schedule
 
 
 class Schedule:
@@ -33,6 +40,11 @@ class Schedule:
     def actions(self, layout: Layout) -> tuple[tuple[Action, ...], ...]:
         """One tuple of actions per mesh, in the order that mesh runs them."""
         raise NotImplementedError
+
+    def placement(self, num_stages: int, num_meshes: int) -> tuple[int, ...] | None:
+        """The mesh of each stage where ``compile`` gets no ``stage_to_mesh``; ``None``:
+        stage ``s`` on mesh ``s mod num_meshes``."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -50,6 +62,11 @@ def _one_stage_per_mesh(schedule: Schedule, layout: Layout) -> None:
                     f"for {layout.num_stages} stages on {p} mesh{'es' * (p > 1)} use "
                     f"mpmdc.compile(..., schedule='interleaved-1f1b'), or schedule='gpipe', "
                     f"which takes any stage-to-mesh map"
+                    + (
+                        ", or 'zb-v' / 'dualpipev', which place them in V order"
+                        if layout.num_stages == 2 * p
+                        else ""
+                    )
                 )
             else:
                 instead = (
@@ -182,6 +199,198 @@ class ZeroBubbleH1(Schedule):
         return tuple(out)
 
 
+class ZeroBubbleH2(Schedule):
+    """ZB-H2: zero bubble with up to ``2p - 1`` microbatches in flight on every mesh.
+
+    Each mesh, whenever it is free, runs an input gradient if one can start, else a
+    forward while it holds fewer than ``2p - 1`` microbatches, else a weight gradient.
+    The extra warm-up forwards fill the wait for the first input gradient, and the later
+    stages defer their weight gradients to the tail, so every mesh is busy from its first
+    forward to its last weight gradient (the paper's parallelogram): in steady training,
+    steps back to back, the bubble is ``(p-1)(F + I - 2W)``, none at equal costs.
+    """
+
+    name = "zb-h2"
+
+    def actions(self, layout):
+        _one_stage_per_mesh(self, layout)
+        cap = 2 * layout.num_stages - 1
+        return list_schedule(layout, cap=lambda mesh: cap, priority=_input_gradients_first)
+
+
+def _input_gradients_first(action: Action, layout: Layout) -> int:
+    """``I`` before ``F`` before ``W`` among actions that can start at once."""
+    return (ActionKind.I, ActionKind.F, ActionKind.W).index(action.kind)
+
+
+def v_placement(num_meshes: int) -> tuple[int, ...]:
+    """Stages ``s`` and ``2M-1-s`` on mesh ``s``: the V order of 2M stages on M meshes."""
+    return (*range(num_meshes), *reversed(range(num_meshes)))
+
+
+class _VSchedule(Schedule):
+    """A schedule of two stages per mesh in V order (``v_placement``)."""
+
+    min_microbatches: ClassVar = staticmethod(lambda p: 1)
+
+    def placement(self, num_stages, num_meshes):
+        return v_placement(num_meshes) if num_stages == 2 * num_meshes else None
+
+    def _check(self, layout: Layout) -> None:
+        p, n, m = layout.num_meshes, layout.num_stages, layout.microbatches
+        if n != 2 * p or layout.stage_to_mesh != v_placement(p):
+            raise ScheduleError(
+                f"{self.name} runs two stages per mesh in V order: {2 * p} stages on {p} "
+                f"mesh{'es' * (p > 1)}, stages s and {2 * p - 1}-s on mesh s "
+                f"(stage_to_mesh={list(v_placement(p))}, the default for this schedule); got "
+                f"{n} stages with stage_to_mesh={list(layout.stage_to_mesh)}. Mark {2 * p} "
+                f"stages, or leave stage_to_mesh out."
+            )
+        if m < self.min_microbatches(p):
+            raise ScheduleError(
+                f"{self.name} on {p} mesh{'es' * (p > 1)} needs at least "
+                f"{self.min_microbatches(p)} microbatches (its warm-up fills the pipeline), "
+                f"got {m}; use more microbatches or schedule='gpipe'."
+            )
+
+
+class ZeroBubbleV(_VSchedule):
+    """ZB-V: two stages per mesh in V order, zero bubble at 1F1B's activation memory.
+
+    Mesh ``d`` of ``p`` warms up with ``2(p-d)-1`` forwards of its first stage, then
+    alternates the two stages' forwards ``d`` times, then runs ``p-d`` rounds of its
+    second stage's F, I and W; the steady phase runs F, I, W of the first stage, then of
+    the second; the cool-down runs the input gradients first and the deferred weight
+    gradients last. Every mesh holds at most ``2p`` stage activations (what 1F1B's first
+    mesh holds of stages twice the size), and at equal F, I and W costs steady training
+    has no bubble. Needs ``2p - 1`` microbatches or more.
+    """
+
+    name = "zb-v"
+    min_microbatches: ClassVar = staticmethod(lambda p: 2 * p - 1)
+
+    def actions(self, layout):
+        self._check(layout)
+        p, m = layout.num_meshes, layout.microbatches
+        return tuple(_zb_v_mesh(d, p, m) for d in range(p))
+
+
+class _Row:
+    """One mesh's action list being written, with the next microbatch of each stage and
+    kind."""
+
+    def __init__(self):
+        self.actions: list[Action] = []
+        self.next: dict = {}
+
+    def add(self, stage: int, *kinds: str) -> None:
+        for kind in map(ActionKind, kinds):
+            b = self.next.get((stage, kind), 0)
+            self.next[stage, kind] = b + 1
+            self.actions.append(Action(stage, kind, b))
+
+    def count(self, stage: int, kind: str) -> int:
+        return self.next.get((stage, ActionKind(kind)), 0)
+
+
+def _zb_v_mesh(d: int, p: int, m: int) -> tuple[Action, ...]:
+    first, second = d, 2 * p - 1 - d
+    row = _Row()
+    for _ in range(2 * (p - d) - 1):
+        row.add(first, "F")
+    for _ in range(d):
+        row.add(second, "F")
+        row.add(first, "F")
+    for _ in range(p - d):
+        row.add(second, "F", "I", "W")
+    while row.count(first, "F") < m or row.count(second, "F") < row.count(first, "F"):
+        if row.count(first, "F") < m:
+            row.add(first, "F")
+        row.add(first, "I", "W")
+        row.add(second, "F", "I", "W")
+    for _ in range(d):
+        row.add(first, "I")
+        row.add(second, "I")
+    for _ in range(p - d):
+        row.add(first, "I", "W")
+    for stage in (second, first):
+        while row.count(stage, "W") < m:
+            row.add(stage, "W")
+    return tuple(row.actions)
+
+
+class DualPipeV(_VSchedule):
+    """DualPipeV: DeepSeek's DualPipe cut in half, two stages per mesh in V order.
+
+    Mesh ``d`` of ``p`` runs eight phases: ``2(p-d-1)`` forwards of its first stage;
+    ``d+1`` pairs of forwards of both stages; ``p-d-1`` rounds of the second stage's
+    input gradient, a deferred weight gradient and a forward; the main phase of
+    ``m - 2p + d + 1`` rounds of a forward of one stage with a backward of the other,
+    both ways; ``p-d-1`` rounds of a second-stage backward and a forward/backward pair;
+    ``d+1`` backwards of both stages (the second half deferring their weight
+    gradients); ``p-d-1`` deferred weight gradients, each with a first-stage input
+    gradient; and the ``d+1`` weight gradients left. A backward that defers nothing runs
+    as ``I`` then ``W``. Each mesh holds at most ``2p + 1`` stage activations. Needs
+    ``2p`` microbatches or more.
+    """
+
+    name = "dualpipev"
+    min_microbatches: ClassVar = staticmethod(lambda p: 2 * p)
+
+    def actions(self, layout):
+        self._check(layout)
+        p, m = layout.num_meshes, layout.microbatches
+        return tuple(_dualpipe_v_mesh(d, p, m) for d in range(p))
+
+
+def _dualpipe_v_mesh(d: int, p: int, m: int) -> tuple[Action, ...]:
+    first, second = d, 2 * p - 1 - d
+    row = _Row()
+    deferred: list[Action] = []
+
+    def backward(stage: int, defer: bool) -> None:
+        row.add(stage, "I")
+        weight = Action(stage, ActionKind.W, row.count(stage, "I") - 1)
+        if defer:
+            deferred.append(weight)
+        else:
+            row.actions.append(weight)
+
+    def deferred_weight() -> None:
+        row.actions.append(deferred.pop(0))
+
+    for _ in range(2 * (p - d - 1)):
+        row.add(first, "F")
+    for _ in range(d + 1):
+        row.add(first, "F")
+        row.add(second, "F")
+    for _ in range(p - d - 1):
+        backward(second, defer=True)
+        deferred_weight()
+        row.add(second, "F")
+    for _ in range(m - 2 * p + d + 1):
+        row.add(first, "F")
+        backward(second, defer=False)
+        row.add(second, "F")
+        backward(first, defer=False)
+    for _ in range(p - d - 1):
+        backward(second, defer=False)
+        row.add(second, "F")
+        backward(first, defer=False)
+    # The second half of these backwards defer their weight gradients; on odd meshes
+    # from the second stage's backward of the middle round, on even ones from the first's.
+    half = (d + 1) // 2
+    for i in range(d + 1):
+        backward(second, defer=i > half or (i == half and d % 2 == 1))
+        backward(first, defer=i >= half)
+    for _ in range(p - d - 1):
+        deferred_weight()
+        backward(first, defer=True)
+    while deferred:
+        deferred_weight()
+    return tuple(row.actions)
+
+
 class ActionLists(Schedule):
     """A user-defined schedule: one action list per mesh (strings or ``Action`` sequences)."""
 
@@ -210,7 +419,16 @@ class ActionLists(Schedule):
 
 
 SCHEDULES: dict[str, type[Schedule]] = {
-    cls.name: cls for cls in (GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1)
+    cls.name: cls
+    for cls in (
+        GPipe,
+        OneFOneB,
+        Interleaved1F1B,
+        ZeroBubbleH1,
+        ZeroBubbleH2,
+        ZeroBubbleV,
+        DualPipeV,
+    )
 }
 
 

@@ -165,8 +165,93 @@ def _stuck_message(stuck, layout, split, position, end) -> str:
 def bubble_formula(
     schedule_name: str, num_meshes: int, microbatches: int, stages_per_mesh: int = 1
 ) -> float:
-    """The textbook bubble fraction: ``(p-1)/(v*m+p-1)`` (``v = 1`` for GPipe and 1F1B)."""
+    """The textbook bubble fraction of one step: ``(p-1)/(v*m+p-1)`` (``v = 1`` for GPipe
+    and 1F1B)."""
     p, m, v = num_meshes, microbatches, stages_per_mesh
     if schedule_name not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise ScheduleError(f"no closed-form bubble fraction for {schedule_name!r}.")
     return (p - 1) / (v * m + p - 1)
+
+
+def back_to_back(per_mesh, layout: Layout, steps: int):
+    """``(per_mesh, layout)`` of ``steps`` steps run one after the other: step ``k``'s
+    microbatch ``b`` is microbatch ``k*m + b``, and each mesh starts a step's actions when
+    its own part of the step before is done (its parameters' update needs nothing else)."""
+    m = layout.microbatches
+    lists = tuple(
+        tuple(Action(a.stage, a.kind, a.microbatch + k * m) for k in range(steps) for a in row)
+        for row in per_mesh
+    )
+    return lists, Layout(layout.num_stages, m * steps, layout.stage_to_mesh)
+
+
+def step_time(per_mesh, layout: Layout, costs: Costs | None = None) -> float:
+    """How long a step takes in steady training, steps back to back (:func:`back_to_back`):
+    the third step's end minus the second's. This is the time the zero-bubble and
+    DualPipe papers' bubble formulas count; one step alone also idles while the pipeline
+    fills and drains (:attr:`Timeline.bubble_time`)."""
+    two, three = (simulate(*back_to_back(per_mesh, layout, k), costs).makespan for k in (2, 3))
+    return three - two
+
+
+def steady_bubble(per_mesh, layout: Layout, costs: Costs | None = None) -> float:
+    """Idle time per mesh and step in steady training: :func:`step_time` minus the mean
+    busy time of a step."""
+    busy = simulate(per_mesh, layout, costs).busy_times
+    return step_time(per_mesh, layout, costs) - sum(busy) / len(busy)
+
+
+def in_flight(per_mesh, weight: Callable[[int], float] | None = None) -> tuple[float, ...]:
+    """Per mesh, the most microbatches' activations it holds at once as its list runs: a
+    forward takes one, the weight gradient (or the whole backward) frees it. ``weight(stage)``
+    counts a stage's activations (bytes, say); one each without it."""
+    split = {(a.stage, a.microbatch) for row in per_mesh for a in row if a.kind is ActionKind.W}
+    peaks = []
+    for row in per_mesh:
+        held = peak = 0.0
+        for a in row:
+            size = weight(a.stage) if weight else 1.0
+            if a.kind is ActionKind.F:
+                held += size
+            elif a.kind is (ActionKind.W if (a.stage, a.microbatch) in split else ActionKind.B):
+                held -= size
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def bubble_time_formula(schedule_name: str, num_meshes: int, costs: Mapping[str, float]) -> float:
+    """A schedule's bubble per mesh and step in steady training (:func:`steady_bubble`),
+    from the costs of one stage's ``F``, ``I`` and ``W`` (``B`` defaults to ``I + W``).
+
+    - GPipe, 1F1B, interleaved 1F1B (per stage of ``1/v`` of a mesh's layers):
+      ``(p-1)(F+B)``;
+    - ZB-H1: ``(p-1)(F+I-W)`` (the paper's, for ``W <= F``);
+    - ZB-H2: ``(p-1)(F+I-2W)``, none where that is negative;
+    - ZB-V: ``2(p-1)(max(F, I) - W)`` for ``W <= min(F, I)``: the paper's
+      ``(p-1)(F+I-2W)`` where ``F = I``, zero at equal costs;
+    - DualPipeV: ``(p-1)(F&B+B-3W)`` with ``F&B = F+B``. The formula is derived for a
+      pair's forward and backward overlapped in one call; mpmdc runs them one after the
+      other, each as soon as its own inputs are there, and the bubble is at most this
+      (``(p-1)(F+I-W)`` where ``F >= I`` and ``F >= W``).
+    """
+    if schedule_name not in BUBBLE_FORMULAS:
+        raise ScheduleError(
+            f"no published bubble formula for {schedule_name!r}; known: "
+            f"{', '.join(BUBBLE_FORMULAS)}."
+        )
+    f, i, w = (float(costs[k]) for k in "FIW")
+    b = float(costs.get("B", i + w))
+    return (num_meshes - 1) * BUBBLE_FORMULAS[schedule_name](f, b, i, w)
+
+
+# Per schedule, the bubble per mesh and step over ``p - 1`` (see ``bubble_time_formula``).
+BUBBLE_FORMULAS: dict[str, Callable[[float, float, float, float], float]] = {
+    "gpipe": lambda f, b, i, w: f + b,
+    "1f1b": lambda f, b, i, w: f + b,
+    "interleaved-1f1b": lambda f, b, i, w: f + b,
+    "zb-h1": lambda f, b, i, w: f + i - w,
+    "zb-h2": lambda f, b, i, w: max(0.0, f + i - 2 * w),
+    "zb-v": lambda f, b, i, w: 2 * (max(f, i) - w),
+    "dualpipev": lambda f, b, i, w: (f + b) + b - 3 * w,
+}

@@ -18,6 +18,7 @@ from training import (
 )
 
 import mpmdc
+from mpmdc import schedules
 from mpmdc.cli.demo import init_params
 from mpmdc.cli.models import adam_init, init_transformer, transformer_step
 from mpmdc.errors import AccumulateError, ScheduleError
@@ -31,12 +32,20 @@ from mpmdc.schedules import (
     simulate,
 )
 
-SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "dualpipev"]
+TWO_STAGES_PER_MESH = ("interleaved-1f1b", "zb-v", "dualpipev")
 
 
 def widths(schedule):
-    """Interleaved runs 8 stages on the 4 meshes, the others 4."""
-    return [16] + [32] * (7 if schedule == "interleaved-1f1b" else 3) + [8]
+    """Interleaved and the V schedules run 8 stages on the 4 meshes, the others 4."""
+    return [16] + [32] * (7 if schedule in TWO_STAGES_PER_MESH else 3) + [8]
+
+
+def placement(schedule, stages, meshes=4):
+    """The mesh of each stage where compile gets no stage_to_mesh."""
+    return list(
+        schedules.get(schedule).placement(stages, meshes) or (s % meshes for s in range(stages))
+    )
 
 
 def fragments(lowered, stage="after-schedule"):
@@ -64,10 +73,8 @@ def test_sgd_step_matches_the_hand_written_loop(schedule, meshes4, sgd_runs):
     params, _, _, (loss, new_params) = run_sgd(schedule, meshes4, sgd_runs)
     want = jax.jit(hand_written_sgd_step)(params, *mlp_data())
     assert_trees_close((loss, new_params), want)
-    # The update of layer s runs on the mesh of stage s (s mod 4 when interleaved).
-    assert [mesh_index(w, meshes4) for w, _ in new_params] == [
-        s % 4 for s in range(len(new_params))
-    ]
+    # The update of layer s runs on the mesh of stage s: s mod 4, or the V order.
+    assert [mesh_index(w, meshes4) for w, _ in new_params] == placement(schedule, len(new_params))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -122,15 +129,50 @@ PEAK_MICROBATCHES = {
     # ZB-H1 delays stage s's weight gradients by s microbatches: p in flight on each
     # mesh, no more than 1F1B's peak.
     "zb-h1": lambda p, m: [min(m, p)] * (p - 1) + [1],
+    # ZB-H2 lets 2p - 1 in flight on every mesh.
+    "zb-h2": lambda p, m: [min(m, 2 * p - 1)] * (p - 1) + [1],
+    # Interleaved and the V schedules hold two stages' activations of a microbatch on a
+    # mesh: counted once here. Mesh d of the V holds 2p - d microbatches (of which the
+    # stage activations number at most 2p for ZB-V, 2p + 1 for DualPipeV).
+    "interleaved-1f1b": lambda p, m: [8, 8, 7, 5],
+    "zb-v": lambda p, m: [2 * p - d for d in range(p)],
+    "dualpipev": lambda p, m: [2 * p - d for d in range(p)],
 }
+
+
+def distinct_microbatches_held(per_mesh, last_stage):
+    """Per mesh, the most microbatches with a stage's activations held at once by the
+    action lists: from the forward to the weight gradient (or the whole backward). The
+    last stage's backward runs inside its forward, so it holds nothing between actions;
+    the last mesh still holds the microbatch its fragment works on."""
+    peaks = []
+    for row in per_mesh:
+        split = {(a.stage, a.microbatch) for a in row if a.kind == "W"}
+        held, peak = set(), 1
+        for a in row:
+            if a.stage == last_stage:
+                continue
+            if a.kind == "F":
+                held.add((a.stage, a.microbatch))
+            elif a.kind == ("W" if (a.stage, a.microbatch) in split else "B"):
+                held.discard((a.stage, a.microbatch))
+            peak = max(peak, len({b for _, b in held}))
+        peaks.append(peak)
+    return peaks
 
 
 @pytest.mark.parametrize("schedule", sorted(PEAK_MICROBATCHES))
 def test_each_mesh_holds_as_many_microbatches_as_its_schedule_says(schedule, meshes4, sgd_runs):
     """Values are received right before the work that reads them and freed after their
     last reader, so the measured peak per mesh is the schedule's count."""
-    memory = run_sgd(schedule, meshes4, sgd_runs)[2].memory
-    assert [m.peak_microbatches for m in memory] == PEAK_MICROBATCHES[schedule](4, 8)
+    _, lowered, executable, _ = run_sgd(schedule, meshes4, sgd_runs)
+    memory = executable.memory
+    program = lowered.program("after-schedule")
+    measured = [m.peak_microbatches for m in memory]
+    assert measured == PEAK_MICROBATCHES[schedule](4, 8)
+    assert measured == distinct_microbatches_held(
+        actions_of(program), layout_of(program).num_stages - 1
+    )
     for mesh in memory:
         assert mesh.peak_buffers >= mesh.peak_activation_buffers
 
@@ -291,6 +333,29 @@ def test_eight_stages_on_four_meshes_need_the_interleaved_schedule(meshes4):
         ),
     ):
         mpmdc.compile(mlp_step_with("1f1b"), meshes4).lower(params, *mlp_data())
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_schedules_place_their_stages_and_refuse_a_placement_they_cannot_run(schedule, meshes4):
+    """Without stage_to_mesh the V schedules put stages s and 7-s on mesh s; a
+    stage_to_mesh of the same V is the same program; another is refused, naming the V,
+    and so is a program of one stage per mesh."""
+    params = init_params(jax.random.key(0), widths(schedule))
+    step = mlp_step_with(schedule)
+    default = mpmdc.compile(step, meshes4).lower(params, *mlp_data())
+    explicit = mpmdc.compile(step, meshes4, stage_to_mesh=(0, 1, 2, 3, 3, 2, 1, 0))
+    assert (
+        default.program("after-schedule").schedule
+        == explicit.lower(params, *mlp_data()).program("after-schedule").schedule
+    )
+    round_robin = mpmdc.compile(step, meshes4, stage_to_mesh=(0, 1, 2, 3, 0, 1, 2, 3))
+    with pytest.raises(ScheduleError, match=re.escape("stage_to_mesh=[0, 1, 2, 3, 3, 2, 1, 0]")):
+        round_robin.lower(params, *mlp_data())
+    four_stages = init_params(jax.random.key(0), widths("1f1b"))
+    with pytest.raises(
+        ScheduleError, match=re.escape(f"{schedule} runs two stages per mesh in V order: 8")
+    ):
+        mpmdc.compile(step, meshes4).lower(four_stages, *mlp_data())
 
 
 def test_a_layout_change_is_a_compile_argument_not_a_model_edit(meshes4, meshes2):

@@ -1,5 +1,6 @@
 """Schedules, their validation against data dependencies, the simulator and ``mpmdc schedule``."""
 
+import itertools
 import json
 import re
 
@@ -7,12 +8,141 @@ import pytest
 
 from mpmdc import cli, schedules
 from mpmdc.errors import ScheduleError
-from mpmdc.schedules import Action, ActionLists, Layout, bubble_formula, simulate
+from mpmdc.schedules import (
+    Action,
+    ActionLists,
+    Layout,
+    bubble_formula,
+    bubble_time_formula,
+    in_flight,
+    simulate,
+    steady_bubble,
+    v_placement,
+)
 
 
 def timeline(name, stages, microbatches, meshes=None, costs=None):
     layout = Layout.make(stages, microbatches, num_meshes=meshes)
     return simulate(schedules.get(name).actions(layout), layout, costs)
+
+
+def planned(name, p, m):
+    """``(action lists, layout)`` of schedule ``name`` on ``p`` meshes: one stage per mesh,
+    or two (round robin for interleaved, the V for the V schedules)."""
+    schedule = schedules.get(name)
+    n = 2 * p if name in ("interleaved-1f1b", "zb-v", "dualpipev") else p
+    layout = Layout.make(n, m, schedule.placement(n, p), num_meshes=p)
+    return schedule.actions(layout), layout
+
+
+# Costs of one stage's F, I and W (B = I + W for the schedules that do not split it).
+EQUAL = {"F": 1, "I": 1, "W": 1}
+COSTS = [EQUAL, {"F": 1, "I": 1, "W": 0.5}, {"F": 2, "I": 1, "W": 1}, {"F": 1.5, "I": 1, "W": 0.7}]
+COSTS_I_ABOVE_F = [{"F": 1, "I": 2, "W": 1}, {"F": 1, "I": 1.5, "W": 0.5}]
+COSTS_W_ABOVE_F = [{"F": 1, "I": 1, "W": 1.5}]
+
+
+def with_whole_backward(name, costs):
+    return {"F": costs["F"], "B": costs["I"] + costs["W"]} if name in WHOLE else costs
+
+
+WHOLE = ("gpipe", "1f1b", "interleaved-1f1b")
+# The domain each published formula is stated for (see ``bubble_time_formula``).
+FORMULA_HOLDS = {
+    "gpipe": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
+    "1f1b": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
+    "interleaved-1f1b": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
+    "zb-h1": COSTS + COSTS_I_ABOVE_F,
+    "zb-h2": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
+    "zb-v": [EQUAL, {"F": 1, "I": 1, "W": 0.5}, {"F": 2, "I": 1, "W": 1}, {"F": 1, "I": 2, "W": 1}],
+}
+MESHES_AND_MICROBATCHES = [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 16), (6, 12), (8, 17)]
+
+
+@pytest.mark.parametrize("name", sorted(FORMULA_HOLDS))
+@pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
+def test_steady_bubble_is_the_published_formula(name, p, m):
+    """Steps back to back, each mesh idles per step what the schedule's paper says."""
+    if name == "interleaved-1f1b" and m % p:
+        m = m // p * p
+    per_mesh, layout = planned(name, p, m)
+    for costs in FORMULA_HOLDS[name]:
+        got = steady_bubble(per_mesh, layout, with_whole_backward(name, costs))
+        assert got == pytest.approx(bubble_time_formula(name, p, costs), abs=1e-9), costs
+
+
+@pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
+def test_dualpipev_bubble_is_at_most_the_published_formula(p, m):
+    """DualPipe's formula counts a forward and a backward overlapped in one call; run one
+    after the other, the pair's halves start when their own inputs are there, and the
+    bubble is at most the formula's (equal to ZB-H1's where F is the largest cost)."""
+    if m < 2 * p:
+        m = 2 * p
+    per_mesh, layout = planned("dualpipev", p, m)
+    for costs in COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F:
+        got = steady_bubble(per_mesh, layout, costs)
+        assert got <= bubble_time_formula("dualpipev", p, costs) + 1e-9, costs
+        if costs["F"] >= max(costs["I"], costs["W"]):
+            assert got == pytest.approx(bubble_time_formula("zb-h1", p, costs), abs=1e-9)
+
+
+@pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
+def test_peak_in_flight_is_the_published_count(p, m):
+    """Microbatches' stage activations held at once per mesh: 1F1B p - s, ZB-H1 p, ZB-H2
+    2p - 1 (twice 1F1B), ZB-V 2p stages of half the size (1F1B's memory), DualPipeV 2p + 1."""
+    want = {
+        "1f1b": [min(m, p - s) for s in range(p)],
+        "zb-h1": [min(m, p)] * p,
+        "zb-h2": [min(m, 2 * p - 1)] * p,
+        "zb-v": [2 * p] * p,
+        "dualpipev": [2 * p + 1] * p,
+    }
+    for name, peaks in want.items():
+        m_ = max(m, 2 * p) if name in ("zb-v", "dualpipev") else m
+        assert list(in_flight(planned(name, p, m_)[0])) == peaks, name
+
+
+@pytest.mark.parametrize("name", ["zb-h2", "zb-v"])
+@pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
+def test_zero_bubble_schedules_keep_every_mesh_busy_from_first_to_last_action(name, p, m):
+    """At equal costs a mesh never waits between its first and its last action (the
+    paper's parallelogram): one step's only idle time is the fill and the drain."""
+    per_mesh, layout = planned(name, p, max(m, 2 * p - 1))
+    for row in simulate(per_mesh, layout, EQUAL).meshes:
+        assert all(a.end == b.start for a, b in itertools.pairwise(row))
+
+
+def test_dualpipev_runs_deepseeks_eight_phases():
+    """Two meshes, four microbatches, written out by hand from DualPipeV's phases: mesh 0
+    (stages 0 and 3) warms up with 2 forwards of stage 0; ...; its second half of
+    backwards defers the weight gradients to the end."""
+    per_mesh, layout = planned("dualpipev", 2, 4)
+    assert layout.stage_to_mesh == (0, 1, 1, 0)
+    assert [" ".join(map(str, row)) for row in per_mesh] == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 "
+        "3I3 3W3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 "
+        "2I2 2W2 1I2 1W2 2I3 1I3 2W3 1W3",
+    ]
+
+
+def test_zb_v_runs_its_warm_up_steady_and_cool_down_phases():
+    """Two meshes, three microbatches: mesh 0 warms up with 3 forwards of stage 0, runs
+    stage 3's F I W twice, then steady rounds; mesh 1 alternates its stages' forwards once
+    first. Input gradients go before the deferred weight gradients at the end."""
+    per_mesh, _ = planned("zb-v", 2, 3)
+    assert [" ".join(map(str, row)) for row in per_mesh] == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2",
+    ]
+
+
+def test_the_v_schedules_place_stages_s_and_2M_minus_1_minus_s_on_mesh_s():
+    assert v_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)
+    for name in ("zb-v", "dualpipev"):
+        assert schedules.get(name).placement(8, 4) == v_placement(4)
+        assert schedules.get(name).placement(4, 4) is None  # not 2M stages: no V to make
+    assert schedules.get("1f1b").placement(4, 4) is None
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -101,6 +231,22 @@ def test_bad_schedules_are_named(lists, says):
             "6 microbatches is not a multiple of 4",
         ),
         ("interleaved-1f1b", Layout.make(4, 4, (0, 1, 1, 0)), "needs stage s on mesh s mod 2"),
+        ("zb-h2", Layout.make(8, 8, num_meshes=4), "zb-h2 runs exactly one stage per mesh"),
+        (
+            "zb-v",
+            Layout.make(8, 8, num_meshes=4),
+            "zb-v runs two stages per mesh in V order: 8 stages on 4 meshes, stages s and 7-s "
+            "on mesh s (stage_to_mesh=[0, 1, 2, 3, 3, 2, 1, 0], the default for this "
+            "schedule); got 8 stages with stage_to_mesh=[0, 1, 2, 3, 0, 1, 2, 3]",
+        ),
+        ("dualpipev", Layout.make(4, 8), "Mark 8 stages, or leave stage_to_mesh out"),
+        (
+            "dualpipev",
+            Layout.make(8, 6, v_placement(4)),
+            "dualpipev on 4 meshes needs at least 8 microbatches (its warm-up fills the "
+            "pipeline), got 6",
+        ),
+        ("zb-v", Layout.make(4, 2, v_placement(2)), "zb-v on 2 meshes needs at least 3"),
         (42, Layout.make(2, 2), "got int"),
     ],
 )
