@@ -62,10 +62,21 @@ def _checked_stage_index(index) -> int:
     return index
 
 
+BALANCED = "balanced"  # every="balanced" (a layer stack) and partition="balanced"
+
+
 def _checked_every(every, first):
-    """``every`` as an int or a tuple of per-stage counts, ``first`` as an int: checked."""
+    """``every`` as an int, a tuple of per-stage counts or ``"balanced"``, ``first`` as an
+    int: checked."""
     if isinstance(every, jax.core.Tracer) or isinstance(first, jax.core.Tracer):
         raise _stage_error("`every` and `first` must be Python ints known when tracing.")
+    if isinstance(every, str):
+        if every != BALANCED:
+            raise _stage_error(
+                f"every={every!r}: give a positive int, a tuple of per-stage counts, or "
+                f"'balanced'."
+            )
+        return every, _checked_stage_index(first)
     counts = every if isinstance(every, (tuple, list)) else (every,)
     for count in counts:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -88,7 +99,9 @@ def stage(x, index=None, *, every=None, first=0):
     Inside the body of a ``scan`` over a layer stack, ``stage(h, every=k)`` says that
     iteration ``j`` enters stage ``first + j // k``: the scan runs as one scan per stage
     over that stage's iterations. ``every`` may be a tuple of per-stage iteration counts
-    (an uneven split) that sum to the scan's length.
+    (an uneven split) that sum to the scan's length, or ``"balanced"``: each iteration is
+    a segment numbered from ``first``, and ``mpmdc.compile`` groups the program's segments
+    into stages of equal estimated cost (as ``compile(..., partition="balanced")``).
     """
     if (index is None) == (every is None):
         raise _stage_error(

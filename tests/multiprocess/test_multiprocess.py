@@ -32,7 +32,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 LIMIT = 150  # seconds any launch may take
 FULL = os.environ.get("MPMDC_MULTIPROCESS_ALL") == "1"
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "dualpipev")
 FOUR_BY_ONE = (
     [f"{m}:{s}" for m in ("mlp", "transformer", "scanned") for s in SCHEDULES]
     if FULL
@@ -41,7 +41,7 @@ FOUR_BY_ONE = (
 TWO_BY_TWO = (
     [f"{m}:{s}" for m in ("mlp", "transformer", "scanned") for s in SCHEDULES] + ["mixed:1f1b"]
     if FULL
-    else ["mlp:interleaved-1f1b", "transformer:zb-h1", "mixed:1f1b"]
+    else ["mlp:interleaved-1f1b", "transformer:zb-h1", "mlp:zb-v", "mixed:1f1b"]
 )
 
 

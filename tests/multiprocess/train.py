@@ -32,7 +32,9 @@ from mpmdc.ir.traffic import transfer_report  # noqa: E402
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from training import mlp_data, scanned_loss, scanned_params, sgd_step  # noqa: E402
 
-SCHEDULE_STAGES = {"interleaved-1f1b": 8}
+SCHEDULE_STAGES = {"interleaved-1f1b": 8, "zb-v": 8, "dualpipev": 8}
+# The V schedules' warm-up fills the pipeline: 2M microbatches on M meshes (4 otherwise).
+SCHEDULE_MICROBATCHES = {"zb-v": 8, "dualpipev": 8}
 # Absolute bounds per model (a case's own where given). The MLP's SGD steps equal
 # jax.jit's bit for bit. Adam divides by sqrt(v), so a one-ulp difference in a small
 # gradient moves its weight far more: noise floors over the two steps (jax.jit of the
@@ -44,6 +46,8 @@ TOLERANCE = {
     "mixed": 0,
     "transformer": 2e-5,
     "transformer:interleaved-1f1b": 1.4e-3,
+    "transformer:zb-v": 1.4e-3,
+    "transformer:dualpipev": 1.4e-3,
 }
 
 
@@ -60,19 +64,20 @@ def mixed_meshes():
 
 def case_inputs(model: str, schedule: str):
     stages = 3 if model == "mixed" else SCHEDULE_STAGES.get(schedule, 4)
+    microbatches = SCHEDULE_MICROBATCHES.get(schedule, 4)
     if model in ("mlp", "mixed"):
         params = init_params(jax.random.key(0), [16] + [16] * (stages - 1) + [8])
         x, y = mlp_data(32)
 
         def step(params, x, y):
-            return sgd_step(params, x, y, microbatches=4, schedule=schedule)
+            return sgd_step(params, x, y, microbatches=microbatches, schedule=schedule)
 
         return step, (params, x, y), lambda out, args: (out[1], *args[1:])
     if model == "scanned":
         x, y = mlp_data(32)
 
         def step(params, x, y):
-            return sgd_step(params, x, y, 4, schedule, loss_fn=scanned_loss)
+            return sgd_step(params, x, y, microbatches, schedule, loss_fn=scanned_loss)
 
         params = scanned_params(jax.random.key(0), layers=2 * stages)
         return step, (params, x, y), lambda out, args: (out[1], *args[1:])
@@ -81,7 +86,9 @@ def case_inputs(model: str, schedule: str):
     tokens = jax.random.randint(jax.random.key(3), (8, 9), 0, config.vocab)
 
     def step(params, state, tokens):
-        return transformer_step(params, state, tokens, config, microbatches=4, schedule=schedule)
+        return transformer_step(
+            params, state, tokens, config, microbatches=microbatches, schedule=schedule
+        )
 
     return step, (params, adam_init(params), tokens), lambda out, args: (out[0], out[1], args[2])
 
@@ -126,9 +133,9 @@ def run(out_dir: str, case: str, meshes):
             ref_args = feed(ref, ref_args)
         results.append(got)
         args = feed(out, args)
-    # (What crosses between processes. A layer stack on interleaved stages is kept whole on
-    # one mesh, and its rows move every step, as documented.)
-    whole_stack = model == "scanned" and schedule == "interleaved-1f1b"
+    # (What crosses between processes. A layer stack on interleaved or V stages is kept
+    # whole on one mesh, and its rows move every step, as documented.)
+    whole_stack = model == "scanned" and schedule in SCHEDULE_STAGES
     if model != "transformer" and not whole_stack and checker:
         report = transfer_report(compiled._executable(args, {})[0].program)
         owner = [m.devices.flat[0].process_index for m in meshes]

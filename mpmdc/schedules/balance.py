@@ -1,0 +1,127 @@
+"""Balanced stages: consecutive segments grouped into stages so the slowest is fastest.
+
+A program marked for ``partition="balanced"`` names *segments* (its markers' indices, or a
+layer stack's iterations with ``every="balanced"``). Given each segment's estimated time
+(forward and backward of one microbatch), the bytes that flow between segments, and what
+each segment holds in memory, :func:`balance` groups consecutive segments into a given
+number of stages so that the largest stage time, transfers in and out of the stage
+counted, is as small as possible, and every stage fits the memory its mesh has for it.
+It is a dynamic program over (stages, last segment): ``O(stages * segments**2)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpmdc.errors import StageError
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """One segment's estimated work and memory, per microbatch.
+
+    ``forward``/``backward``: seconds of its forward and backward fragments;
+    ``held``: bytes of what it keeps live at all times (parameters, their gradients and
+    optimizer state); ``activations``: bytes its forward keeps for its backward.
+    """
+
+    forward: float
+    backward: float
+    held: int = 0
+    activations: int = 0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How segments were grouped into stages, as plain data the program holds.
+
+    ``groups[s]`` is stage ``s``'s segments (consecutive); ``predicted[s]`` its estimated
+    seconds per microbatch (compute plus transfers in and out); ``segments`` every
+    segment's :class:`SegmentCost`.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    predicted: tuple[float, ...]
+    segments: tuple[SegmentCost, ...]
+
+    def stage_of(self, segment: int) -> int:
+        """The stage segment ``segment`` runs in."""
+        return next(s for s, group in enumerate(self.groups) if segment in group)
+
+    def describe(self) -> str:
+        """One line per stage: its segments and its predicted time."""
+        lines = []
+        for s, (group, seconds) in enumerate(zip(self.groups, self.predicted)):
+            span = f"{group[0]}" if len(group) == 1 else f"{group[0]}-{group[-1]}"
+            lines.append(f"stage {s}: segments {span}, predicted {seconds * 1e3:.4g} ms")
+        return "\n".join(lines)
+
+
+def stage_times(
+    segments: Sequence[SegmentCost], flow: np.ndarray, seconds_per_byte: float
+) -> Callable[[int, int], float]:
+    """``time(a, b)``: the estimated seconds of a stage of segments ``a..b-1``: their
+    forwards and backwards plus the bytes ``flow`` says enter or leave the range (``flow[i,
+    j]``: bytes segment ``i`` sends segment ``j``, forward and backward) at
+    ``seconds_per_byte``."""
+    n = len(segments)
+    compute = np.concatenate([[0.0], np.cumsum([s.forward + s.backward for s in segments])])
+    # prefix[i, j] = sum of flow[:i, :j]
+    prefix = np.zeros((n + 1, n + 1))
+    prefix[1:, 1:] = np.cumsum(np.cumsum(flow, axis=0), axis=1)
+
+    def block(r0, r1, c0, c1):
+        return prefix[r1, c1] - prefix[r0, c1] - prefix[r1, c0] + prefix[r0, c0]
+
+    def time(a: int, b: int) -> float:
+        inside = block(a, b, a, b)
+        rows, cols = block(a, b, 0, n), block(0, n, a, b)
+        crossing = rows + cols - 2 * inside
+        return float(compute[b] - compute[a] + crossing * seconds_per_byte)
+
+    return time
+
+
+def balance(
+    num_segments: int,
+    num_stages: int,
+    time: Callable[[int, int], float],
+    fits: Callable[[int, int, int], bool] = lambda stage, a, b: True,
+) -> tuple[tuple[int, ...], ...]:
+    """Segments ``0..num_segments-1`` grouped into ``num_stages`` consecutive, non-empty
+    stages minimizing the largest ``time(a, b)`` (a stage of segments ``a..b-1``) among
+    groupings where ``fits(stage, a, b)`` holds for every stage. Ties go to the grouping
+    whose earlier stages end first. A ``StageError`` if none fits."""
+    n, k = num_segments, num_stages
+    if n < k:
+        raise StageError(
+            f"{k} stages need at least {k} marked segments to group, but the program marks "
+            f"{n}; mark more segments (one per layer, say) or use fewer meshes."
+        )
+    inf = float("inf")
+    # best[s][j]: the smallest largest time of stages 0..s-1 holding segments 0..j-1
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for s in range(1, k + 1):
+        for j in range(s, n - (k - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf or not fits(s - 1, i, j):
+                    continue
+                value = max(best[s - 1][i], time(i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    if best[k][n] == inf:
+        raise StageError(
+            f"no grouping of the {n} segments into {k} stages fits each mesh's memory; "
+            f"give the meshes more memory, use more meshes, or a schedule holding fewer "
+            f"microbatches at once (1f1b, zb-h1, zb-v)."
+        )
+    bounds = [n]
+    for s in range(k, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(k))
