@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mpmdc import backends, schedules
+from mpmdc.balancing import balanced, wants_balancing
 from mpmdc.errors import (
     AccumulateError,
     ArgumentError,
@@ -33,7 +34,7 @@ from mpmdc.errors import (
     StageError,
 )
 from mpmdc.ir.layers import layer_stages
-from mpmdc.ir.primitives import fragment_p, is_marker
+from mpmdc.ir.primitives import BALANCED, fragment_p, is_marker
 from mpmdc.ir.program import Program, find_eqns
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import STAGES_AXIS, canonical_spec, spec_problem, within_stage
@@ -325,6 +326,13 @@ class Lowered:
         self.seconds: dict[str, float] = dict(seconds or {})
 
     @property
+    def stage_plan(self):
+        """How ``partition="balanced"`` grouped the marked segments into stages (an
+        ``mpmdc.ir.program.StagePlan``: each stage's segments and predicted time), ``None``
+        for a program not balanced."""
+        return self.program(self._order[0]).stage_plan
+
+    @property
     def stages(self) -> tuple[str, ...]:
         """Names of the dump stages, in pipeline order (``input``, ``after-inline``, ...)."""
         return self._order
@@ -480,6 +488,7 @@ class Wrapped:
         donate_argnames=(),
         stage_to_mesh=None,
         schedule=None,
+        partition=None,
         backend: str | None = None,
         passes=None,
     ):
@@ -509,6 +518,9 @@ class Wrapped:
         self.stage_to_mesh = self._checked_stage_to_mesh(stage_to_mesh)
         # Checked now, as a bad name is a mistake in this call, not in the traced function.
         self.schedule = None if schedule is None else schedules.get(schedule)
+        if partition not in (None, BALANCED):
+            raise StageError(f"partition must be None or {BALANCED!r}, got {partition!r}.")
+        self.partition = partition
         first = self.meshes[0].devices.flat[0]
         self.backend = backends.get(
             backend or backends.for_platform(first.platform, first.client.platform_version)
@@ -688,8 +700,11 @@ class Wrapped:
             backend=self.backend,
             microbatches=loop.microbatches if loop else None,
         )
+        schedule = (self.schedule or loop.schedule) if loop else None
+        if wants_balancing(program, self.partition):
+            program = balanced(program, schedule)
         if loop:
-            program = _planned(program, self.schedule or loop.schedule, loop.microbatches)
+            program = _planned(program, schedule, loop.microbatches)
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         signature = Signature(
             in_tree=in_tree,
@@ -821,6 +836,7 @@ def compile(
     donate_argnames=(),
     stage_to_mesh=None,
     schedule=None,
+    partition=None,
     backend: str | None = None,
     passes=None,
 ) -> Wrapped:
@@ -839,6 +855,12 @@ def compile(
     loop, overriding the schedule named there: the schedule goes with the layout
     (meshes, ``stage_to_mesh``), so changing the layout needs no edit of the model.
 
+    ``partition="balanced"`` makes the markers' indices name *segments*, grouped into
+    the stages the schedule runs (one per mesh, two for interleaved and V schedules) so
+    that the slowest stage's estimated time is smallest, within each mesh's memory;
+    ``Lowered.stage_plan`` and ``mpmdc dump`` show the grouping and each stage's
+    predicted time.
+
     ``static_argnums``/``static_argnames`` and ``donate_argnums``/``donate_argnames`` are
     ``jax.jit``'s: a parameter given by number is also static (or donated) when passed
     by keyword, and one given by name also when passed by position. ``backend`` (a
@@ -856,6 +878,7 @@ def compile(
         donate_argnames=donate_argnames,
         stage_to_mesh=stage_to_mesh,
         schedule=schedule,
+        partition=partition,
         backend=backend,
         passes=passes,
     )

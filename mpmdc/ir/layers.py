@@ -10,6 +10,7 @@ know how many stages a program has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jax.extend import core as jcore
@@ -17,7 +18,7 @@ from jax.extend.core import primitives as jprims
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import StageError
-from mpmdc.ir.primitives import is_layer_marker
+from mpmdc.ir.primitives import BALANCED, is_layer_marker, is_marker
 from mpmdc.ir.program import find_eqns, is_var
 
 
@@ -73,7 +74,9 @@ def scan_split(eqn) -> ScanSplit | None:
                 f"first={other.params['first']} (at {compat.source_line(other)}); one scan "
                 f"is cut one way: give its markers the same `every` and `first`."
             )
-    if isinstance(every, int):
+    if every == BALANCED:  # each iteration a segment of its own, until grouped
+        counts = (1,) * length
+    elif isinstance(every, int):
         if length % every:
             raise StageError(
                 f"mpmdc.stage(..., every={every}) at {compat.source_line(markers[0])}: {where} "
@@ -113,6 +116,62 @@ def layer_stages(eqns) -> set[int]:
     return out
 
 
+def regrouped(jaxpr: jcore.Jaxpr, stage_of: Callable[[int], int]) -> jcore.Jaxpr:
+    """``jaxpr`` with its markers' segments grouped into stages: a ``stage(x, i)`` marker
+    enters stage ``stage_of(i)``; a layer stack whose iteration groups are segments
+    ``first, first + 1, ...`` runs per-stage counts (``every=(...)``) from
+    ``stage_of(first)``. ``stage_of`` must keep consecutive segments in order."""
+
+    def rewrite(jaxpr: jcore.Jaxpr, layer_params: dict | None) -> jcore.Jaxpr:
+        eqns = []
+        for eqn in jaxpr.eqns:
+            params, inner = dict(eqn.params), layer_params
+            if is_marker(eqn):
+                params["stage"] = stage_of(params["stage"])
+            elif is_layer_marker(eqn):
+                params.update(layer_params)
+            elif eqn.primitive is jprims.scan_p and (split := scan_split(eqn)) is not None:
+                inner = _grouped_split(split, stage_of)
+            params = {
+                k: _in_param(v, lambda j, inner=inner: rewrite(j, inner)) for k, v in params.items()
+            }
+            eqns.append(eqn.replace(params=params))
+        return jaxpr.replace(eqns=eqns)
+
+    return rewrite(jaxpr, None)
+
+
+def _grouped_split(split: ScanSplit, stage_of: Callable[[int], int]) -> dict:
+    """The ``every`` and ``first`` of a scan cut by ``split`` once its groups (segments
+    ``split.first + g``) are grouped into stages by ``stage_of``."""
+    counts: list[int] = []
+    stages: list[int] = []
+    for g in range(len(split.bounds) - 1):
+        size, stage = split.bounds[g + 1] - split.bounds[g], stage_of(split.first + g)
+        if stages and stages[-1] == stage:
+            counts[-1] += size
+        else:
+            counts.append(size)
+            stages.append(stage)
+    return {"every": tuple(counts), "first": stages[0]}
+
+
+def _in_param(value, rewrite: Callable[[jcore.Jaxpr], jcore.Jaxpr]):
+    """An equation parameter with ``rewrite`` applied to the jaxprs in it (the same
+    object where ``rewrite`` changes none)."""
+    if isinstance(value, jcore.ClosedJaxpr):
+        new = rewrite(value.jaxpr)
+        return value if new is value.jaxpr else jcore.ClosedJaxpr(new, value.consts)
+    if isinstance(value, jcore.Jaxpr):
+        return rewrite(value)
+    if isinstance(value, tuple) and any(
+        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in value
+    ):
+        new = tuple(_in_param(v, rewrite) for v in value)
+        return value if all(a is b for a, b in zip(new, value)) else new
+    return value
+
+
 def without_layer_markers(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """``jaxpr`` with every ``layer_stage`` equation (at any depth) removed: once a scan
     is cut per stage, its iterations' stage is the scan's, and the marker is an identity."""
@@ -126,7 +185,7 @@ def without_layer_markers(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
         if is_layer_marker(eqn):
             env.update(zip(eqn.outvars, renamed(eqn.invars)))
             continue
-        params = {k: _without_in_param(v) for k, v in eqn.params.items()}
+        params = {k: _in_param(v, _without_if_marked) for k, v in eqn.params.items()}
         changed = any(params[k] is not v for k, v in eqn.params.items())
         invars = renamed(eqn.invars)
         if changed or any(a is not b for a, b in zip(invars, eqn.invars)):
@@ -135,17 +194,7 @@ def without_layer_markers(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     return jaxpr.replace(eqns=eqns, outvars=renamed(jaxpr.outvars))
 
 
-def _without_in_param(value):
-    if isinstance(value, jcore.ClosedJaxpr):
-        if not any(True for _ in find_eqns(value.jaxpr.eqns, is_layer_marker)):
-            return value
-        return jcore.ClosedJaxpr(without_layer_markers(value.jaxpr), value.consts)
-    if isinstance(value, jcore.Jaxpr):
-        if not any(True for _ in find_eqns(value.eqns, is_layer_marker)):
-            return value
-        return without_layer_markers(value)
-    if isinstance(value, tuple) and any(
-        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in value
-    ):
-        return tuple(_without_in_param(v) for v in value)
-    return value
+def _without_if_marked(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    if not any(True for _ in find_eqns(jaxpr.eqns, is_layer_marker)):
+        return jaxpr
+    return without_layer_markers(jaxpr)

@@ -73,8 +73,7 @@ def _checked_every(every, first):
     if isinstance(every, str):
         if every != BALANCED:
             raise _stage_error(
-                f"every={every!r}: give a positive int, a tuple of per-stage counts, or "
-                f"'balanced'."
+                f"every={every!r}: give a positive int, a tuple of per-stage counts, or 'balanced'."
             )
         return every, _checked_stage_index(first)
     counts = every if isinstance(every, (tuple, list)) else (every,)

@@ -140,6 +140,46 @@ class LoopSchedule:
 
 
 @dataclass(frozen=True)
+class SegmentCost:
+    """One marked segment's estimated work and memory (``partition="balanced"``).
+
+    ``forward``/``backward``: seconds of its forward and backward per microbatch (the
+    update after the loop spread over the microbatches); ``held``: bytes it keeps live
+    all step (the inputs it reads: parameters, optimizer state); ``activations``: bytes its
+    forward keeps for its backward, per microbatch.
+    """
+
+    forward: float
+    backward: float
+    held: int = 0
+    activations: int = 0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How marked segments were grouped into stages (``partition="balanced"``), as plain
+    data: ``groups[s]`` is stage ``s``'s consecutive segments, ``predicted[s]`` its
+    estimated seconds per microbatch (compute plus transfers in and out), ``segments``
+    every segment's :class:`SegmentCost`."""
+
+    groups: tuple[tuple[int, ...], ...]
+    predicted: tuple[float, ...]
+    segments: tuple[SegmentCost, ...]
+
+    def stage_of(self, segment: int) -> int:
+        """The stage segment ``segment`` runs in."""
+        return next(s for s, group in enumerate(self.groups) if segment in group)
+
+    def describe(self) -> list[str]:
+        """One line per stage: its segments and its predicted time."""
+        lines = []
+        for s, (group, seconds) in enumerate(zip(self.groups, self.predicted)):
+            span = f"{group[0]}" if len(group) == 1 else f"{group[0]}-{group[-1]}"
+            lines.append(f"stage {s}: segments {span}, predicted {seconds * 1e3:.4g} ms")
+        return lines
+
+
+@dataclass(frozen=True)
 class Piece:
     """What one program input (or output) is of the caller's flat argument (or result)
     ``leaf``: all of it (``rows`` is ``None``), or the rows ``lo:hi`` along ``axis`` of a
@@ -181,6 +221,7 @@ class Program:
     microbatches: int | None = None
     in_pieces: tuple[Piece, ...] | None = None
     out_pieces: tuple[Piece, ...] | None = None
+    stage_plan: StagePlan | None = None  # how ``partition="balanced"`` grouped the segments
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -481,6 +522,9 @@ def format_program(program: Program) -> str:
     lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
     if program.schedule is not None:
         lines.append(f"schedule: {program.schedule.name} over {program.microbatches} microbatches")
+    if program.stage_plan is not None:
+        lines.append(f"stages balanced from {len(program.stage_plan.segments)} segments:")
+        lines += [f"  {line}" for line in program.stage_plan.describe()]
     if program.jaxpr.consts:
         lines.append("consts:")
         for v in jaxpr.constvars:

@@ -12,52 +12,11 @@ It is a dynamic program over (stages, last segment): ``O(stages * segments**2)``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from mpmdc.errors import StageError
-
-
-@dataclass(frozen=True)
-class SegmentCost:
-    """One segment's estimated work and memory, per microbatch.
-
-    ``forward``/``backward``: seconds of its forward and backward fragments;
-    ``held``: bytes of what it keeps live at all times (parameters, their gradients and
-    optimizer state); ``activations``: bytes its forward keeps for its backward.
-    """
-
-    forward: float
-    backward: float
-    held: int = 0
-    activations: int = 0
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """How segments were grouped into stages, as plain data the program holds.
-
-    ``groups[s]`` is stage ``s``'s segments (consecutive); ``predicted[s]`` its estimated
-    seconds per microbatch (compute plus transfers in and out); ``segments`` every
-    segment's :class:`SegmentCost`.
-    """
-
-    groups: tuple[tuple[int, ...], ...]
-    predicted: tuple[float, ...]
-    segments: tuple[SegmentCost, ...]
-
-    def stage_of(self, segment: int) -> int:
-        """The stage segment ``segment`` runs in."""
-        return next(s for s, group in enumerate(self.groups) if segment in group)
-
-    def describe(self) -> str:
-        """One line per stage: its segments and its predicted time."""
-        lines = []
-        for s, (group, seconds) in enumerate(zip(self.groups, self.predicted)):
-            span = f"{group[0]}" if len(group) == 1 else f"{group[0]}-{group[-1]}"
-            lines.append(f"stage {s}: segments {span}, predicted {seconds * 1e3:.4g} ms")
-        return "\n".join(lines)
+from mpmdc.ir.program import SegmentCost
 
 
 def stage_times(
@@ -94,7 +53,7 @@ def balance(
     """Segments ``0..num_segments-1`` grouped into ``num_stages`` consecutive, non-empty
     stages minimizing the largest ``time(a, b)`` (a stage of segments ``a..b-1``) among
     groupings where ``fits(stage, a, b)`` holds for every stage. Ties go to the grouping
-    whose earlier stages end first. A ``StageError`` if none fits."""
+    with the earliest last cut. A ``StageError`` if none fits."""
     n, k = num_segments, num_stages
     if n < k:
         raise StageError(

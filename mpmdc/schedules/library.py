@@ -41,6 +41,11 @@ class Schedule:
         """One tuple of actions per mesh, in the order that mesh runs them."""
         raise NotImplementedError
 
+    def stages_for(self, num_meshes: int) -> int:
+        """How many stages this schedule runs on ``num_meshes`` meshes: what
+        ``partition="balanced"`` groups the marked segments into."""
+        return num_meshes
+
     def placement(self, num_stages: int, num_meshes: int) -> tuple[int, ...] | None:
         """The mesh of each stage where ``compile`` gets no ``stage_to_mesh``; ``None``:
         stage ``s`` on mesh ``s mod num_meshes``."""
@@ -133,6 +138,9 @@ class Interleaved1F1B(Schedule):
     """
 
     name = "interleaved-1f1b"
+
+    def stages_for(self, num_meshes):
+        return 2 * num_meshes
 
     def actions(self, layout):
         p, n, m = layout.num_meshes, layout.num_stages, layout.microbatches
@@ -232,6 +240,9 @@ class _VSchedule(Schedule):
     """A schedule of two stages per mesh in V order (``v_placement``)."""
 
     min_microbatches: ClassVar = staticmethod(lambda p: 1)
+
+    def stages_for(self, num_meshes):
+        return 2 * num_meshes
 
     def placement(self, num_stages, num_meshes):
         return v_placement(num_meshes) if num_stages == 2 * num_meshes else None
@@ -405,6 +416,9 @@ class ActionLists(Schedule):
                 tuple(a if isinstance(a, Action) else Action.parse(a) for a in mesh_actions)
             )
         self.lists = tuple(lists)
+
+    def stages_for(self, num_meshes):
+        return 1 + max((a.stage for row in self.lists for a in row), default=0)
 
     def actions(self, layout):
         if len(self.lists) != layout.num_meshes:

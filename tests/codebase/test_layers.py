@@ -26,6 +26,7 @@ LAYERS = [
     ("mpmdc.distributed", 5),
     ("mpmdc.runtime", 5),
     ("mpmdc.pipeline", 6),
+    ("mpmdc.balancing", 6),
     ("mpmdc.api", 6),
     ("mpmdc.checkpoint", 6),
     ("mpmdc.cli", 7),
