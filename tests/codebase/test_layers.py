@@ -27,6 +27,7 @@ LAYERS = [
     ("mpmdc.runtime", 5),
     ("mpmdc.pipeline", 6),
     ("mpmdc.balancing", 6),
+    ("mpmdc.estimates", 6),
     ("mpmdc.api", 6),
     ("mpmdc.checkpoint", 6),
     ("mpmdc.cli", 7),

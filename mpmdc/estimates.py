@@ -1,0 +1,141 @@
+"""Estimated seconds and bytes of a split program's fragments, per stage and kind.
+
+XLA's cost analysis of each fragment's StableHLO gives its flops and bytes accessed; the
+platform's :class:`Throughput` turns them into seconds (a roofline: the larger of compute
+and memory time). :func:`estimate` adds what each stage reads of the program's inputs
+(held all step), what its forwards keep for its backwards (per microbatch) and the bytes
+one stage's loop fragments send another. ``partition="balanced"`` and
+``schedule="auto"`` decide from these.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpmdc import backends
+from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
+from mpmdc.ir.program import Program, is_var, nbytes
+from mpmdc.ir.sharding import program_spec_forms
+from mpmdc.lowering import lower_fragment
+from mpmdc.pipeline import resolve, run_pipeline
+
+# The passes that make a traced program's fragments, one per stage and kind.
+_TO_FRAGMENTS = "inline,split-scans,slice-stacks,cond-fission,dce,partition,vma-typecheck,split"
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What a device does per second: ``flops``, memory ``bytes`` and ``link`` bytes to
+    another mesh. Rough public figures per platform; only their ratios steer choices."""
+
+    flops: float
+    bytes: float
+    link: float
+
+
+THROUGHPUT = {
+    "cpu": Throughput(flops=1e11, bytes=2e10, link=1e10),
+    "cuda": Throughput(flops=4e14, bytes=2e12, link=5e10),
+    "rocm": Throughput(flops=4e14, bytes=2e12, link=5e10),
+    "tpu": Throughput(flops=2e14, bytes=1e12, link=1e11),
+}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A split program's estimated costs, per stage (``num_stages`` of them).
+
+    ``seconds[s, kind]``: stage ``s``'s loop fragments of ``kind`` (F, B, I, W), per
+    microbatch; ``after_loop[s]``: its fragments after the loop (the update), per step;
+    ``held[s]``: bytes of program inputs it reads; ``activations[s]``: bytes its
+    forward keeps for its backward, per microbatch; ``flow[i, j]``: bytes per
+    microbatch stage ``i``'s loop fragments send stage ``j``'s; ``link``: seconds per
+    byte between meshes.
+    """
+
+    num_stages: int
+    seconds: dict
+    after_loop: np.ndarray
+    held: np.ndarray
+    activations: np.ndarray
+    flow: np.ndarray
+    link: float
+
+    def cost(self, stage: int, kind: ActionKind) -> float:
+        """Seconds of stage ``stage``'s ``kind`` per microbatch: ``B`` is ``I + W`` where the
+        backward was cut, and ``I``/``W`` split an uncut ``B`` evenly."""
+        seconds = self.seconds
+        if kind is ActionKind.B and (stage, kind) not in seconds:
+            return seconds.get((stage, ActionKind.I), 0.0) + seconds.get((stage, ActionKind.W), 0.0)
+        if kind in (ActionKind.I, ActionKind.W) and (stage, kind) not in seconds:
+            return seconds.get((stage, ActionKind.B), 0.0) / 2
+        return seconds.get((stage, kind), 0.0)
+
+
+def trial_split(program: Program) -> Program:
+    """The traced ``program`` taken through ``split`` (its loop still rolled) to be
+    estimated, not run: what its layout would warn of is left unsaid."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_pipeline(program, resolve(_TO_FRAGMENTS))
+
+
+def memory_limit(mesh) -> int | None:
+    """Bytes of memory ``mesh``'s devices have together, ``None`` where the platform does
+    not say (CPU)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in mesh.devices.flat]
+    return None if None in limits else sum(limits)
+
+
+def estimate(program: Program, num_stages: int) -> Estimate:
+    """The :class:`Estimate` of the split ``program`` (its loop still rolled)."""
+    chosen = backends.get(program.backend)
+    throughput = THROUGHPUT[chosen.platform]
+    forms = program_spec_forms(program)
+    seconds: dict = defaultdict(float)
+    after_loop = np.zeros(num_stages)
+    held = np.zeros(num_stages, dtype=np.int64)
+    activations = np.zeros(num_stages, dtype=np.int64)
+    flow = np.zeros((num_stages, num_stages))
+    producer: dict = {}  # value -> (stage, kind) of the fragment that made it
+    inputs = set(program.jaxpr.jaxpr.invars)
+    counted: set = set()
+    for eqn in program.jaxpr.jaxpr.eqns:
+        if eqn.primitive is not fragment_p:  # a transfer or loop edge: values pass through
+            for a, v in zip(eqn.invars, eqn.outvars):
+                if is_var(a) and a in producer:
+                    producer[v] = producer[a]
+                elif is_var(a) and a in inputs:
+                    inputs.add(v)
+            continue
+        s, kind = eqn.params["stage"], eqn.params["kind"]
+        in_loop = eqn.params["microbatch"] is LOOP
+        cost = lower_fragment(program, eqn, chosen, forms).cost_analysis() or {}
+        took = max(
+            cost.get("flops", 0.0) / throughput.flops,
+            cost.get("bytes accessed", 0.0) / throughput.bytes,
+        )
+        if in_loop:
+            seconds[s, kind] += took
+        else:
+            after_loop[s] += took
+        for a in filter(is_var, eqn.invars):
+            if a in inputs and (a, s) not in counted:
+                counted.add((a, s))
+                held[s] += nbytes(a.aval)
+            source = producer.get(a)
+            if source is None or not in_loop:
+                continue
+            if source[0] != s:
+                flow[source[0], s] += nbytes(a.aval)
+            elif source[1] is ActionKind.F and kind is not ActionKind.F:
+                activations[s] += nbytes(a.aval)
+        for v in eqn.outvars:
+            producer[v] = (s, kind)
+    return Estimate(
+        num_stages, dict(seconds), after_loop, held, activations, flow, 1.0 / throughput.link
+    )
