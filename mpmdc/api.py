@@ -10,6 +10,7 @@ not retrace.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -33,6 +34,7 @@ from mpmdc.errors import (
     SpecError,
     StageError,
 )
+from mpmdc.estimates import pipeline_of
 from mpmdc.ir.layers import layer_stages
 from mpmdc.ir.primitives import BALANCED, fragment_p, is_marker
 from mpmdc.ir.program import Program, find_eqns
@@ -251,7 +253,7 @@ class _Call:
         return tuple(flags)
 
 
-def _planned(program: Program, schedule, microbatches: int) -> Program:
+def _planned(program: Program, schedule, microbatches: int, choice=None) -> Program:
     """``program`` with ``schedule`` run on the layout its stage markers make: the mesh of
     each stage (``stage_to_mesh``, else the schedule's own placement, else stage ``s`` on
     mesh ``s mod M``; a ``StageError`` names the marker of a stage without one) and each
@@ -269,7 +271,8 @@ def _planned(program: Program, schedule, microbatches: int) -> Program:
     layout = schedules.Layout.make(
         stages, microbatches, tuple(map(program.mesh_of_stage, range(stages)))
     )
-    return program.replace(schedule=schedules.loop_schedule(schedule, layout))
+    plan = schedules.loop_schedule(schedule, layout)
+    return program.replace(schedule=dataclasses.replace(plan, choice=choice))
 
 
 def _through_passes(program: Program, passes, signature, trace_seconds: float) -> Lowered:
@@ -324,6 +327,15 @@ class Lowered:
         self._compiled_hook: Callable[[Compiled], None] | None = None
         # Wall time per stage: ``input`` is tracing, ``after-<pass>`` that pass.
         self.seconds: dict[str, float] = dict(seconds or {})
+
+    @property
+    def schedule_choice(self):
+        """Why ``schedule="auto"`` (or a function) chose the schedule it did (an
+        ``mpmdc.ir.program.ScheduleChoice``: its predicted step time, bubble and peak
+        activation memory per mesh, and every candidate's step time), ``None`` for a
+        schedule given outright."""
+        plan = self.program(self._order[0]).schedule
+        return None if plan is None else plan.choice
 
     @property
     def stage_plan(self):
@@ -701,10 +713,16 @@ class Wrapped:
             microbatches=loop.microbatches if loop else None,
         )
         schedule = (self.schedule or loop.schedule) if loop else None
+        choosing = isinstance(schedule, schedules.Chooser)
         if wants_balancing(program, self.partition):
-            program = balanced(program, schedule)
+            # A chooser's stages are one per mesh, balanced as for 1F1B's memory.
+            program = balanced(program, schedules.OneFOneB() if choosing else schedule)
         if loop:
-            program = _planned(program, schedule, loop.microbatches)
+            choice = None
+            if choosing:
+                pipeline = pipeline_of(program, schedule, loop.microbatches)
+                schedule, choice = schedule.choose(pipeline)
+            program = _planned(program, schedule, loop.microbatches, choice)
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         signature = Signature(
             in_tree=in_tree,

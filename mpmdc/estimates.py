@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpmdc import backends
+from mpmdc import backends, schedules
 from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
 from mpmdc.ir.program import Program, is_var, nbytes
 from mpmdc.ir.sharding import program_spec_forms
 from mpmdc.lowering import lower_fragment
+from mpmdc.passes import split_backward
 from mpmdc.pipeline import resolve, run_pipeline
 
 # The passes that make a traced program's fragments, one per stage and kind.
@@ -139,3 +140,56 @@ def estimate(program: Program, num_stages: int) -> Estimate:
     return Estimate(
         num_stages, dict(seconds), after_loop, held, activations, flow, 1.0 / throughput.link
     )
+
+
+def pipeline_of(program: Program, chooser, microbatches: int) -> schedules.Pipeline:
+    """What ``chooser`` (``schedule="auto"`` or a function) chooses from for the traced
+    ``program``: its stages, meshes and placement, each action's seconds (``chooser.costs``
+    where measured, else estimated with every backward cut into ``I`` and ``W``), each
+    stage's activation bytes and each mesh's memory cap (``chooser.memory_cap``, else its
+    devices' memory less the inputs its stages read)."""
+    trial = trial_split(program)
+    eqns = trial.jaxpr.jaxpr.eqns
+    stages = 1 + max(e.params["stage"] for e in eqns if e.primitive is fragment_p)
+    num_meshes = len(program.meshes)
+    layout = schedules.Layout.make(
+        stages, microbatches, tuple(map(trial.mesh_of_stage, range(stages)))
+    )
+    cut = schedules.ActionLists(
+        [
+            [b for a in row for b in ([a] if a.kind is ActionKind.F else _input_then_weight(a))]
+            for row in schedules.GPipe().actions(layout)
+        ]
+    )
+    found = estimate(
+        split_backward(trial.replace(schedule=schedules.loop_schedule(cut, layout))), stages
+    )
+    cost = schedules.measured(chooser.costs) or (lambda a: found.cost(a.stage, a.kind))
+    if chooser.memory_cap is None:
+        limits = [memory_limit(mesh) for mesh in program.meshes]
+        caps = tuple(
+            None
+            if limit is None
+            else limit - sum(int(found.held[s]) for s in layout.stages_of(mesh))
+            for mesh, limit in enumerate(limits)
+        )
+    elif isinstance(chooser.memory_cap, (int, float)):
+        caps = (float(chooser.memory_cap),) * num_meshes
+    else:
+        caps = tuple(chooser.memory_cap)
+    return schedules.Pipeline(
+        num_stages=stages,
+        num_meshes=num_meshes,
+        microbatches=microbatches,
+        stage_to_mesh=program.stage_to_mesh,
+        cost=cost,
+        activations=tuple(float(a) for a in found.activations),
+        memory_cap=caps,
+    )
+
+
+def _input_then_weight(action: schedules.Action) -> list[schedules.Action]:
+    return [
+        schedules.Action(action.stage, ActionKind.I, action.microbatch),
+        schedules.Action(action.stage, ActionKind.W, action.microbatch),
+    ]

@@ -137,6 +137,36 @@ class LoopSchedule:
     name: str
     stage_to_mesh: tuple[int, ...]
     actions: tuple[tuple[str, ...], ...]
+    choice: ScheduleChoice | None = None  # why ``schedule="auto"`` (or a function) chose it
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """What a schedule chosen from the pipeline's costs (``schedule="auto"``) is predicted
+    to do, as plain data: ``step_time`` (seconds a step takes, steps back to back),
+    ``bubble`` (idle seconds per mesh and step), ``peak_memory`` (bytes of activations
+    each mesh holds at most) and ``considered``: ``(schedule, step time or None, why not)``
+    for every candidate."""
+
+    name: str
+    step_time: float
+    bubble: float
+    peak_memory: tuple[float, ...]
+    considered: tuple[tuple[str, float | None, str], ...]
+
+    def describe(self, candidates: int = 4) -> list[str]:
+        """The choice and its prediction, then the best ``candidates`` others."""
+        peaks = ", ".join(f"{b / 1e6:.4g}" for b in self.peak_memory)
+        lines = [
+            f"chose {self.name}: step {self.step_time * 1e3:.4g} ms, bubble "
+            f"{self.bubble * 1e3:.4g} ms per mesh, peak activations per mesh [{peaks}] MB"
+        ]
+        others = [c for c in self.considered if c[0] != self.name]
+        for name, step, why in others[:candidates]:
+            lines.append(f"  {name}: " + (f"step {step * 1e3:.4g} ms" if step is not None else why))
+        if len(others) > candidates:
+            lines.append(f"  ({len(others) - candidates} more candidates)")
+        return lines
 
 
 @dataclass(frozen=True)
@@ -522,6 +552,8 @@ def format_program(program: Program) -> str:
     lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
     if program.schedule is not None:
         lines.append(f"schedule: {program.schedule.name} over {program.microbatches} microbatches")
+        if program.schedule.choice is not None:
+            lines += [f"  {line}" for line in program.schedule.choice.describe()]
     if program.stage_plan is not None:
         lines.append(f"stages balanced from {len(program.stage_plan.segments)} segments:")
         lines += [f"  {line}" for line in program.stage_plan.describe()]

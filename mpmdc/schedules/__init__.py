@@ -2,6 +2,8 @@
 
 - ``actions``: :class:`Action` (``0F3``), :class:`Layout` and the action of a fragment;
 - ``library``: :class:`Schedule` and the built-in schedules, by class or by name;
+- ``auto``: choosing a schedule from the pipeline's costs (``"auto"`` or a function);
+- ``balance``: consecutive segments grouped into balanced stages;
 - ``accumulate``: :func:`mpmdc.accumulate`, the microbatch loop a schedule orders;
 - ``greedy``: list scheduling under an in-flight cap, which ZB-H2 is built by;
 - ``simulate``: the dependency check, the timed simulation of a schedule, steady-state
@@ -20,9 +22,19 @@ from mpmdc.schedules.actions import (
     layout_of,
     loop_schedule,
 )
+from mpmdc.schedules.auto import (
+    Auto,
+    ChosenBy,
+    Pipeline,
+    Synthesized,
+    candidates,
+    evaluate,
+    measured,
+)
 from mpmdc.schedules.library import (
     SCHEDULES,
     ActionLists,
+    Chooser,
     DualPipeV,
     GPipe,
     Interleaved1F1B,
@@ -55,13 +67,18 @@ __all__ = [
     "Action",
     "ActionKind",
     "ActionLists",
+    "Auto",
+    "Chooser",
+    "ChosenBy",
     "DualPipeV",
     "GPipe",
     "Interleaved1F1B",
     "Layout",
     "OneFOneB",
+    "Pipeline",
     "Schedule",
     "Slot",
+    "Synthesized",
     "Timeline",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
@@ -71,10 +88,13 @@ __all__ = [
     "back_to_back",
     "bubble_formula",
     "bubble_time_formula",
+    "candidates",
+    "evaluate",
     "get",
     "in_flight",
     "layout_of",
     "loop_schedule",
+    "measured",
     "measured_costs",
     "simulate",
     "steady_bubble",

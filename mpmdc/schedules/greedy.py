@@ -22,16 +22,19 @@ from mpmdc.schedules.simulate import UNIT_COSTS
 def list_schedule(
     layout: Layout,
     *,
-    cap: Callable[[int], int],
+    cap: Callable[[int], float],
     priority: Callable[[Action, Layout], tuple],
     split: bool = True,
+    cost: Callable[[Action], float] | None = None,
+    weight: Callable[[int], float] | None = None,
 ) -> tuple[tuple[Action, ...], ...]:
     """Per-mesh action lists of the greedy list schedule of ``layout``.
 
-    ``cap(mesh)``: how many microbatches' activations ``mesh`` may hold (counting one per
-    stage and microbatch between its forward and its weight gradient); ``priority(action,
-    layout)``: the sort key among actions that can start at the same time (smallest
-    first); ``split``: backwards as ``I`` and ``W`` (else a whole ``B``).
+    ``cap(mesh)``: how much ``mesh`` may hold of the activations of stages between their
+    forward and weight gradient, a stage's microbatch weighing ``weight(stage)`` (one
+    without it); ``priority(action, layout)``: the sort key among actions that can start
+    at the same time (smallest first); ``split``: backwards as ``I`` and ``W`` (else a
+    whole ``B``); ``cost(action)``: its duration (unit costs without it).
     """
     m, n = layout.microbatches, layout.num_stages
     back = ActionKind.I if split else ActionKind.B
@@ -41,7 +44,9 @@ def list_schedule(
     following = {(s, k): 0 for s in range(n) for k in kinds}
     end: dict[tuple[int, ActionKind, int], float] = {}
     free = [0.0] * layout.num_meshes
-    held = [0] * layout.num_meshes
+    held = [0.0] * layout.num_meshes
+    cost = cost or (lambda action: UNIT_COSTS[action.kind])
+    weight = weight or (lambda stage: 1.0)
     out: list[list[Action]] = [[] for _ in range(layout.num_meshes)]
 
     def ready_at(s: int, kind: ActionKind, b: int) -> float | None:
@@ -63,7 +68,7 @@ def list_schedule(
             mesh = layout.stage_to_mesh[s]
             for kind in kinds:
                 b = following[s, kind]
-                if b == m or (kind is ActionKind.F and held[mesh] >= cap(mesh)):
+                if b == m or (kind is ActionKind.F and held[mesh] + weight(s) > cap(mesh)):
                     continue
                 at = ready_at(s, kind, b)
                 if at is None:
@@ -75,13 +80,13 @@ def list_schedule(
         if best is None:
             raise ScheduleError(
                 f"no action can run: every mesh holding a forward is at its cap of "
-                f"{[cap(mesh) for mesh in range(layout.num_meshes)]} microbatches; raise the cap."
+                f"{[cap(mesh) for mesh in range(layout.num_meshes)]}; raise the cap."
             )
         (start, _), action = best
         s, kind, b = action.stage, action.kind, action.microbatch
         mesh = layout.stage_to_mesh[s]
-        end[s, kind, b] = free[mesh] = start + UNIT_COSTS[kind]
+        end[s, kind, b] = free[mesh] = start + cost(action)
         following[s, kind] += 1
-        held[mesh] += (kind is ActionKind.F) - (kind is frees)
+        held[mesh] += weight(s) * ((kind is ActionKind.F) - (kind is frees))
         out[mesh].append(action)
     return tuple(map(tuple, out))

@@ -446,20 +446,48 @@ SCHEDULES: dict[str, type[Schedule]] = {
 }
 
 
-def get(schedule) -> Schedule:
-    """A schedule object from a name, a ``Schedule`` or per-mesh action lists."""
-    if isinstance(schedule, Schedule):
+class Chooser:
+    """Chooses a schedule once the pipeline's costs are known: ``schedule="auto"``, or a
+    function of the pipeline (:mod:`mpmdc.schedules.auto`)."""
+
+    name: str = "chooser"
+    costs = None  # measured costs to choose by, or None: estimated from the fragments
+    memory_cap = None  # bytes of activations per mesh, or None: what the devices have
+
+    def choose(self, pipeline):
+        """``(schedule, ScheduleChoice)`` for ``pipeline``: the schedule and, as plain data,
+        its predicted step time, bubble and memory, and what else was considered."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# "auto" and ``callable`` (a user's function) -> the Chooser that takes them; filled by
+# ``mpmdc.schedules.auto``.
+CHOOSERS: dict = {}
+
+
+def get(schedule) -> Schedule | Chooser:
+    """A schedule object from a name, a ``Schedule`` or per-mesh action lists; a
+    ``Chooser`` from ``"auto"``, a ``Chooser`` or a function of the pipeline."""
+    if isinstance(schedule, (Schedule, Chooser)):
         return schedule
+    known = ", ".join([*SCHEDULES, *(k for k in CHOOSERS if isinstance(k, str))])
     if isinstance(schedule, str):
+        if schedule in CHOOSERS:
+            return CHOOSERS[schedule]()
         if schedule not in SCHEDULES:
             raise ScheduleError(
-                f"unknown schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)} "
-                f"(or a list of per-mesh action strings)."
+                f"unknown schedule {schedule!r}; known schedules: {known} "
+                f"(or a list of per-mesh action strings, or a function of the pipeline)."
             )
         return SCHEDULES[schedule]()
     if isinstance(schedule, (list, tuple)):
         return ActionLists(schedule)
+    if callable(schedule) and not isinstance(schedule, type):
+        return CHOOSERS[callable](schedule)
     raise ScheduleError(
-        f"schedule must be a name ({', '.join(SCHEDULES)}), an mpmdc.schedules.Schedule or "
-        f"per-mesh action lists, got {type(schedule).__name__}."
+        f"schedule must be a name ({known}), an mpmdc.schedules.Schedule, per-mesh action "
+        f"lists or a function of the pipeline, got {type(schedule).__name__}."
     )

@@ -1,0 +1,281 @@
+"""Choosing a schedule from the pipeline's costs: ``schedule="auto"``, or a function.
+
+A :class:`Pipeline` says what is known when the choice is made: stages, meshes,
+microbatches, the placement the user gave (if any), each action's seconds (estimated
+from the fragments, or measured by ``Compiled.run_timed``), each stage's activation
+bytes per microbatch and each mesh's activation memory cap. :func:`evaluate` simulates a
+schedule on it: the step time with steps back to back (:func:`~mpmdc.schedules.simulate.
+step_time`), its bubble, and the most activation bytes each mesh holds.
+
+:class:`Auto` (``"auto"``) evaluates every built-in schedule that runs the layout, and
+schedules it synthesizes by list scheduling at these costs (:mod:`mpmdc.schedules.greedy`)
+for several priorities and in-flight caps, and takes the fastest that fits every mesh's
+cap. A function ``fn(pipeline) -> schedule`` chooses as the user likes; mpmdc evaluates
+what it returns the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from mpmdc.errors import ScheduleError
+from mpmdc.ir.primitives import ActionKind
+from mpmdc.ir.program import ScheduleChoice
+from mpmdc.schedules.actions import Action, Layout
+from mpmdc.schedules.greedy import list_schedule
+from mpmdc.schedules.library import (
+    CHOOSERS,
+    SCHEDULES,
+    ActionLists,
+    Chooser,
+    Schedule,
+    get,
+    v_placement,
+)
+from mpmdc.schedules.simulate import in_flight, simulate, step_time
+from mpmdc.schedules.timeline import Timeline
+
+# Above this many actions per step, ``Auto`` tries fewer synthesized candidates: the
+# usual priorities and caps, not every order of them.
+_SMALL = 64
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What a schedule is chosen from.
+
+    ``stage_to_mesh``: the user's placement, or ``None`` (each schedule places its
+    stages); ``cost(action)``: seconds; ``activations[s]``: bytes stage ``s`` keeps per
+    microbatch in flight; ``memory_cap[mesh]``: bytes of activations the mesh may hold
+    (``None``: no cap).
+    """
+
+    num_stages: int
+    num_meshes: int
+    microbatches: int
+    stage_to_mesh: tuple[int, ...] | None
+    cost: Callable[[Action], float]
+    activations: tuple[float, ...]
+    memory_cap: tuple[float | None, ...]
+
+    def layout(self, schedule: Schedule) -> Layout:
+        """The layout ``schedule`` runs: the user's placement, else the schedule's own."""
+        placement = self.stage_to_mesh or schedule.placement(self.num_stages, self.num_meshes)
+        return Layout.make(
+            self.num_stages, self.microbatches, placement, num_meshes=self.num_meshes
+        )
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A schedule simulated on a :class:`Pipeline`."""
+
+    schedule: Schedule
+    step_time: float
+    bubble: float
+    peak_memory: tuple[float, ...]
+
+
+def evaluate(schedule: Schedule, pipeline: Pipeline) -> Evaluation:
+    """``schedule``'s step time (steps back to back), bubble and peak activation bytes per
+    mesh on ``pipeline``; a ``ScheduleError`` if it cannot run the layout or a mesh would
+    hold more than its cap."""
+    layout = pipeline.layout(schedule)
+    per_mesh = schedule.actions(layout)
+    took = step_time(per_mesh, layout, pipeline.cost)
+    busy = simulate(per_mesh, layout, pipeline.cost).busy_times
+    peaks = in_flight(per_mesh, lambda stage: pipeline.activations[stage])
+    for mesh, (peak, cap) in enumerate(zip(peaks, pipeline.memory_cap)):
+        if cap is not None and peak > cap:
+            raise ScheduleError(
+                f"{_label(schedule)} holds {peak / 1e6:.4g} MB of activations on mesh "
+                f"{mesh}, over its cap of {cap / 1e6:.4g} MB."
+            )
+    return Evaluation(schedule, took, took - sum(busy) / len(busy), peaks)
+
+
+def _key(found: Evaluation) -> tuple[float, float]:
+    """What ``Auto`` minimizes: step time, then peak memory; differences below a part in
+    a billion (float rounding in the simulation) are ties."""
+    return (round(found.step_time, 9 - _magnitude(found.step_time)), max(found.peak_memory))
+
+
+def _magnitude(x: float) -> int:
+    return 0 if x <= 0 else math.floor(math.log10(x))
+
+
+def _label(schedule: Schedule) -> str:
+    return schedule.name if type(schedule) in SCHEDULES.values() else repr(schedule)
+
+
+class Synthesized(ActionLists):
+    """A schedule found by list scheduling at a pipeline's costs: its action lists, its
+    placement and how it was found."""
+
+    name = "synthesized"
+
+    def __init__(self, per_mesh, stage_to_mesh: tuple[int, ...], how: str):
+        super().__init__(per_mesh)
+        self.stage_to_mesh = stage_to_mesh
+        self.how = how
+
+    def placement(self, num_stages, num_meshes):
+        return self.stage_to_mesh if len(self.stage_to_mesh) == num_stages else None
+
+    def __repr__(self) -> str:
+        return f"Synthesized({self.how!r})"
+
+
+class Auto(Chooser):
+    """The fastest of the built-in and synthesized schedules that fit every mesh's cap.
+
+    ``memory_cap``: bytes of activations a mesh may hold (one number for every mesh, or
+    one per mesh; default: what the devices report having, none on CPU); ``costs``:
+    measured costs (``Compiled.run_timed()``'s ``Timeline``, a mapping from kind to
+    seconds, or a function of an action) instead of estimates from the fragments.
+    """
+
+    name = "auto"
+
+    def __init__(self, memory_cap=None, costs=None):
+        self.memory_cap = memory_cap
+        self.costs = costs
+
+    def choose(self, pipeline):
+        tried: list[tuple[str, float | None, str]] = []
+        best: Evaluation | None = None
+        for candidate in candidates(pipeline):
+            try:
+                found = evaluate(candidate, pipeline)
+            except ScheduleError as err:
+                tried.append((_label(candidate), None, str(err).split(";")[0]))
+                continue
+            tried.append((_label(candidate), found.step_time, ""))
+            # Built-in schedules come first and keep a tie: a name says more than lists.
+            if best is None or _key(found) < _key(best):
+                best = found
+        if best is None:
+            reasons = "; ".join(f"{name}: {why}" for name, _, why in tried[:4])
+            raise ScheduleError(
+                f"no schedule runs {pipeline.num_stages} stages on {pipeline.num_meshes} "
+                f"meshes within the memory cap ({reasons}); raise the cap or use more "
+                f"microbatches of smaller size."
+            )
+        tried.sort(key=lambda t: (t[1] is None, t[1] or 0.0))
+        choice = ScheduleChoice(
+            _label(best.schedule), best.step_time, best.bubble, best.peak_memory, tuple(tried)
+        )
+        return best.schedule, choice
+
+
+class ChosenBy(Chooser):
+    """A user's function ``fn(pipeline) -> schedule`` (a name, a ``Schedule`` or action
+    lists), evaluated like ``Auto``'s candidates."""
+
+    def __init__(self, fn: Callable[[Pipeline], object]):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "chooser")
+
+    def choose(self, pipeline):
+        schedule = get(self.fn(pipeline))
+        found = evaluate(schedule, pipeline)
+        label = _label(schedule)
+        considered = ((label, found.step_time, ""),)
+        return schedule, ScheduleChoice(
+            label, found.step_time, found.bubble, found.peak_memory, considered
+        )
+
+    def __repr__(self) -> str:
+        return f"ChosenBy({self.name})"
+
+
+def candidates(pipeline: Pipeline) -> list[Schedule]:
+    """The built-in schedules, then list schedules at the pipeline's costs: per placement
+    (the user's, else round robin and, for 2M stages, the V), backwards split or whole, a
+    priority among the kinds, and a cap (the memory cap's, 1F1B's ``p`` and ZB-H2's
+    ``2p - 1`` microbatches per mesh; every cap up to the memory's on small pipelines)."""
+    out: list[Schedule] = [cls() for cls in SCHEDULES.values()]
+    n, p, m = pipeline.num_stages, pipeline.num_meshes, pipeline.microbatches
+    placements = (
+        [pipeline.stage_to_mesh] if pipeline.stage_to_mesh else [tuple(s % p for s in range(n))]
+    )
+    if pipeline.stage_to_mesh is None and n == 2 * p:
+        placements.append(v_placement(p))
+    small = 3 * n * m <= _SMALL
+    for placement in placements:
+        layout = Layout.make(n, m, placement, num_meshes=p)
+        weight = max(pipeline.activations) or 1.0
+        for split in (True, False):
+            kinds = (
+                (ActionKind.F, ActionKind.I, ActionKind.W)
+                if split
+                else (
+                    ActionKind.F,
+                    ActionKind.B,
+                )
+            )
+            orders = list(itertools.permutations(kinds))
+            if not small:
+                orders = [o for o in orders if o[-1] is not ActionKind.F][:3]
+            caps = range(1, m * len(layout.stages_of(0)) + 1) if small else (p, 2 * p - 1)
+            for order, units in itertools.product(orders, caps):
+                cap = _cap(pipeline, units * weight)
+                try:
+                    per_mesh = list_schedule(
+                        layout,
+                        cap=cap,
+                        priority=lambda a, _, order=order: (order.index(a.kind), -a.stage),
+                        split=split,
+                        cost=pipeline.cost,
+                        weight=lambda stage: pipeline.activations[stage] or 0.0,
+                    )
+                except ScheduleError:
+                    continue
+                how = (
+                    f"{'>'.join(order)} first, at most {units} microbatches per mesh, "
+                    f"stage_to_mesh={list(placement)}"
+                )
+                out.append(Synthesized(per_mesh, placement, how))
+    return out
+
+
+def _cap(pipeline: Pipeline, limit: float) -> Callable[[int], float]:
+    """Per mesh, the smaller of ``limit`` and its memory cap."""
+    return lambda mesh: min(
+        limit, pipeline.memory_cap[mesh] if pipeline.memory_cap[mesh] is not None else limit
+    )
+
+
+def measured(costs) -> Callable[[Action], float] | None:
+    """A cost function (seconds) from measured costs: the ``Timeline`` of
+    ``Compiled.run_timed`` (milliseconds; each stage and kind at its mean over the
+    microbatches), a mapping from kind to seconds, or a function of an action."""
+    if costs is None or (callable(costs) and not isinstance(costs, Timeline)):
+        return costs
+    if isinstance(costs, Mapping):
+        return lambda action: float(costs[action.kind])
+    took: dict = {}
+    for row in costs.meshes:
+        for slot in row:
+            if slot.action is not None:
+                took.setdefault((slot.action.stage, slot.action.kind), []).append(
+                    (slot.end - slot.start) / 1e3
+                )
+    mean = {key: sum(v) / len(v) for key, v in took.items()}
+
+    def cost(action: Action) -> float:
+        s, kind = action.stage, action.kind
+        if (s, kind) in mean:
+            return mean[s, kind]
+        if kind is ActionKind.B:
+            return mean.get((s, ActionKind.I), 0.0) + mean.get((s, ActionKind.W), 0.0)
+        return mean.get((s, ActionKind.B), 0.0) / 2  # I or W of a backward measured whole
+
+    return cost
+
+
+CHOOSERS["auto"] = Auto
+CHOOSERS[callable] = ChosenBy

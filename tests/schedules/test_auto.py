@@ -1,0 +1,190 @@
+"""``schedule="auto"`` and schedule functions: chosen by simulated step time under a memory
+cap, checked against exhaustive search; run end to end like any schedule."""
+
+import itertools
+import re
+
+import jax
+import numpy as np
+import pytest
+from training import mlp_data, sgd_step
+
+import mpmdc
+from mpmdc.cli.demo import init_params
+from mpmdc.errors import ScheduleError
+from mpmdc.schedules import Action, Auto, Layout, Pipeline, in_flight, step_time
+
+
+def interleavings(sequences):
+    """Every merge of ``sequences`` that keeps each one's order."""
+    if not any(sequences):
+        yield []
+        return
+    for i, seq in enumerate(sequences):
+        if seq:
+            rest = [*sequences[:i], seq[1:], *sequences[i + 1 :]]
+            for tail in interleavings(rest):
+                yield [seq[0], *tail]
+
+
+def exhaustive_step_time(pipeline):
+    """The shortest step time of any schedule: every stage's backward whole or cut into I
+    and W, every order of each mesh's actions that runs each kind of a stage in microbatch
+    order, keeps I after F and W after I, and holds no more than the mesh's cap."""
+    n, p, m = pipeline.num_stages, pipeline.num_meshes, pipeline.microbatches
+    layout = Layout.make(n, m, num_meshes=p)
+    best = None
+    for split in itertools.product([True, False], repeat=n):
+        per_mesh = []
+        for mesh in range(p):
+            sequences = [
+                [Action(s, k, b) for b in range(m)]
+                for s in layout.stages_of(mesh)
+                for k in ("FIW" if split[s] else "FB")
+            ]
+            rows = []
+            for row in interleavings(sequences):
+                position = {a: i for i, a in enumerate(row)}
+                if any(
+                    position[a] < position[Action(a.stage, before, a.microbatch)]
+                    for a in row
+                    for kind, before in (("I", "F"), ("B", "F"), ("W", "I"))
+                    if a.kind == kind
+                ):
+                    continue
+                cap = pipeline.memory_cap[mesh]
+                if cap is not None and in_flight([row], lambda s: pipeline.activations[s])[0] > cap:
+                    continue
+                rows.append(row)
+            per_mesh.append(rows)
+        for lists in itertools.product(*per_mesh):
+            try:
+                took = step_time(lists, layout, pipeline.cost)
+            except ScheduleError:  # a deadlock across meshes
+                continue
+            best = took if best is None else min(best, took)
+    return best
+
+
+def random_pipeline(seed, p, m):
+    rng = np.random.default_rng(seed)
+    costs = {(s, k): float(rng.uniform(0.2, 2)) for s in range(p) for k in "FIW"}
+    for s in range(p):
+        costs[s, "B"] = costs[s, "I"] + costs[s, "W"]
+    activations = tuple(float(rng.integers(1, 4)) for _ in range(p))
+    caps = tuple(float(rng.integers(2, 7)) if rng.random() < 0.7 else None for _ in range(p))
+    return Pipeline(p, p, m, None, lambda a: costs[a.stage, a.kind], activations, caps)
+
+
+@pytest.mark.parametrize(
+    ("seed", "p", "m"),
+    [(seed, 2, 2) for seed in range(16)]
+    + [(seed, 2, 3) for seed in range(3)]
+    + [(seed, 3, 2) for seed in range(3)],
+)
+def test_auto_is_as_fast_as_exhaustive_search_within_the_memory_cap(seed, p, m):
+    pipeline = random_pipeline(seed, p, m)
+    best = exhaustive_step_time(pipeline)
+    if best is None:
+        with pytest.raises(
+            ScheduleError, match=re.escape(f"no schedule runs {p} stages on {p} meshes")
+        ):
+            Auto().choose(pipeline)
+        return
+    schedule, choice = Auto().choose(pipeline)
+    assert choice.step_time == pytest.approx(best, rel=1e-9)
+    layout = pipeline.layout(schedule)
+    per_mesh = schedule.actions(layout)
+    assert step_time(per_mesh, layout, pipeline.cost) == pytest.approx(choice.step_time)
+    peaks = in_flight(per_mesh, lambda s: pipeline.activations[s])
+    assert list(peaks) == list(choice.peak_memory)
+    for peak, cap in zip(peaks, pipeline.memory_cap):
+        assert cap is None or peak <= cap
+
+
+def test_auto_picks_zero_bubble_schedules_when_memory_allows_and_1f1b_like_ones_when_not():
+    equal = Pipeline(
+        4, 4, 8, None, lambda a: 2.0 if a.kind == "B" else 1.0, (1.0,) * 4, (None,) * 4
+    )
+    _, roomy = Auto().choose(equal)
+    assert roomy.bubble == pytest.approx(0)  # ZB-H2's parallelogram, or as good
+    tight = Pipeline(4, 4, 8, None, equal.cost, (1.0,) * 4, (4.0,) * 4)
+    _, capped = Auto().choose(tight)
+    assert max(capped.peak_memory) <= 4 and capped.step_time > roomy.step_time
+    with pytest.raises(ScheduleError, match=re.escape("within the memory cap")):
+        Auto().choose(Pipeline(4, 4, 8, None, equal.cost, (1.0,) * 4, (0.5,) * 4))
+
+
+def step_with(schedule):
+    def step(p, x, y):
+        return sgd_step(p, x, y, schedule=schedule)
+
+    return step
+
+
+def test_auto_runs_like_jit_and_says_what_it_chose(meshes4):
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+    step = mpmdc.compile(step_with("auto"), meshes4)
+    lowered = step.lower(params, *mlp_data())
+    choice = lowered.schedule_choice
+    assert len(choice.peak_memory) == 4 and choice.step_time > 0 and choice.bubble >= 0
+    assert choice.considered[0][1] == pytest.approx(choice.step_time)
+    assert "  chose " in lowered.as_text("after-schedule")
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        step(params, *mlp_data()),
+        jax.jit(step_with("1f1b"))(params, *mlp_data()),
+    )
+    given = mpmdc.compile(step_with("1f1b"), meshes4).lower(params, *mlp_data())
+    assert given.schedule_choice is None
+
+
+def test_a_function_chooses_from_the_pipeline_and_compile_overrides_accumulate(meshes4):
+    seen = []
+
+    def choose(pipeline):
+        seen.append(pipeline)
+        return "gpipe" if pipeline.microbatches > 4 else "1f1b"
+
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+    lowered = mpmdc.compile(step_with("1f1b"), meshes4, schedule=choose).lower(params, *mlp_data())
+    assert lowered.schedule_choice.name == "gpipe"
+    (pipeline,) = seen
+    assert (pipeline.num_stages, pipeline.num_meshes, pipeline.microbatches) == (4, 4, 8)
+    # Estimated from the fragments: stages 1 and 2 have forward, input- and weight-gradient
+    # work; stage 0 sends no input gradient anywhere, and the last stage's backward runs
+    # inside its forward.
+    for s, kinds in ((0, "FW"), (1, "FIW"), (2, "FIW"), (3, "F")):
+        for kind in "FIW":
+            assert (pipeline.cost(Action(s, kind, 0)) > 0) == (kind in kinds), (s, kind)
+    assert pipeline.activations[0] > 0
+
+
+def test_auto_chooses_from_measured_costs(meshes4):
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+    compiled = mpmdc.compile(step_with("zb-h1"), meshes4).lower(params, *mlp_data()).compile()
+    _, timeline = compiled.run_timed(params, *mlp_data())
+    seen = []
+    auto = Auto(costs=timeline, memory_cap=1e9)
+    step = mpmdc.compile(step_with("auto"), meshes4, schedule=auto)
+    choice = step.lower(params, *mlp_data()).schedule_choice
+    measured = {
+        (slot.action.stage, slot.action.kind): (slot.end - slot.start) / 1e3
+        for row in timeline.meshes
+        for slot in row
+        if slot.action is not None and slot.action.microbatch == 0
+    }
+    assert choice.step_time > 0 and measured
+    seen.append(choice)
+    schedule_fn = mpmdc.compile(
+        step_with("auto"),
+        meshes4,
+        schedule=lambda pipeline: seen.append(pipeline.cost(Action(1, "F", 0))) or "1f1b",
+    )
+    schedule_fn.lower(params, *mlp_data())
+    assert seen[-1] > 0
+
+
+def test_unknown_names_list_auto(meshes4):
+    with pytest.raises(ScheduleError, match=r"known schedules: gpipe, .*dualpipev, auto"):
+        mpmdc.compile(step_with("1f1b"), meshes4, schedule="fastest")
