@@ -12,7 +12,17 @@ from training import mlp_data, sgd_step
 import mpmdc
 from mpmdc.cli.demo import init_params
 from mpmdc.errors import ScheduleError
-from mpmdc.schedules import Action, Auto, Layout, Pipeline, in_flight, step_time
+from mpmdc.schedules import (
+    Action,
+    Auto,
+    Layout,
+    Pipeline,
+    actions_of,
+    in_flight,
+    layout_of,
+    measured,
+    step_time,
+)
 
 
 def interleavings(sequences):
@@ -161,28 +171,24 @@ def test_a_function_chooses_from_the_pipeline_and_compile_overrides_accumulate(m
 
 
 def test_auto_chooses_from_measured_costs(meshes4):
+    """Costs from a run_timed timeline (milliseconds): each stage and kind at its mean over
+    the microbatches, in seconds; the choice's step time is the chosen schedule's at them."""
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
     compiled = mpmdc.compile(step_with("zb-h1"), meshes4).lower(params, *mlp_data()).compile()
     _, timeline = compiled.run_timed(params, *mlp_data())
-    seen = []
-    auto = Auto(costs=timeline, memory_cap=1e9)
-    step = mpmdc.compile(step_with("auto"), meshes4, schedule=auto)
-    choice = step.lower(params, *mlp_data()).schedule_choice
-    measured = {
-        (slot.action.stage, slot.action.kind): (slot.end - slot.start) / 1e3
-        for row in timeline.meshes
-        for slot in row
-        if slot.action is not None and slot.action.microbatch == 0
-    }
-    assert choice.step_time > 0 and measured
-    seen.append(choice)
-    schedule_fn = mpmdc.compile(
-        step_with("auto"),
-        meshes4,
-        schedule=lambda pipeline: seen.append(pipeline.cost(Action(1, "F", 0))) or "1f1b",
+    cost = measured(timeline)
+    slots = [s for row in timeline.meshes for s in row if s.action and s.action.stage == 1]
+    forwards = [s.end - s.start for s in slots if s.action.kind == "F"]
+    assert cost(Action(1, "F", 3)) == pytest.approx(np.mean(forwards) / 1e3)
+    assert cost(Action(1, "B", 0)) == pytest.approx(
+        cost(Action(1, "I", 0)) + cost(Action(1, "W", 0))
     )
-    schedule_fn.lower(params, *mlp_data())
-    assert seen[-1] > 0
+    auto = Auto(costs=timeline)
+    lowered = mpmdc.compile(step_with("auto"), meshes4, schedule=auto).lower(params, *mlp_data())
+    choice = lowered.schedule_choice
+    program = lowered.program("after-schedule")
+    layout, per_mesh = layout_of(program), actions_of(program)
+    assert choice.step_time == pytest.approx(step_time(per_mesh, layout, cost))
 
 
 def test_unknown_names_list_auto(meshes4):
