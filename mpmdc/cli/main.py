@@ -226,6 +226,18 @@ def _schedule(args) -> int:
     try:
         schedule = schedules.get(args.schedule)
         meshes = args.meshes or args.stages
+        choice = None
+        if isinstance(schedule, schedules.Chooser):
+            pipeline = schedules.Pipeline(
+                args.stages,
+                meshes,
+                args.microbatches,
+                None,
+                lambda action: costs[action.kind],
+                (1.0,) * args.stages,
+                (None,) * meshes,
+            )
+            schedule, choice = schedule.choose(pipeline)
         placement = schedule.placement(args.stages, meshes)
         layout = Layout.make(args.stages, args.microbatches, placement, num_meshes=meshes)
         per_mesh = schedule.actions(layout)
@@ -234,6 +246,11 @@ def _schedule(args) -> int:
     except ScheduleError as err:
         raise UsageError(str(err)) from None
     cost_text = " ".join(f"{k}={v:g}" for k, v in costs.items())
+    if choice is not None:
+        print(
+            f"auto chose {choice.name}: step {choice.step_time:g}, bubble {choice.bubble:g} per "
+            f"mesh (steps back to back, in the units of --costs)"
+        )
     print(
         f"schedule {schedule.name}: {layout.num_stages} stages on {layout.num_meshes} meshes, "
         f"{layout.microbatches} microbatches, costs {cost_text}"
@@ -318,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--schedule",
         default="1f1b",
-        choices=list(schedules.SCHEDULES),
+        # The demo's 4 stages on 4 meshes: the schedules of one stage per mesh.
+        choices=[n for n, cls in schedules.SCHEDULES.items() if cls().stages_for(4) == 4]
+        + ["auto"],
         help="pipeline schedule (default: 1f1b)",
     )
     demo.add_argument(
@@ -402,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         default="1f1b",
         metavar="NAME",
-        help=f"one of {', '.join(schedules.SCHEDULES)}",
+        help=f"one of {', '.join(schedules.SCHEDULES)}, or auto (the fastest at --costs)",
     )
     schedule.add_argument("--stages", type=int, required=True, help="pipeline stages")
     schedule.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
