@@ -31,6 +31,7 @@ from mpmdc.schedules import (
     actions_of,
     bubble_formula,
     bubble_time_formula,
+    formula_holds,
     layout_of,
     measured,
     measured_costs,
@@ -53,13 +54,6 @@ def mean_costs(cost, stages: int) -> dict:
     }
 
 
-# Where each published formula holds (see ``bubble_time_formula``).
-IN_DOMAIN = {
-    "zb-h1": lambda c: c["W"] <= c["F"],
-    "zb-v": lambda c: c["W"] <= min(c["F"], c["I"]),
-}
-
-
 def measure(schedule: str, microbatches: int) -> dict:
     stages = 8 if schedule in TWO_STAGES_PER_MESH else 4
     step, args = _common.transformer_setup(8, microbatches, schedule=schedule, stages=stages)
@@ -78,8 +72,9 @@ def measure(schedule: str, microbatches: int) -> dict:
     cost = measured(timeline)  # seconds, per stage and kind
     costs = mean_costs(cost, stages)
     steady = 1e3 * steady_bubble(actions, layout, cost)
-    in_domain = IN_DOMAIN.get(schedule, lambda c: True)(costs)
-    published = bubble_time_formula(schedule, 4, costs) if in_domain else float("nan")
+    published = (
+        bubble_time_formula(schedule, 4, costs) if formula_holds(schedule, costs) else float("nan")
+    )
     step_ms = 1e3 * _common.seconds(lambda: jax.block_until_ready(executable(*args)), repeat=5)
     peaks = [m.peak_activation_bytes / 1e3 for m in executable.memory]
     return {

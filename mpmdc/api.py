@@ -866,12 +866,14 @@ def compile(
     (a pytree or prefix of ``NamedSharding`` on one of ``meshes``, or ``None``) says on
     which mesh, and how, an output should live, e.g. the input's sharding for a result
     a loop feeds back. Stage ``s`` runs
-    on ``meshes[s % len(meshes)]`` unless ``stage_to_mesh`` maps it elsewhere.
+    on ``meshes[s % len(meshes)]`` unless ``stage_to_mesh`` maps it elsewhere or the
+    schedule places its stages (the V order of ``"zb-v"`` and ``"dualpipev"``).
 
-    ``schedule`` (a name such as ``"interleaved-1f1b"``, an ``mpmdc.schedules.Schedule``
-    or per-mesh action lists) orders the microbatches of ``fn``'s ``mpmdc.accumulate``
-    loop, overriding the schedule named there: the schedule goes with the layout
-    (meshes, ``stage_to_mesh``), so changing the layout needs no edit of the model.
+    ``schedule`` (a name such as ``"interleaved-1f1b"``, an ``mpmdc.schedules.Schedule``,
+    per-mesh action lists, ``"auto"`` or a function of the ``mpmdc.schedules.Pipeline``)
+    orders the microbatches of ``fn``'s ``mpmdc.accumulate`` loop, overriding the
+    schedule named there: the schedule goes with the layout (meshes, ``stage_to_mesh``),
+    so changing the layout needs no edit of the model.
 
     ``partition="balanced"`` makes the markers' indices name *segments*, grouped into
     the stages the schedule runs (one per mesh, two for interleaved and V schedules) so

@@ -22,7 +22,7 @@ from mpmdc.estimates import Estimate, estimate, memory_limit, trial_split
 from mpmdc.ir.layers import layer_stages, regrouped
 from mpmdc.ir.primitives import BALANCED, ActionKind, fragment_p, is_layer_marker
 from mpmdc.ir.program import Program, SegmentCost, StagePlan, find_eqns, make_closed_jaxpr
-from mpmdc.schedules.balance import balance, stage_times
+from mpmdc.schedules.balance import balance, check_enough, stage_times
 
 
 def wants_balancing(program: Program, partition) -> bool:
@@ -43,6 +43,7 @@ def balanced(program: Program, schedule) -> Program:
     eqns = fine.jaxpr.jaxpr.eqns
     marked = {e.params["stage"] for e in eqns if e.primitive is fragment_p}
     segments = max([*marked, *layer_stages(eqns)], default=0) + 1
+    check_enough(segments, stages)
     found = estimate(fine, segments)
     costs = segment_costs(found, fine.microbatches or 1)
     time = stage_times(costs, found.flow, found.link)
@@ -76,30 +77,30 @@ def segment_costs(found: Estimate, microbatches: int) -> list[SegmentCost]:
 
 def _memory_rule(program: Program, schedule, stages: int, costs: list[SegmentCost]):
     """``fits(stage, a, b)``: whether segments ``a..b-1`` fit the memory stage ``stage``'s
-    mesh has for it; everything fits where the platform reports no memory limit."""
+    mesh has for it (the mesh's memory shared by its stages, in the placement the user gave
+    or the schedule's own); everything fits where the platform reports no memory limit."""
     num_meshes = len(program.meshes)
-    placement = schedule.placement(stages, num_meshes) if program.microbatches else None
+    placement = program.stage_to_mesh
+    if placement is None and program.microbatches:
+        placement = schedule.placement(stages, num_meshes)
     layout = schedules.Layout.make(
         stages, program.microbatches or 1, placement, num_meshes=num_meshes
     )
     per_mesh = schedule.actions(layout) if program.microbatches else None
-    limits = []
+    share = []
     for mesh in range(num_meshes):
-        limit = memory_limit(program.meshes[mesh])
-        limits.append(None if limit is None else limit / len(layout.stages_of(mesh)))
-    in_flight = [
-        schedules.in_flight([[a for a in row if a.stage == s] for row in per_mesh])[
-            layout.stage_to_mesh[s]
-        ]
-        if per_mesh
-        else 1
-        for s in range(stages)
-    ]
+        limit, placed = memory_limit(program.meshes[mesh]), len(layout.stages_of(mesh))
+        share.append(None if limit is None or not placed else limit / placed)
+    in_flight = [1.0] * stages
+    if per_mesh:
+        for s in range(stages):
+            rows = [[a for a in row if a.stage == s] for row in per_mesh]
+            in_flight[s] = max(schedules.in_flight(rows))
     held = np.concatenate([[0], np.cumsum([c.held for c in costs])])
     acts = np.concatenate([[0], np.cumsum([c.activations for c in costs])])
 
     def fits(stage: int, a: int, b: int) -> bool:
-        limit = limits[layout.stage_to_mesh[stage]]
+        limit = share[layout.stage_to_mesh[stage]]
         need = held[b] - held[a] + (acts[b] - acts[a]) * in_flight[stage]
         return limit is None or need <= limit
 

@@ -14,9 +14,11 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from mpmdc import backends, schedules
+from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
 from mpmdc.ir.program import Program, is_var, nbytes
 from mpmdc.ir.sharding import program_spec_forms
@@ -67,14 +69,11 @@ class Estimate:
     link: float
 
     def cost(self, stage: int, kind: ActionKind) -> float:
-        """Seconds of stage ``stage``'s ``kind`` per microbatch: ``B`` is ``I + W`` where the
-        backward was cut, and ``I``/``W`` split an uncut ``B`` evenly."""
-        seconds = self.seconds
-        if kind is ActionKind.B and (stage, kind) not in seconds:
-            return seconds.get((stage, ActionKind.I), 0.0) + seconds.get((stage, ActionKind.W), 0.0)
-        if kind in (ActionKind.I, ActionKind.W) and (stage, kind) not in seconds:
-            return seconds.get((stage, ActionKind.B), 0.0) / 2
-        return seconds.get((stage, kind), 0.0)
+        """Seconds of stage ``stage``'s ``kind`` per microbatch (``schedules.by_kind``'s
+        rules for a backward estimated whole or in halves)."""
+        return schedules.by_kind(lambda s, k: self.seconds.get((s, k)))(
+            schedules.Action(stage, kind, 0)
+        )
 
 
 def trial_split(program: Program) -> Program:
@@ -87,9 +86,14 @@ def trial_split(program: Program) -> Program:
 
 def memory_limit(mesh) -> int | None:
     """Bytes of memory ``mesh``'s devices have together, ``None`` where the platform does
-    not say (CPU)."""
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in mesh.devices.flat]
-    return None if None in limits else sum(limits)
+    not say (CPU): the smallest of its devices this process holds (of this process's
+    first device where it holds none, as only a device's own process can ask it) times
+    its device count, so every process of a run of like devices computes the same."""
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    limits = [
+        (d.memory_stats() or {}).get("bytes_limit") for d in devices or jax.local_devices()[:1]
+    ]
+    return None if None in limits else min(limits) * mesh.devices.size
 
 
 def estimate(program: Program, num_stages: int) -> Estimate:
@@ -114,7 +118,8 @@ def estimate(program: Program, num_stages: int) -> Estimate:
                     inputs.add(v)
             continue
         s, kind = eqn.params["stage"], eqn.params["kind"]
-        in_loop = eqn.params["microbatch"] is LOOP
+        # Without a microbatch loop every fragment is the one microbatch's.
+        in_loop = eqn.params["microbatch"] is LOOP or program.microbatches is None
         cost = lower_fragment(program, eqn, chosen, forms).cost_analysis() or {}
         took = max(
             cost.get("flops", 0.0) / throughput.flops,
@@ -165,18 +170,12 @@ def pipeline_of(program: Program, chooser, microbatches: int) -> schedules.Pipel
         split_backward(trial.replace(schedule=schedules.loop_schedule(cut, layout))), stages
     )
     cost = schedules.measured(chooser.costs) or (lambda a: found.cost(a.stage, a.kind))
-    if chooser.memory_cap is None:
-        limits = [memory_limit(mesh) for mesh in program.meshes]
-        caps = tuple(
-            None
-            if limit is None
-            else limit - sum(int(found.held[s]) for s in layout.stages_of(mesh))
-            for mesh, limit in enumerate(limits)
+    cap = chooser.memory_cap
+    if isinstance(cap, tuple) and len(cap) != num_meshes:
+        raise ScheduleError(
+            f"memory_cap has {len(cap)} entries for {num_meshes} meshes; give one per mesh "
+            f"or one number for all."
         )
-    elif isinstance(chooser.memory_cap, (int, float)):
-        caps = (float(chooser.memory_cap),) * num_meshes
-    else:
-        caps = tuple(chooser.memory_cap)
     return schedules.Pipeline(
         num_stages=stages,
         num_meshes=num_meshes,
@@ -184,7 +183,9 @@ def pipeline_of(program: Program, chooser, microbatches: int) -> schedules.Pipel
         stage_to_mesh=program.stage_to_mesh,
         cost=cost,
         activations=tuple(float(a) for a in found.activations),
-        memory_cap=caps,
+        memory_cap=cap if isinstance(cap, tuple) else (cap,) * num_meshes,
+        held=tuple(float(h) for h in found.held),
+        memory=tuple(memory_limit(mesh) for mesh in program.meshes),
     )
 
 

@@ -35,6 +35,8 @@ from mpmdc.schedules import (
     Layout,
     bubble_formula,
     bubble_time_formula,
+    cost_of,
+    formula_holds,
     simulate,
     steady_bubble,
 )
@@ -233,7 +235,7 @@ def _schedule(args) -> int:
                 meshes,
                 args.microbatches,
                 None,
-                lambda action: costs[action.kind],
+                lambda action: cost_of(costs, action),
                 (1.0,) * args.stages,
                 (None,) * meshes,
             )
@@ -263,7 +265,9 @@ def _schedule(args) -> int:
         line += f" (formula (p-1)/(v*m+p-1) = {formula:.4f})"
     print(line)
     line = f"steady training (steps back to back): bubble {steady:g} per mesh and step"
-    if schedule.name in BUBBLE_FORMULAS:
+    if schedule.name in BUBBLE_FORMULAS and not formula_holds(schedule.name, costs):
+        line += " (the published formula does not hold at these costs: W is too large)"
+    elif schedule.name in BUBBLE_FORMULAS:
         formula = bubble_time_formula(schedule.name, layout.num_meshes, costs)
         line += f" (published formula {formula:g})"
     print(line)

@@ -46,7 +46,7 @@ class Loop:
     """What an ``accumulate`` call traced for mpmdc leaves for the ``schedule`` pass,
     and the user's line that called it."""
 
-    schedule: library.Schedule
+    schedule: library.Schedule | library.Chooser
     microbatches: int
     called_at: str
 
@@ -266,8 +266,9 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
 
     ``reduce`` is ``"sum"``, ``"mean"``, ``"concat"`` (along the leading axis), ``"max"``
     or a pytree prefix of these matching ``fn``'s outputs. ``schedule`` (a name, an
-    ``mpmdc.schedules.Schedule`` or per-mesh action lists) is how mpmdc orders the
-    microbatches' fragments on the meshes; it does not change the result.
+    ``mpmdc.schedules.Schedule``, per-mesh action lists, ``"auto"`` or a function of the
+    pipeline) is how mpmdc orders the microbatches' fragments on the meshes; it does not
+    change the result.
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise _error(f"microbatches must be a positive int, got {microbatches!r}.")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from mpmdc.schedules.library import (
     get,
     v_placement,
 )
-from mpmdc.schedules.simulate import in_flight, simulate, step_time
+from mpmdc.schedules.simulate import by_kind, in_flight, simulate, step_time
 from mpmdc.schedules.timeline import Timeline
 
 # Above this many actions per step, ``Auto`` tries fewer synthesized candidates: the
@@ -50,7 +51,9 @@ class Pipeline:
     ``stage_to_mesh``: the user's placement, or ``None`` (each schedule places its
     stages); ``cost(action)``: seconds; ``activations[s]``: bytes stage ``s`` keeps per
     microbatch in flight; ``memory_cap[mesh]``: bytes of activations the mesh may hold
-    (``None``: no cap).
+    (``None``: no cap of its own); ``held[s]``: bytes stage ``s`` holds all step and
+    ``memory[mesh]``: the mesh's devices' memory (``None``: unknown), which cap the
+    activations too once a placement puts stages on the mesh.
     """
 
     num_stages: int
@@ -60,6 +63,8 @@ class Pipeline:
     cost: Callable[[Action], float]
     activations: tuple[float, ...]
     memory_cap: tuple[float | None, ...]
+    held: tuple[float, ...] = ()
+    memory: tuple[float | None, ...] = ()
 
     def layout(self, schedule: Schedule) -> Layout:
         """The layout ``schedule`` runs: the user's placement, else the schedule's own."""
@@ -67,6 +72,19 @@ class Pipeline:
         return Layout.make(
             self.num_stages, self.microbatches, placement, num_meshes=self.num_meshes
         )
+
+    def caps(self, layout: Layout) -> tuple[float | None, ...]:
+        """Per mesh, the bytes of activations it may hold in ``layout``: its own cap, and
+        its memory less what its stages hold all step."""
+        out = []
+        for mesh in range(self.num_meshes):
+            limits = [self.memory_cap[mesh]]
+            if self.memory and self.memory[mesh] is not None:
+                held = sum(self.held[s] for s in layout.stages_of(mesh)) if self.held else 0.0
+                limits.append(self.memory[mesh] - held)
+            known = [x for x in limits if x is not None]
+            out.append(min(known) if known else None)
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -88,7 +106,7 @@ def evaluate(schedule: Schedule, pipeline: Pipeline) -> Evaluation:
     took = step_time(per_mesh, layout, pipeline.cost)
     busy = simulate(per_mesh, layout, pipeline.cost).busy_times
     peaks = in_flight(per_mesh, lambda stage: pipeline.activations[stage])
-    for mesh, (peak, cap) in enumerate(zip(peaks, pipeline.memory_cap)):
+    for mesh, (peak, cap) in enumerate(zip(peaks, pipeline.caps(layout), strict=True)):
         if cap is not None and peak > cap:
             raise ScheduleError(
                 f"{_label(schedule)} holds {peak / 1e6:.4g} MB of activations on mesh "
@@ -123,6 +141,7 @@ class Synthesized(ActionLists):
         self.how = how
 
     def placement(self, num_stages, num_meshes):
+        """The placement it was synthesized for (where the stage count matches)."""
         return self.stage_to_mesh if len(self.stage_to_mesh) == num_stages else None
 
     def __repr__(self) -> str:
@@ -141,7 +160,7 @@ class Auto(Chooser):
     name = "auto"
 
     def __init__(self, memory_cap=None, costs=None):
-        self.memory_cap = memory_cap
+        self.memory_cap = _checked_cap(memory_cap)
         self.costs = costs
 
     def choose(self, pipeline):
@@ -171,6 +190,23 @@ class Auto(Chooser):
         return best.schedule, choice
 
 
+def _checked_cap(cap):
+    """``memory_cap`` as ``None``, a float or a tuple of floats or ``None``s: checked."""
+    if cap is None:
+        return None
+    one = isinstance(cap, numbers.Real) and not isinstance(cap, bool)
+    caps = (cap,) if one else tuple(cap) if isinstance(cap, (list, tuple)) else None
+    if caps is None or not all(
+        c is None or (isinstance(c, numbers.Real) and not isinstance(c, bool) and c >= 0)
+        for c in caps
+    ):
+        raise ScheduleError(
+            f"memory_cap={cap!r}: give bytes of activations a mesh may hold, as one "
+            f"non-negative number or one per mesh (None for no cap)."
+        )
+    return float(cap) if one else tuple(None if c is None else float(c) for c in caps)
+
+
 class ChosenBy(Chooser):
     """A user's function ``fn(pipeline) -> schedule`` (a name, a ``Schedule`` or action
     lists), evaluated like ``Auto``'s candidates."""
@@ -180,7 +216,16 @@ class ChosenBy(Chooser):
         self.name = getattr(fn, "__name__", "chooser")
 
     def choose(self, pipeline):
-        schedule = get(self.fn(pipeline))
+        returned = self.fn(pipeline)
+        try:
+            schedule = get(returned)
+        except ScheduleError:
+            schedule = None
+        if not isinstance(schedule, Schedule):
+            raise ScheduleError(
+                f"the schedule function {self.name} returned {returned!r}; return a schedule "
+                f"name (not 'auto'), an mpmdc.schedules.Schedule or per-mesh action lists."
+            )
         found = evaluate(schedule, pipeline)
         label = _label(schedule)
         considered = ((label, found.step_time, ""),)
@@ -221,13 +266,14 @@ def candidates(pipeline: Pipeline) -> list[Schedule]:
             if not small:
                 orders = [o for o in orders if o[-1] is not ActionKind.F][:3]
             caps = range(1, m * len(layout.stages_of(0)) + 1) if small else (p, 2 * p - 1)
+            memory = pipeline.caps(layout)
             for order, units in itertools.product(orders, caps):
-                cap = _cap(pipeline, units * weight)
+                cap = _cap(memory, units * weight)
                 try:
                     per_mesh = list_schedule(
                         layout,
                         cap=cap,
-                        priority=lambda a, _, order=order: (order.index(a.kind), -a.stage),
+                        priority=lambda a, order=order: (order.index(a.kind), -a.stage),
                         split=split,
                         cost=pipeline.cost,
                         weight=lambda stage: pipeline.activations[stage] or 0.0,
@@ -242,21 +288,22 @@ def candidates(pipeline: Pipeline) -> list[Schedule]:
     return out
 
 
-def _cap(pipeline: Pipeline, limit: float) -> Callable[[int], float]:
+def _cap(memory: tuple[float | None, ...], limit: float) -> Callable[[int], float]:
     """Per mesh, the smaller of ``limit`` and its memory cap."""
-    return lambda mesh: min(
-        limit, pipeline.memory_cap[mesh] if pipeline.memory_cap[mesh] is not None else limit
-    )
+    return lambda mesh: limit if memory[mesh] is None else min(limit, memory[mesh])
 
 
 def measured(costs) -> Callable[[Action], float] | None:
     """A cost function (seconds) from measured costs: the ``Timeline`` of
     ``Compiled.run_timed`` (milliseconds; each stage and kind at its mean over the
-    microbatches), a mapping from kind to seconds, or a function of an action."""
+    microbatches), a mapping by kind or action label (as :func:`simulate` takes), or a
+    function of an action. A backward measured whole gives ``I`` and ``W`` half of it
+    each, and one measured in halves gives ``B`` their sum."""
     if costs is None or (callable(costs) and not isinstance(costs, Timeline)):
         return costs
     if isinstance(costs, Mapping):
-        return lambda action: float(costs[action.kind])
+        kinds = {ActionKind(k) for k in costs if k in tuple(ActionKind)}
+        return by_kind(lambda stage, kind: costs[kind] if kind in kinds else None)
     took: dict = {}
     for row in costs.meshes:
         for slot in row:
@@ -265,16 +312,7 @@ def measured(costs) -> Callable[[Action], float] | None:
                     (slot.end - slot.start) / 1e3
                 )
     mean = {key: sum(v) / len(v) for key, v in took.items()}
-
-    def cost(action: Action) -> float:
-        s, kind = action.stage, action.kind
-        if (s, kind) in mean:
-            return mean[s, kind]
-        if kind is ActionKind.B:
-            return mean.get((s, ActionKind.I), 0.0) + mean.get((s, ActionKind.W), 0.0)
-        return mean.get((s, ActionKind.B), 0.0) / 2  # I or W of a backward measured whole
-
-    return cost
+    return by_kind(lambda stage, kind: mean.get((stage, kind)))
 
 
 CHOOSERS["auto"] = Auto

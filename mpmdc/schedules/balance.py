@@ -44,6 +44,16 @@ def stage_times(
     return time
 
 
+def check_enough(num_segments: int, num_stages: int) -> None:
+    """A ``StageError`` unless there are at least as many segments as stages."""
+    if num_segments < num_stages:
+        raise StageError(
+            f"{num_stages} stages need at least {num_stages} marked segments to group, but "
+            f"the program marks {num_segments}; mark more segments (one per layer, say) or "
+            f"use fewer meshes."
+        )
+
+
 def balance(
     num_segments: int,
     num_stages: int,
@@ -55,11 +65,7 @@ def balance(
     groupings where ``fits(stage, a, b)`` holds for every stage. Ties go to the grouping
     with the earliest last cut. A ``StageError`` if none fits."""
     n, k = num_segments, num_stages
-    if n < k:
-        raise StageError(
-            f"{k} stages need at least {k} marked segments to group, but the program marks "
-            f"{n}; mark more segments (one per layer, say) or use fewer meshes."
-        )
+    check_enough(n, k)
     inf = float("inf")
     # best[s][j]: the smallest largest time of stages 0..s-1 holding segments 0..j-1
     best = [[inf] * (n + 1) for _ in range(k + 1)]

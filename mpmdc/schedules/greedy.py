@@ -23,7 +23,7 @@ def list_schedule(
     layout: Layout,
     *,
     cap: Callable[[int], float],
-    priority: Callable[[Action, Layout], tuple],
+    priority: Callable[[Action], tuple],
     split: bool = True,
     cost: Callable[[Action], float] | None = None,
     weight: Callable[[int], float] | None = None,
@@ -32,7 +32,7 @@ def list_schedule(
 
     ``cap(mesh)``: how much ``mesh`` may hold of the activations of stages between their
     forward and weight gradient, a stage's microbatch weighing ``weight(stage)`` (one
-    without it); ``priority(action, layout)``: the sort key among actions that can start
+    without it); ``priority(action)``: the sort key among actions that can start
     at the same time (smallest first); ``split``: backwards as ``I`` and ``W`` (else a
     whole ``B``); ``cost(action)``: its duration (unit costs without it).
     """
@@ -74,7 +74,7 @@ def list_schedule(
                 if at is None:
                     continue
                 action = Action(s, kind, b)
-                key = (max(at, free[mesh]), priority(action, layout))
+                key = (max(at, free[mesh]), priority(action))
                 if best is None or key < best[0]:
                     best = (key, action)
         if best is None:

@@ -226,7 +226,7 @@ class ZeroBubbleH2(Schedule):
         return list_schedule(layout, cap=lambda mesh: cap, priority=_input_gradients_first)
 
 
-def _input_gradients_first(action: Action, layout: Layout) -> int:
+def _input_gradients_first(action: Action) -> int:
     """``I`` before ``F`` before ``W`` among actions that can start at once."""
     return (ActionKind.I, ActionKind.F, ActionKind.W).index(action.kind)
 
@@ -250,12 +250,17 @@ class _VSchedule(Schedule):
     def _check(self, layout: Layout) -> None:
         p, n, m = layout.num_meshes, layout.num_stages, layout.microbatches
         if n != 2 * p or layout.stage_to_mesh != v_placement(p):
+            instead = (
+                "leave stage_to_mesh out or give it this V"
+                if n == 2 * p
+                else f"mark {2 * p} stages, or use a schedule of one stage per mesh ('zb-h2', "
+                f"'zb-h1', '1f1b')"
+            )
             raise ScheduleError(
                 f"{self.name} runs two stages per mesh in V order: {2 * p} stages on {p} "
                 f"mesh{'es' * (p > 1)}, stages s and {2 * p - 1}-s on mesh s "
                 f"(stage_to_mesh={list(v_placement(p))}, the default for this schedule); got "
-                f"{n} stages with stage_to_mesh={list(layout.stage_to_mesh)}. Mark {2 * p} "
-                f"stages, or leave stage_to_mesh out."
+                f"{n} stages with stage_to_mesh={list(layout.stage_to_mesh)}: {instead}."
             )
         if m < self.min_microbatches(p):
             raise ScheduleError(
@@ -487,6 +492,11 @@ def get(schedule) -> Schedule | Chooser:
         return ActionLists(schedule)
     if callable(schedule) and not isinstance(schedule, type):
         return CHOOSERS[callable](schedule)
+    if isinstance(schedule, type) and issubclass(schedule, (Schedule, Chooser)):
+        raise ScheduleError(
+            f"schedule={schedule.__name__} is a class; pass an instance, "
+            f"schedule={schedule.__name__}()."
+        )
     raise ScheduleError(
         f"schedule must be a name ({known}), an mpmdc.schedules.Schedule, per-mesh action "
         f"lists or a function of the pipeline, got {type(schedule).__name__}."

@@ -41,6 +41,25 @@ def measured_costs(timeline: Timeline) -> Callable[[Action], float]:
     return lambda action: took.get(action, 0.0)
 
 
+def by_kind(seconds: Callable[[int, ActionKind], float | None]) -> Callable[[Action], float]:
+    """A cost function from ``seconds(stage, kind)`` (``None`` where unknown): a ``B``
+    known only in halves costs ``I + W``, an ``I`` or ``W`` known only whole half the
+    ``B``, anything else unknown nothing."""
+
+    def cost(action: Action) -> float:
+        s, kind = action.stage, action.kind
+        known = seconds(s, kind)
+        if known is not None:
+            return float(known)
+        if kind is ActionKind.B:
+            return sum(seconds(s, k) or 0.0 for k in (ActionKind.I, ActionKind.W))
+        if kind in (ActionKind.I, ActionKind.W):
+            return (seconds(s, ActionKind.B) or 0.0) / 2
+        return 0.0
+
+    return cost
+
+
 def cost_of(costs: Costs | None, action: Action) -> float:
     """``action``'s cost: by its label (``"0F1"``), else by its kind (``"F"``)."""
     if costs is None:
@@ -243,6 +262,13 @@ def bubble_time_formula(schedule_name: str, num_meshes: int, costs: Mapping[str,
     f, i, w = (float(costs[k]) for k in "FIW")
     b = float(costs.get("B", i + w))
     return (num_meshes - 1) * BUBBLE_FORMULAS[schedule_name](f, b, i, w)
+
+
+def formula_holds(schedule_name: str, costs: Mapping[str, float]) -> bool:
+    """Whether ``costs`` lie where the schedule's published formula is stated to hold
+    (``W <= F`` for ZB-H1, ``W <= min(F, I)`` for ZB-V; everywhere for the others)."""
+    f, i, w = (float(costs[k]) for k in "FIW")
+    return {"zb-h1": w <= f, "zb-v": w <= min(f, i)}.get(schedule_name, True)
 
 
 # Per schedule, the bubble per mesh and step over ``p - 1`` (see ``bubble_time_formula``).

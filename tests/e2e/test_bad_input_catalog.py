@@ -509,6 +509,28 @@ MISTAKES = [
         r"use mpmdc.compile\(\.\.\., schedule='interleaved-1f1b'\)",
         lambda w: lower(lambda a, x: accumulating(a, x), w, stage_to_mesh=(0, 0)),
     ),
+    Mistake(
+        "a V schedule on one stage per mesh",
+        errors.ScheduleError,
+        "zb-v runs two stages per mesh in V order",
+        lambda w: lower(lambda a, x: accumulating(a, x, schedule="zb-v"), w),
+    ),
+    Mistake(
+        "balanced stages from fewer marked segments than stages",
+        errors.StageError,
+        "need at least 4 marked segments",
+        lambda w: lower(
+            lambda a, x: accumulating(a, x, schedule="dualpipev"), w, partition="balanced"
+        ),
+    ),
+    Mistake(
+        "schedule='auto' with a memory cap per mesh for too few meshes",
+        errors.ScheduleError,
+        "memory_cap has 1 entries for 2 meshes",
+        lambda w: lower(
+            lambda a, x: accumulating(a, x), w, schedule=mpmdc.schedules.Auto(memory_cap=(1e9,))
+        ),
+    ),
     # the command line (exit status 2: usage; 1: the program failed)
     Mistake(
         "`mpmdc dump` of a file that does not exist",

@@ -194,3 +194,55 @@ def test_auto_chooses_from_measured_costs(meshes4):
 def test_unknown_names_list_auto(meshes4):
     with pytest.raises(ScheduleError, match=r"known schedules: gpipe, .*dualpipev, auto"):
         mpmdc.compile(step_with("1f1b"), meshes4, schedule="fastest")
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: Auto(memory_cap="lots"), "memory_cap='lots': give bytes of activations"),
+        (lambda: Auto(memory_cap=(1e9, -1.0)), "memory_cap=(1000000000.0, -1.0)"),
+        (
+            lambda: mpmdc.schedules.get(Auto),
+            "schedule=Auto is a class; pass an instance, schedule=Auto()",
+        ),
+    ],
+)
+def test_auto_arguments_are_checked(make, says):
+    with pytest.raises(ScheduleError, match=re.escape(says)):
+        make()
+
+
+def test_a_schedule_function_must_return_a_schedule_and_caps_match_the_meshes(meshes4):
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+
+    def lazy(pipeline):
+        return "auto"
+
+    with pytest.raises(
+        ScheduleError, match=re.escape("the schedule function lazy returned 'auto'")
+    ):
+        mpmdc.compile(step_with("auto"), meshes4, schedule=lazy).lower(params, *mlp_data())
+    with pytest.raises(ScheduleError, match=re.escape("memory_cap has 2 entries for 4 meshes")):
+        mpmdc.compile(step_with("auto"), meshes4, schedule=Auto(memory_cap=(1e9, 1e9))).lower(
+            params, *mlp_data()
+        )
+
+
+def test_costs_by_kind_fill_in_whole_and_split_backwards():
+    cost = measured({"F": 1.0, "I": 2.0, "W": 0.5})
+    assert cost(Action(0, "B", 3)) == 2.5 and cost(Action(1, "W", 0)) == 0.5
+    whole = measured({"F": 1.0, "B": 3.0})
+    assert whole(Action(0, "I", 0)) == whole(Action(0, "W", 0)) == 1.5
+    pipeline = Pipeline(4, 4, 8, None, cost, (1.0,) * 4, (None,) * 4)
+    _, choice = Auto().choose(pipeline)
+    assert choice.step_time > 0
+
+
+def test_the_memory_of_a_placement_counts_what_its_stages_hold():
+    """The V order puts stages 0 and 7 on mesh 0: its cap for activations is its memory
+    less both stages' parameters, whatever the round-robin placement would hold there."""
+    held = (5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 50.0)
+    pipeline = Pipeline(8, 4, 8, None, lambda a: 1.0, (1.0,) * 8, (None,) * 4, held, (100.0,) * 4)
+    v = pipeline.layout(mpmdc.schedules.ZeroBubbleV())
+    round_robin = pipeline.layout(mpmdc.schedules.Interleaved1F1B())
+    assert pipeline.caps(v)[0] == 100 - 55 and pipeline.caps(round_robin)[0] == 100 - 6

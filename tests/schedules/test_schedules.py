@@ -239,7 +239,7 @@ def test_bad_schedules_are_named(lists, says):
             "on mesh s (stage_to_mesh=[0, 1, 2, 3, 3, 2, 1, 0], the default for this "
             "schedule); got 8 stages with stage_to_mesh=[0, 1, 2, 3, 0, 1, 2, 3]",
         ),
-        ("dualpipev", Layout.make(4, 8), "Mark 8 stages, or leave stage_to_mesh out"),
+        ("dualpipev", Layout.make(4, 8), "mark 8 stages, or use a schedule of one stage per mesh"),
         (
             "dualpipev",
             Layout.make(8, 6, v_placement(4)),
