@@ -21,7 +21,7 @@ from mpmdc import schedules
 from mpmdc.estimates import Estimate, estimate, memory_limit, trial_split
 from mpmdc.ir.layers import layer_stages, regrouped
 from mpmdc.ir.primitives import BALANCED, ActionKind, fragment_p, is_layer_marker
-from mpmdc.ir.program import Program, SegmentCost, StagePlan, find_eqns, make_closed_jaxpr
+from mpmdc.ir.program import Program, SegmentCost, StagePlan, find_eqns
 from mpmdc.schedules.balance import balance, check_enough, stage_times
 
 
@@ -49,16 +49,8 @@ def balanced(program: Program, schedule) -> Program:
     time = stage_times(costs, found.flow, found.link)
     groups = balance(segments, stages, time, _memory_rule(program, schedule, stages, costs))
     plan = StagePlan(groups, tuple(time(g[0], g[-1] + 1) for g in groups), tuple(costs))
-    jaxpr = program.jaxpr.jaxpr
-    closed = make_closed_jaxpr(
-        jaxpr.constvars,
-        program.jaxpr.consts,
-        jaxpr.invars,
-        jaxpr.outvars,
-        regrouped(jaxpr, plan.stage_of).eqns,
-        jaxpr.debug_info,
-    )
-    return program.replace(jaxpr=closed, stage_plan=plan)
+    renumbered = regrouped(program.jaxpr.jaxpr, plan.stage_of)
+    return program.with_eqns(renumbered.eqns).replace(stage_plan=plan)
 
 
 def segment_costs(found: Estimate, microbatches: int) -> list[SegmentCost]:

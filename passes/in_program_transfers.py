@@ -132,15 +132,6 @@ def in_program_transfers(program: Program) -> Program:
         else:
             new_eqns.append(eqn)
 
-    jaxpr = program.jaxpr.jaxpr
-    closed = make_closed_jaxpr(
-        jaxpr.constvars,
-        program.jaxpr.consts,
-        jaxpr.invars,
-        jaxpr.outvars,
-        new_eqns,
-        jaxpr.debug_info,
-    )
     # Moved values are now dead transfer results (pruned by the transfer DCE rule), and
     # sent values nobody else reads are dead fragment outputs.
-    return dce(program.replace(jaxpr=closed))
+    return dce(program.with_eqns(new_eqns))

@@ -37,7 +37,7 @@ from mpmdc.passes.base import register
 
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.loop import stamp
-from mpmdc.ir.program import Program, make_closed_jaxpr
+from mpmdc.ir.program import Program
 from mpmdc.schedules import Action, action_of, actions_of, layout_of, simulate
 
 
@@ -85,14 +85,4 @@ def schedule(program: Program) -> Program:
     timeline = simulate(actions_of(program), layout)
     start = {slot.action: slot.start for row in timeline.meshes for slot in row}
     program = program.replace(jaxpr=stamp(program.jaxpr, layout.microbatches))
-    eqns = list(program.jaxpr.jaxpr.eqns)
-    jaxpr = program.jaxpr.jaxpr
-    closed = make_closed_jaxpr(
-        jaxpr.constvars,
-        program.jaxpr.consts,
-        jaxpr.invars,
-        jaxpr.outvars,
-        _ordered(eqns, start),
-        jaxpr.debug_info,
-    )
-    return program.replace(jaxpr=closed)
+    return program.with_eqns(_ordered(list(program.jaxpr.jaxpr.eqns), start))

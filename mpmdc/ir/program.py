@@ -269,6 +269,19 @@ class Program:
         """A copy with ``changes`` applied (programs are immutable)."""
         return dataclasses.replace(self, **changes)
 
+    def with_eqns(self, eqns) -> Program:
+        """A copy whose top-level equations are ``eqns`` (same inputs, outputs, constants)."""
+        jaxpr = self.jaxpr.jaxpr
+        closed = make_closed_jaxpr(
+            jaxpr.constvars,
+            self.jaxpr.consts,
+            jaxpr.invars,
+            jaxpr.outvars,
+            list(eqns),
+            jaxpr.debug_info,
+        )
+        return self.replace(jaxpr=closed)
+
     def mesh_of_stage(self, stage: int, eqn=None) -> int:
         """The mesh index stage ``stage`` runs on."""
         if self.stage_to_mesh is None:

@@ -22,7 +22,11 @@ def worst(groups, time):
     return max(time(g[0], g[-1] + 1) for g in groups)
 
 
-def random_case(rng, n):
+def random_case(seed, max_segments):
+    """``(segments, stages, costs, flow, rng)`` of a random problem."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, max_segments + 1))
+    k = int(rng.integers(1, n + 1))
     costs = [
         SegmentCost(
             float(rng.uniform(0.1, 3)),
@@ -39,15 +43,12 @@ def random_case(rng, n):
     for _ in range(n // 3):
         i, j = sorted(rng.choice(n, 2, replace=False))
         flow[i, j] += rng.uniform(0, 2)
-    return costs, flow
+    return n, k, costs, flow, rng
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_balance_finds_the_best_grouping_that_brute_force_finds(seed):
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(2, 11))
-    k = int(rng.integers(1, n + 1))
-    costs, flow = random_case(rng, n)
+    n, k, costs, flow, rng = random_case(seed, 10)
     time = stage_times(costs, flow, seconds_per_byte=float(rng.choice([0.0, 0.3])))
     got = balance(n, k, time)
     assert [s for g in got for s in g] == list(range(n)) and all(got)
@@ -56,10 +57,7 @@ def test_balance_finds_the_best_grouping_that_brute_force_finds(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_balance_keeps_every_stage_within_its_memory(seed):
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(2, 10))
-    k = int(rng.integers(1, n + 1))
-    costs, flow = random_case(rng, n)
+    n, k, costs, flow, rng = random_case(seed, 9)
     time = stage_times(costs, flow, seconds_per_byte=0.1)
     limit = [float(rng.uniform(60, 400)) for _ in range(k)]
     in_flight = [k - s for s in range(k)]  # 1F1B: stage s holds k - s microbatches

@@ -306,42 +306,13 @@ def test_schedule_command(capsys, tmp_path):
     assert out.count("\nmesh") == 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(trace.read_text())["traceEvents"]
-    assert (
-        cli.main(
-            [
-                "schedule",
-                "--schedule",
-                "zb-v",
-                "--stages",
-                "8",
-                "--meshes",
-                "4",
-                "--microbatches",
-                "8",
-                "--costs",
-                "F=1,I=1,W=1",
-            ]
-        )
-        == 0
-    )
-    assert "bubble 0 per mesh and step (published formula 0)" in capsys.readouterr().out
-    assert (
-        cli.main(
-            [
-                "schedule",
-                "--schedule",
-                "auto",
-                "--stages",
-                "4",
-                "--microbatches",
-                "8",
-                "--costs",
-                "F=1,I=1,W=1",
-            ]
-        )
-        == 0
-    )
-    assert "auto chose zb-h2: step 24, bubble 0 per mesh" in capsys.readouterr().out
+    for schedule, stages, says in (
+        ("zb-v", "8", "bubble 0 per mesh and step (published formula 0)"),
+        ("auto", "4", "auto chose zb-h2: step 24, bubble 0 per mesh"),
+    ):
+        argv = ["schedule", "--schedule", schedule, "--stages", stages, "--meshes", "4"]
+        assert cli.main([*argv, "--microbatches", "8", "--costs", "F=1,I=1,W=1"]) == 0
+        assert says in capsys.readouterr().out
     assert cli.main(["schedule", "--schedule", "nope", "--stages", "4", "--microbatches", "8"]) == 2
     assert "known schedules" in capsys.readouterr().err
     assert cli.main(["schedule", "--stages", "4", "--microbatches", "8", "--costs", "F=fast"]) == 2
