@@ -106,9 +106,11 @@ def estimate(program: Program, num_stages: int) -> Estimate:
     held = np.zeros(num_stages, dtype=np.int64)
     activations = np.zeros(num_stages, dtype=np.int64)
     flow = np.zeros((num_stages, num_stages))
-    producer: dict = {}  # value -> (stage, kind) of the fragment that made it
+    # value -> (stage, kind, in the loop) of the fragment that made it
+    producer: dict = {}
     inputs = set(program.jaxpr.jaxpr.invars)
     counted: set = set()
+    kept: set = set()
     for eqn in program.jaxpr.jaxpr.eqns:
         if eqn.primitive is not fragment_p:  # a transfer or loop edge: values pass through
             for a, v in zip(eqn.invars, eqn.outvars):
@@ -134,14 +136,17 @@ def estimate(program: Program, num_stages: int) -> Estimate:
                 counted.add((a, s))
                 held[s] += nbytes(a.aval)
             source = producer.get(a)
-            if source is None or not in_loop:
+            if source is None or not in_loop or not source[2]:
                 continue
             if source[0] != s:
                 flow[source[0], s] += nbytes(a.aval)
-            elif source[1] is ActionKind.F and kind is not ActionKind.F:
+            # A forward's value (its own or one received) that a backward reads is held
+            # from then until that backward: kept once, if both halves of a cut one read it.
+            if source[1] is ActionKind.F and kind is not ActionKind.F and (a, s) not in kept:
+                kept.add((a, s))
                 activations[s] += nbytes(a.aval)
         for v in eqn.outvars:
-            producer[v] = (s, kind)
+            producer[v] = (s, kind, in_loop)
     return Estimate(
         num_stages, dict(seconds), after_loop, held, activations, flow, 1.0 / throughput.link
     )
@@ -169,6 +174,14 @@ def pipeline_of(program: Program, chooser, microbatches: int) -> schedules.Pipel
     found = estimate(
         split_backward(trial.replace(schedule=schedules.loop_schedule(cut, layout))), stages
     )
+    if isinstance(chooser.costs, schedules.Timeline):
+        timed = {s.action.stage for row in chooser.costs.meshes for s in row if s.action}
+        if timed != set(range(stages)):
+            raise ScheduleError(
+                f"the measured timeline has actions of stages {sorted(timed)}, but this "
+                f"program runs stages 0..{stages - 1}; time this program (with the stages "
+                f"it will run) with Compiled.run_timed."
+            )
     cost = schedules.measured(chooser.costs) or (lambda a: found.cost(a.stage, a.kind))
     cap = chooser.memory_cap
     if isinstance(cap, tuple) and len(cap) != num_meshes:

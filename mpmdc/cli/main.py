@@ -211,15 +211,26 @@ def _dump(args) -> int:
 
 
 def _parse_costs(text: str | None) -> dict[str, float]:
-    costs = dict(UNIT_COSTS)
+    """``--costs``: non-negative numbers by kind; a backward given only as ``I`` and ``W``
+    costs their sum as ``B``, one given only as ``B`` costs half of it as each."""
+    given: dict[str, float] = {}
     for part in filter(None, (text or "").split(",")):
-        kind, _, value = part.partition("=")
+        kind, _, value = (x.strip() for x in part.partition("="))
         try:
-            costs[kind.strip()] = float(value)
+            number = float(value)
         except ValueError:
+            number = -1.0
+        if kind not in UNIT_COSTS or not number >= 0:
             raise UsageError(
-                f"--costs: {part!r} is not KIND=NUMBER (e.g. F=1,B=2,I=1,W=1)"
-            ) from None
+                f"--costs: {part!r} is not KIND=NUMBER with KIND one of F, B, I, W and a "
+                f"non-negative number (e.g. F=1,B=2,I=1,W=1)"
+            )
+        given[kind] = number
+    costs = {**UNIT_COSTS, **given}
+    if "B" not in given and ("I" in given or "W" in given):
+        costs["B"] = costs["I"] + costs["W"]
+    elif "B" in given and not ("I" in given or "W" in given):
+        costs["I"] = costs["W"] = given["B"] / 2
     return costs
 
 
@@ -227,7 +238,10 @@ def _schedule(args) -> int:
     costs = _parse_costs(args.costs)
     try:
         schedule = schedules.get(args.schedule)
-        meshes = args.meshes or args.stages
+        # Default: the meshes the schedule runs that many stages on (one per stage, or
+        # half as many for interleaved 1F1B and the V schedules).
+        per_mesh = schedule.stages_for(1) if isinstance(schedule, schedules.Schedule) else 1
+        meshes = args.meshes or max(1, args.stages // per_mesh)
         choice = None
         if isinstance(schedule, schedules.Chooser):
             pipeline = schedules.Pipeline(
@@ -432,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument(
         "--meshes",
         type=int,
-        help="meshes (default: one per stage); stage s on mesh s mod N, or the V order of "
-        "zb-v and dualpipev",
+        help="meshes (default: one per stage, half as many for interleaved-1f1b, zb-v and "
+        "dualpipev); stage s on mesh s mod N, or the V order of zb-v and dualpipev",
     )
     schedule.add_argument(
         "--costs", metavar="K=V,...", help="costs per kind (default F=1,B=2,I=1,W=1)"

@@ -170,18 +170,20 @@ class Auto(Chooser):
             try:
                 found = evaluate(candidate, pipeline)
             except ScheduleError as err:
-                tried.append((_label(candidate), None, str(err).split(";")[0]))
+                tried.append((_label(candidate), None, str(err).split(";")[0].rstrip(".")))
                 continue
             tried.append((_label(candidate), found.step_time, ""))
             # Built-in schedules come first and keep a tie: a name says more than lists.
             if best is None or _key(found) < _key(best):
                 best = found
         if best is None:
-            reasons = "; ".join(f"{name}: {why}" for name, _, why in tried[:4])
+            over = [(name, why) for name, _, why in tried if "over its cap" in why]
+            shown = "; ".join(f"{name} {why.split(' holds ', 1)[-1]}" for name, why in over[:3])
             raise ScheduleError(
-                f"no schedule runs {pipeline.num_stages} stages on {pipeline.num_meshes} "
-                f"meshes within the memory cap ({reasons}); raise the cap or use more "
-                f"microbatches of smaller size."
+                f"none of the {len(tried)} schedules considered runs {pipeline.num_stages} "
+                f"stages on {pipeline.num_meshes} meshes within the memory cap"
+                + (f" (e.g. {shown})" if shown else "")
+                + "; raise the cap or use more microbatches of smaller size."
             )
         tried.sort(key=lambda t: (t[1] is None, t[1] or 0.0))
         choice = ScheduleChoice(

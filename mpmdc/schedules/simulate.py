@@ -246,13 +246,16 @@ def bubble_time_formula(schedule_name: str, num_meshes: int, costs: Mapping[str,
     - GPipe, 1F1B, interleaved 1F1B (per stage of ``1/v`` of a mesh's layers):
       ``(p-1)(F+B)``;
     - ZB-H1: ``(p-1)(F+I-W)`` (the paper's, for ``W <= F``);
-    - ZB-H2: ``(p-1)(F+I-2W)``, none where that is negative;
-    - ZB-V: ``2(p-1)(max(F, I) - W)`` for ``W <= min(F, I)``: the paper's
-      ``(p-1)(F+I-2W)`` where ``F = I``, zero at equal costs;
-    - DualPipeV: ``(p-1)(F&B+B-3W)`` with ``F&B = F+B``. The formula is derived for a
-      pair's forward and backward overlapped in one call; mpmdc runs them one after the
-      other, each as soon as its own inputs are there, and the bubble is at most this
-      (``(p-1)(F+I-W)`` where ``F >= I`` and ``F >= W``).
+    - ZB-H2: ``(p-1) max(F+I-2W, I-F, 0)``: the paper's ``(p-1)(F+I-2W)`` where that is
+      the largest;
+    - ZB-V: ``(p-1)(F+I-2W)`` for ``F = I >= W`` (the paper's equal forward and backward
+      chunks), zero at equal costs;
+    - DualPipeV: ``(p-1)(F&B+B-3W)`` with ``F&B = F+B``, for ``W <= F <= I``. The formula
+      is derived for a pair's forward and backward overlapped in one call; mpmdc runs them
+      one after the other, each as soon as its own inputs are there, and its bubble there
+      is at most this.
+
+    :func:`formula_holds` says whether costs lie in a formula's domain.
     """
     if schedule_name not in BUBBLE_FORMULAS:
         raise ScheduleError(
@@ -265,10 +268,13 @@ def bubble_time_formula(schedule_name: str, num_meshes: int, costs: Mapping[str,
 
 
 def formula_holds(schedule_name: str, costs: Mapping[str, float]) -> bool:
-    """Whether ``costs`` lie where the schedule's published formula is stated to hold
-    (``W <= F`` for ZB-H1, ``W <= min(F, I)`` for ZB-V; everywhere for the others)."""
+    """Whether ``costs`` lie where the schedule's published formula holds (``W <= F`` for
+    ZB-H1, ``F = I >= W`` for ZB-V, ``W <= F <= I`` for DualPipeV; everywhere for the
+    others)."""
     f, i, w = (float(costs[k]) for k in "FIW")
-    return {"zb-h1": w <= f, "zb-v": w <= min(f, i)}.get(schedule_name, True)
+    return {"zb-h1": w <= f, "zb-v": f == i and w <= f, "dualpipev": w <= f <= i}.get(
+        schedule_name, True
+    )
 
 
 # Per schedule, the bubble per mesh and step over ``p - 1`` (see ``bubble_time_formula``).
@@ -277,7 +283,7 @@ BUBBLE_FORMULAS: dict[str, Callable[[float, float, float, float], float]] = {
     "1f1b": lambda f, b, i, w: f + b,
     "interleaved-1f1b": lambda f, b, i, w: f + b,
     "zb-h1": lambda f, b, i, w: f + i - w,
-    "zb-h2": lambda f, b, i, w: max(0.0, f + i - 2 * w),
-    "zb-v": lambda f, b, i, w: 2 * (max(f, i) - w),
+    "zb-h2": lambda f, b, i, w: max(0.0, f + i - 2 * w, i - f),
+    "zb-v": lambda f, b, i, w: f + i - 2 * w,
     "dualpipev": lambda f, b, i, w: (f + b) + b - 3 * w,
 }

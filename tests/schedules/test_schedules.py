@@ -4,6 +4,7 @@ import itertools
 import json
 import re
 
+import numpy as np
 import pytest
 
 from mpmdc import cli, schedules
@@ -14,6 +15,7 @@ from mpmdc.schedules import (
     Layout,
     bubble_formula,
     bubble_time_formula,
+    formula_holds,
     in_flight,
     simulate,
     steady_bubble,
@@ -38,7 +40,7 @@ def planned(name, p, m):
 # Costs of one stage's F, I and W (B = I + W for the schedules that do not split it).
 EQUAL = {"F": 1, "I": 1, "W": 1}
 COSTS = [EQUAL, {"F": 1, "I": 1, "W": 0.5}, {"F": 2, "I": 1, "W": 1}, {"F": 1.5, "I": 1, "W": 0.7}]
-COSTS_I_ABOVE_F = [{"F": 1, "I": 2, "W": 1}, {"F": 1, "I": 1.5, "W": 0.5}]
+COSTS_I_ABOVE_F = [{"F": 1, "I": 2, "W": 1}, {"F": 1, "I": 1.5, "W": 0.5}, {"F": 1, "I": 2, "W": 2}]
 COSTS_W_ABOVE_F = [{"F": 1, "I": 1, "W": 1.5}]
 
 
@@ -47,14 +49,12 @@ def with_whole_backward(name, costs):
 
 
 WHOLE = ("gpipe", "1f1b", "interleaved-1f1b")
-# The domain each published formula is stated for (see ``bubble_time_formula``).
+EQUAL_F_AND_I = [{"F": 2, "I": 2, "W": 1}, {"F": 1.5, "I": 1.5, "W": 0.2}]
+ALL_COSTS = COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F + EQUAL_F_AND_I
+# Each formula on every cost set in its domain (see ``bubble_time_formula``).
 FORMULA_HOLDS = {
-    "gpipe": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
-    "1f1b": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
-    "interleaved-1f1b": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
-    "zb-h1": COSTS + COSTS_I_ABOVE_F,
-    "zb-h2": COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F,
-    "zb-v": [EQUAL, {"F": 1, "I": 1, "W": 0.5}, {"F": 2, "I": 1, "W": 1}, {"F": 1, "I": 2, "W": 1}],
+    name: [c for c in ALL_COSTS if formula_holds(name, c)]
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 }
 MESHES_AND_MICROBATCHES = [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 16), (6, 12), (8, 17)]
 
@@ -66,6 +66,7 @@ def test_steady_bubble_is_the_published_formula(name, p, m):
     if name == "interleaved-1f1b" and m % p:
         m = m // p * p
     per_mesh, layout = planned(name, p, m)
+    assert len(FORMULA_HOLDS[name]) >= 4
     for costs in FORMULA_HOLDS[name]:
         got = steady_bubble(per_mesh, layout, with_whole_backward(name, costs))
         assert got == pytest.approx(bubble_time_formula(name, p, costs), abs=1e-9), costs
@@ -75,15 +76,38 @@ def test_steady_bubble_is_the_published_formula(name, p, m):
 def test_dualpipev_bubble_is_at_most_the_published_formula(p, m):
     """DualPipe's formula counts a forward and a backward overlapped in one call; run one
     after the other, the pair's halves start when their own inputs are there, and the
-    bubble is at most the formula's (equal to ZB-H1's where F is the largest cost)."""
-    if m < 2 * p:
-        m = 2 * p
-    per_mesh, layout = planned("dualpipev", p, m)
-    for costs in COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F:
+    bubble is at most the formula's where it holds (``W <= F <= I``)."""
+    per_mesh, layout = planned("dualpipev", p, max(m, 2 * p))
+    domain = [c for c in COSTS + COSTS_I_ABOVE_F + COSTS_W_ABOVE_F if formula_holds("dualpipev", c)]
+    assert len(domain) >= 3
+    for costs in domain:
         got = steady_bubble(per_mesh, layout, costs)
         assert got <= bubble_time_formula("dualpipev", p, costs) + 1e-9, costs
-        if costs["F"] >= max(costs["I"], costs["W"]):
-            assert got == pytest.approx(bubble_time_formula("zb-h1", p, costs), abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_formula_domains_hold_on_random_costs(seed):
+    """Random costs, meshes and microbatches: where ``formula_holds``, the steady bubble
+    is the formula (ZB-H1, ZB-H2, ZB-V) or at most it (DualPipeV)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(8):
+        p = int(rng.integers(2, 6))
+        m = int(rng.integers(2 * p, 4 * p))
+        costs = {k: float(rng.choice([0.5, 1, 1.5, 2, 3])) for k in "FIW"}
+        if rng.random() < 0.5:
+            costs["I"] = costs["F"]
+        for name in ("zb-h1", "zb-h2", "zb-v", "dualpipev"):
+            if not formula_holds(name, costs):
+                continue
+            per_mesh, layout = planned(name, p, m)
+            got, formula = (
+                steady_bubble(per_mesh, layout, costs),
+                bubble_time_formula(name, p, costs),
+            )
+            if name == "dualpipev":
+                assert got <= formula + 1e-9, (name, p, m, costs)
+            else:
+                assert got == pytest.approx(formula, abs=1e-9), (name, p, m, costs)
 
 
 @pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
