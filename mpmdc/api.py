@@ -717,13 +717,6 @@ class Wrapped:
         if wants_balancing(program, self.partition):
             # A chooser's stages are one per mesh, balanced as for 1F1B's memory.
             program = balanced(program, schedules.OneFOneB() if choosing else schedule)
-            stages = len(program.stage_plan.groups)
-            if self.stage_to_mesh is not None and len(self.stage_to_mesh) != stages:
-                raise StageError(
-                    f"stage_to_mesh has {len(self.stage_to_mesh)} entries, but balancing "
-                    f"groups the marked segments into {stages} stages: with "
-                    f"partition='balanced' it maps those stages, one entry each."
-                )
         if loop:
             choice = None
             if choosing:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpmdc import schedules
+from mpmdc.errors import StageError
 from mpmdc.estimates import Estimate, estimate, memory_limit, trial_split
 from mpmdc.ir.layers import layer_stages, regrouped
 from mpmdc.ir.primitives import BALANCED, ActionKind, fragment_p, is_layer_marker
@@ -39,6 +40,12 @@ def balanced(program: Program, schedule) -> Program:
     grouping kept as ``program.stage_plan``."""
     num_meshes = len(program.meshes)
     stages = schedule.stages_for(num_meshes) if program.microbatches else num_meshes
+    if program.stage_to_mesh is not None and len(program.stage_to_mesh) != stages:
+        raise StageError(
+            f"stage_to_mesh has {len(program.stage_to_mesh)} entries, but balancing groups "
+            f"the marked segments into {stages} stages: with partition='balanced' it maps "
+            f"those stages, one entry each."
+        )
     fine = trial_split(program.replace(stage_to_mesh=None))
     eqns = fine.jaxpr.jaxpr.eqns
     marked = {e.params["stage"] for e in eqns if e.primitive is fragment_p}

@@ -139,5 +139,10 @@ def test_balancing_errors_name_the_problem(meshes4):
         ),
     ):
         mpmdc.compile(mlp_step, meshes4, partition="balanced").lower(params, *mlp_data())
+    with pytest.raises(
+        StageError, match=re.escape("with partition='balanced' it maps those stages")
+    ):
+        step = mpmdc.compile(mlp_step, meshes4, partition="balanced", stage_to_mesh=[0] * 8)
+        step.lower(init_params(jax.random.key(0), WIDTHS), *mlp_data())
     with pytest.raises(StageError, match=re.escape("every='even': give a positive int")):
         mpmdc.stage(jnp.ones(3), every="even")

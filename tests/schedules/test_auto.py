@@ -192,6 +192,17 @@ def test_auto_chooses_from_measured_costs(meshes4):
     assert choice.step_time == pytest.approx(step_time(per_mesh, layout, cost))
 
 
+def test_a_timeline_of_other_stages_is_refused(meshes4):
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+    compiled = mpmdc.compile(step_with("zb-h1"), meshes4).lower(params, *mlp_data()).compile()
+    _, timeline = compiled.run_timed(params, *mlp_data())
+    wider = init_params(jax.random.key(0), [16] + [32] * 7 + [8])  # 8 stages
+    with pytest.raises(ScheduleError, match=re.escape("has actions of stages [0, 1, 2, 3]")):
+        mpmdc.compile(step_with("auto"), meshes4, schedule=Auto(costs=timeline)).lower(
+            wider, *mlp_data()
+        )
+
+
 def test_unknown_names_list_auto(meshes4):
     with pytest.raises(ScheduleError, match=r"known schedules: gpipe, .*dualpipev, auto"):
         mpmdc.compile(step_with("1f1b"), meshes4, schedule="fastest")

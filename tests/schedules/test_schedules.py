@@ -337,6 +337,12 @@ def test_schedule_command(capsys, tmp_path):
         argv = ["schedule", "--schedule", schedule, "--stages", stages, "--meshes", "4"]
         assert cli.main([*argv, "--microbatches", "8", "--costs", "F=1,I=1,W=1"]) == 0
         assert says in capsys.readouterr().out
+    for bad in ("X=1", "W=-1", "F=fast"):
+        assert cli.main(["schedule", "--stages", "4", "--microbatches", "8", "--costs", bad]) == 2
+        assert "is not KIND=NUMBER" in capsys.readouterr().err
+    # I and W without B: B is their sum (1F1B pays for the work the split schedules do).
+    assert cli.main(["schedule", "--stages", "4", "--microbatches", "8", "--costs", "I=2,W=2"]) == 0
+    assert "costs F=1 B=4 I=2 W=2" in capsys.readouterr().out
     assert cli.main(["schedule", "--schedule", "nope", "--stages", "4", "--microbatches", "8"]) == 2
     assert "known schedules" in capsys.readouterr().err
     assert cli.main(["schedule", "--stages", "4", "--microbatches", "8", "--costs", "F=fast"]) == 2
