@@ -16,11 +16,15 @@ two meshes of one device (one core each) with the even split (four blocks per st
 and with ``partition="balanced"`` (each block a segment), and reports the groupings,
 their estimated compute per stage and both step times.
 
+Part 3 times ``schedule="auto"``'s choice alone on pipelines of 4 to 32 stages.
+
     python benchmarks/schedule.py [--schedules gpipe 1f1b ...] [--microbatches 8 16]
+        [--parts schedules balanced auto]
 """
 
 import argparse
 import statistics
+import time
 
 import _common  # first: it sets the device count before JAX starts
 import jax
@@ -28,6 +32,8 @@ import jax
 import mpmdc
 from mpmdc.cli.models import TransformerConfig, adam_init, init_transformer, transformer_step
 from mpmdc.schedules import (
+    Auto,
+    Pipeline,
     actions_of,
     bubble_formula,
     bubble_time_formula,
@@ -135,24 +141,60 @@ def balanced_against_even(vocab: int, microbatches: int, repeat: int) -> list[di
     return rows
 
 
+def auto_cost() -> list[dict]:
+    """Seconds ``Auto().choose`` takes on pipelines of growing size (unit costs, no cap):
+    every candidate built and simulated over three steps."""
+    rows = []
+    for stages, microbatches in ((4, 32), (8, 64), (16, 64), (32, 128)):
+        pipeline = Pipeline(
+            stages,
+            stages,
+            microbatches,
+            None,
+            lambda a: 2.0 if a.kind == "B" else 1.0,
+            (1.0,) * stages,
+            (None,) * stages,
+        )
+        start = time.perf_counter()
+        _, choice = Auto().choose(pipeline)
+        rows.append(
+            {
+                "stages": stages,
+                "microbatches": microbatches,
+                "candidates": len(choice.considered),
+                "choose s": time.perf_counter() - start,
+                "chose": choice.name,
+            }
+        )
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     parser.add_argument("--microbatches", nargs="+", type=int, default=[8, 16])
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=7)
-    options = parser.parse_args()
-    _common.warm_up()
-    rows = [measure(s, m) for m in options.microbatches for s in options.schedules]
-    _common.report("schedule", rows, list(rows[0]))
-    balanced = balanced_against_even(options.vocab, 8, options.repeat)
-    _common.report(
-        "balanced",
-        balanced,
-        ["split", "blocks per stage", "estimated ms per stage", "step ms", "speed-up"],
-        notes=f"8-layer transformer, vocabulary {options.vocab}, 8 microbatches, 1f1b, "
-        f"2 meshes of 1 CPU device",
+    parser.add_argument(
+        "--parts", nargs="+", default=["schedules", "balanced", "auto"], help="what to measure"
     )
+    options = parser.parse_args()
+    if "schedules" in options.parts:
+        _common.warm_up()
+        rows = [measure(s, m) for m in options.microbatches for s in options.schedules]
+        _common.report("schedule", rows, list(rows[0]))
+    if "balanced" in options.parts:
+        balanced = balanced_against_even(options.vocab, 8, options.repeat)
+        _common.report(
+            "balanced",
+            balanced,
+            ["split", "blocks per stage", "estimated ms per stage", "step ms", "speed-up"],
+            notes=f"8-layer transformer, vocabulary {options.vocab}, 8 microbatches, 1f1b, "
+            f"2 meshes of 1 CPU device",
+        )
+    if "auto" in options.parts:
+        rows = auto_cost()
+        _common.report("auto", rows, list(rows[0]))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ class Action:
     microbatch: int
 
     def __post_init__(self):
-        object.__setattr__(self, "kind", ActionKind(self.kind))  # "F" works as well as ActionKind.F
+        if type(self.kind) is not ActionKind:  # "F" works as well as ActionKind.F
+            object.__setattr__(self, "kind", ActionKind(self.kind))
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"

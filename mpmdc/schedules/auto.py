@@ -36,7 +36,7 @@ from mpmdc.schedules.library import (
     get,
     v_placement,
 )
-from mpmdc.schedules.simulate import by_kind, in_flight, simulate, step_time
+from mpmdc.schedules.simulate import by_kind, in_flight, steady
 from mpmdc.schedules.timeline import Timeline
 
 # Above this many actions per step, ``Auto`` tries fewer synthesized candidates: the
@@ -103,8 +103,7 @@ def evaluate(schedule: Schedule, pipeline: Pipeline) -> Evaluation:
     hold more than its cap."""
     layout = pipeline.layout(schedule)
     per_mesh = schedule.actions(layout)
-    took = step_time(per_mesh, layout, pipeline.cost)
-    busy = simulate(per_mesh, layout, pipeline.cost).busy_times
+    took, busy = steady(per_mesh, layout, pipeline.cost)
     peaks = in_flight(per_mesh, lambda stage: pipeline.activations[stage])
     for mesh, (peak, cap) in enumerate(zip(peaks, pipeline.caps(layout), strict=True)):
         if cap is not None and peak > cap:
@@ -112,7 +111,7 @@ def evaluate(schedule: Schedule, pipeline: Pipeline) -> Evaluation:
                 f"{_label(schedule)} holds {peak / 1e6:.4g} MB of activations on mesh "
                 f"{mesh}, over its cap of {cap / 1e6:.4g} MB."
             )
-    return Evaluation(schedule, took, took - sum(busy) / len(busy), peaks)
+    return Evaluation(schedule, took, took - busy, peaks)
 
 
 def _key(found: Evaluation) -> tuple[float, float]:

@@ -62,21 +62,30 @@ def list_schedule(
             return None
         return max((end[d] for d in deps), default=0.0)
 
-    for _ in range(n * m * len(kinds)):
+    def best_of(s: int):
+        """``((start, priority), action)`` of stage ``s``'s first action among those that
+        can start soonest, ``None`` if none can be scheduled yet."""
+        mesh = layout.stage_to_mesh[s]
         best = None
-        for s in range(n):
-            mesh = layout.stage_to_mesh[s]
-            for kind in kinds:
-                b = following[s, kind]
-                if b == m or (kind is ActionKind.F and held[mesh] + weight(s) > cap(mesh)):
-                    continue
-                at = ready_at(s, kind, b)
-                if at is None:
-                    continue
-                action = Action(s, kind, b)
-                key = (max(at, free[mesh]), priority(action))
-                if best is None or key < best[0]:
-                    best = (key, action)
+        for kind in kinds:
+            b = following[s, kind]
+            if b == m or (kind is ActionKind.F and held[mesh] + weight(s) > cap(mesh)):
+                continue
+            at = ready_at(s, kind, b)
+            if at is None:
+                continue
+            action = Action(s, kind, b)
+            key = (max(at, free[mesh]), priority(action))
+            if best is None or key < best[0]:
+                best = (key, action)
+        return best
+
+    # Each stage's best action, recomputed only where a scheduled action changes it: its
+    # mesh's stages (the mesh is busy longer, holds more or less) and its neighbours
+    # (a forward readies the next stage's, a backward the previous stage's).
+    ready = [best_of(s) for s in range(n)]
+    for _ in range(n * m * len(kinds)):
+        best = min(filter(None, ready), default=None)
         if best is None:
             raise ScheduleError(
                 f"no action can run: every mesh holding a forward is at its cap of "
@@ -89,4 +98,6 @@ def list_schedule(
         following[s, kind] += 1
         held[mesh] += weight(s) * ((kind is ActionKind.F) - (kind is frees))
         out[mesh].append(action)
+        for t in {*layout.stages_of(mesh), s - 1, s + 1} & set(range(n)):
+            ready[t] = best_of(t)
     return tuple(map(tuple, out))

@@ -209,15 +209,30 @@ def step_time(per_mesh, layout: Layout, costs: Costs | None = None) -> float:
     the third step's end minus the second's. This is the time the zero-bubble and
     DualPipe papers' bubble formulas count; one step alone also idles while the pipeline
     fills and drains (:attr:`Timeline.bubble_time`)."""
-    two, three = (simulate(*back_to_back(per_mesh, layout, k), costs).makespan for k in (2, 3))
-    return three - two
+    return steady(per_mesh, layout, costs)[0]
 
 
 def steady_bubble(per_mesh, layout: Layout, costs: Costs | None = None) -> float:
     """Idle time per mesh and step in steady training: :func:`step_time` minus the mean
     busy time of a step."""
-    busy = simulate(per_mesh, layout, costs).busy_times
-    return step_time(per_mesh, layout, costs) - sum(busy) / len(busy)
+    took, busy = steady(per_mesh, layout, costs)
+    return took - busy
+
+
+def steady(per_mesh, layout: Layout, costs: Costs | None = None) -> tuple[float, float]:
+    """``(step time, mean busy time per mesh and step)`` from one simulation of three steps:
+    each mesh runs a later step's actions after an earlier one's, so the first two steps'
+    times are what two steps alone would take."""
+    timeline = simulate(*back_to_back(per_mesh, layout, 3), costs)
+    m = layout.microbatches
+    ends = [0.0, 0.0]
+    for row in timeline.meshes:
+        for slot in row:
+            step = slot.action.microbatch // m
+            if step:
+                ends[step - 1] = max(ends[step - 1], slot.end)
+    busy = timeline.busy_times
+    return ends[1] - ends[0], sum(busy) / len(busy) / 3
 
 
 def in_flight(per_mesh, weight: Callable[[int], float] | None = None) -> tuple[float, ...]:
