@@ -5,7 +5,8 @@ The markers' indices (and, with ``every="balanced"``, a layer stack's iterations
 stage of its own, estimates each segment's forward and backward time, memory and the
 bytes segments send each other (:mod:`mpmdc.estimates`), and lets
 :func:`mpmdc.schedules.balance.balance` choose consecutive groups whose slowest stage
-(forward + backward + transfers in and out, per microbatch) is fastest, each stage within
+(forward + backward + transfers in and out, per microbatch) is fastest (under a V placement,
+whose meshes run two stages each, the slowest mesh), each stage within
 the memory its mesh has for it (its devices' memory, where the platform reports it,
 divided among the mesh's stages; what a stage holds is its inputs plus its activations
 times the microbatches the schedule keeps in flight on it). The program then runs with its
@@ -23,7 +24,7 @@ from mpmdc.estimates import Estimate, estimate, memory_limit, trial_split
 from mpmdc.ir.layers import layer_stages, regrouped
 from mpmdc.ir.primitives import BALANCED, ActionKind, fragment_p, is_layer_marker
 from mpmdc.ir.program import Program, SegmentCost, StagePlan, find_eqns
-from mpmdc.schedules.balance import balance, check_enough, stage_times
+from mpmdc.schedules.balance import balance, balance_v, check_enough, stage_times
 
 
 def wants_balancing(program: Program, partition) -> bool:
@@ -54,7 +55,15 @@ def balanced(program: Program, schedule) -> Program:
     found = estimate(fine, segments)
     costs = segment_costs(found, fine.microbatches or 1)
     time = stage_times(costs, found.flow, found.link)
-    groups = balance(segments, stages, time, _memory_rule(program, schedule, stages, costs))
+    fits = _memory_rule(program, schedule, stages, costs)
+    placement = program.stage_to_mesh
+    if placement is None and program.microbatches:
+        placement = schedule.placement(stages, num_meshes)
+    if placement == schedules.v_placement(num_meshes):
+        # A mesh runs stages s and 2M-1-s: balance the meshes' totals.
+        groups = balance_v(segments, num_meshes, time, fits)
+    else:
+        groups = balance(segments, stages, time, fits)
     plan = StagePlan(groups, tuple(time(g[0], g[-1] + 1) for g in groups), tuple(costs))
     renumbered = regrouped(program.jaxpr.jaxpr, plan.stage_of)
     return program.with_eqns(renumbered.eqns).replace(stage_plan=plan)

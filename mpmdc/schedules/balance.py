@@ -90,3 +90,60 @@ def balance(
         bounds.append(cut[s][bounds[-1]])
     bounds.reverse()
     return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(k))
+
+
+def balance_v(
+    num_segments: int,
+    num_meshes: int,
+    time: Callable[[int, int], float],
+    fits: Callable[[int, int, int], bool] = lambda stage, a, b: True,
+) -> tuple[tuple[int, ...], ...]:
+    """Segments grouped into ``2 * num_meshes`` consecutive stages placed in V order
+    (stages ``s`` and ``2M-1-s`` on mesh ``s``), minimizing the largest *mesh* time: the
+    sum of its two stages' ``time``. A dynamic program from both ends inward over the
+    pair of boundaries, ``O(M * segments**4)`` element operations in NumPy."""
+    n, k = num_segments, 2 * num_meshes
+    check_enough(n, k)
+    inf = np.inf
+    span = np.full((n + 1, n + 1), inf)  # span[a, b]: time of a stage of segments a..b-1
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            span[a, b] = time(a, b)
+    a_idx = np.arange(n + 1)
+    ordered = a_idx[:, None] <= a_idx[None, :]  # [i', j']: the left boundary before the right
+    best = np.full((n + 1, n + 1), inf)  # best[i, j]: pairs so far cover [0, i) and [j, n)
+    best[0, n] = 0.0
+    came_from: list[dict] = []
+    for d in range(num_meshes):
+        left = np.array([[fits(d, a, b) for b in range(n + 1)] for a in range(n + 1)])
+        right = np.array([[fits(k - 1 - d, a, b) for b in range(n + 1)] for a in range(n + 1)])
+        last = d == num_meshes - 1
+        nxt = np.full((n + 1, n + 1), inf)
+        origin: dict = {}
+        for i, j in zip(*np.nonzero(np.isfinite(best))):
+            # cand[i', j'] = max(best[i, j], span[i, i'] + span[j', j])
+            cand = np.maximum(best[i, j], span[i, :, None] + span[None, :, j])
+            allowed = left[i, :, None] & right[None, :, j] & ordered
+            if last:
+                allowed &= np.eye(n + 1, dtype=bool)
+            cand = np.where(allowed, cand, inf)
+            better = cand < nxt
+            nxt = np.where(better, cand, nxt)
+            for pair in zip(*np.nonzero(better)):
+                origin[pair] = (i, j)
+        best = nxt
+        came_from.append(origin)
+    finite = np.isfinite(np.diag(best))
+    if not finite.any():
+        raise StageError(
+            f"no grouping of the {n} segments into {k} stages in V order fits each mesh's "
+            f"memory; give the meshes more memory or use more meshes."
+        )
+    middle = int(np.argmin(np.where(finite, np.diag(best), inf)))
+    lefts, rights, pair = [], [], (middle, middle)
+    for origin in reversed(came_from):
+        lefts.append(pair[0])
+        rights.append(pair[1])
+        pair = origin[pair]
+    bounds = [0, *reversed(lefts[1:]), middle, *rights[1:], n]
+    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(k))

@@ -146,3 +146,34 @@ def test_balancing_errors_name_the_problem(meshes4):
         step.lower(init_params(jax.random.key(0), WIDTHS), *mlp_data())
     with pytest.raises(StageError, match=re.escape("every='even': give a positive int")):
         mpmdc.stage(jnp.ones(3), every="even")
+
+
+def v_heavy_head_loss(ws, x, y):
+    """Twelve layers, a marker each; the last segment also runs a head of two layers."""
+    for i, w in enumerate(ws[:-1]):
+        x = jnp.tanh(mpmdc.stage(x, i) @ w)
+    for _ in range(2):
+        x = jnp.tanh(x @ ws[-1])
+    return jnp.mean((x - y) ** 2)
+
+
+def test_under_a_v_schedule_balancing_evens_the_meshes_totals(meshes4):
+    """Mesh 0 runs stage 0 and stage 7, which holds the head: it gets just the first and
+    the last segment, and no mesh is slower than it, which it cannot help being: the
+    slowest mesh, not the slowest stage, is as fast as it can be."""
+    ws = [jax.random.normal(jax.random.key(i), (32, 32)) * 0.2 for i in range(13)]
+    x, y = jax.random.normal(jax.random.key(20), (32, 32)), jnp.zeros((32, 32))
+
+    def step(ws, x, y):
+        return sgd_step(ws, x, y, schedule="zb-v", loss_fn=v_heavy_head_loss)
+
+    compiled = mpmdc.compile(step, meshes4, partition="balanced")
+    lowered = compiled.lower(ws, x, y)
+    groups = lowered.stage_plan.groups
+    per_mesh = [len(groups[d]) + len(groups[7 - d]) for d in range(4)]
+    assert per_mesh[0] < min(per_mesh[1:]), groups
+    mesh_time = [
+        lowered.stage_plan.predicted[d] + lowered.stage_plan.predicted[7 - d] for d in range(4)
+    ]
+    assert max(mesh_time) < 1.5 * min(mesh_time)
+    assert_bitwise(compiled(ws, x, y), jax.jit(step)(ws, x, y))

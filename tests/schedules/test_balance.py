@@ -8,7 +8,7 @@ import pytest
 
 from mpmdc.errors import StageError
 from mpmdc.ir.program import SegmentCost
-from mpmdc.schedules.balance import balance, stage_times
+from mpmdc.schedules.balance import balance, balance_v, stage_times
 
 
 def groupings(n, k):
@@ -97,3 +97,38 @@ def test_fewer_segments_than_stages_is_an_error():
         StageError, match=re.escape("4 stages need at least 4 marked segments to group, but")
     ):
         balance(3, 4, lambda a, b: 1.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_balance_v_finds_the_best_grouping_of_the_meshes_totals(seed):
+    """In V order mesh d runs stages d and 2M-1-d: the slowest mesh's total is what brute
+    force over every grouping finds, memory kept."""
+    n, _, costs, flow, rng = random_case(seed, 9)
+    meshes = int(rng.integers(1, n // 2 + 1))
+    time = stage_times(costs, flow, seconds_per_byte=0.2)
+    limit = float(rng.uniform(40, 300))
+
+    def fits(stage, a, b):
+        return sum(c.held + c.activations for c in costs[a:b]) <= limit
+
+    def slowest_mesh(groups):
+        k = len(groups)
+        return max(
+            time(groups[d][0], groups[d][-1] + 1)
+            + time(groups[k - 1 - d][0], groups[k - 1 - d][-1] + 1)
+            for d in range(k // 2)
+        )
+
+    feasible = [
+        g
+        for g in groupings(n, 2 * meshes)
+        if all(fits(s, g[s][0], g[s][-1] + 1) for s in range(2 * meshes))
+    ]
+    if not feasible:
+        with pytest.raises(StageError, match="in V order fits"):
+            balance_v(n, meshes, time, fits)
+        return
+    got = balance_v(n, meshes, time, fits)
+    assert [s for g in got for s in g] == list(range(n)) and all(got)
+    assert all(fits(s, got[s][0], got[s][-1] + 1) for s in range(2 * meshes))
+    assert slowest_mesh(got) == pytest.approx(min(slowest_mesh(g) for g in feasible))
