@@ -55,10 +55,10 @@ def balanced(program: Program, schedule) -> Program:
     found = estimate(fine, segments)
     costs = segment_costs(found, fine.microbatches or 1)
     time = stage_times(costs, found.flow, found.link)
-    fits = _memory_rule(program, schedule, stages, costs)
     placement = program.stage_to_mesh
     if placement is None and program.microbatches:
         placement = schedule.placement(stages, num_meshes)
+    fits = _memory_rule(program, schedule, placement, stages, costs)
     if placement == schedules.v_placement(num_meshes):
         # A mesh runs stages s and 2M-1-s: balance the meshes' totals.
         groups = balance_v(segments, num_meshes, time, fits)
@@ -83,14 +83,12 @@ def segment_costs(found: Estimate, microbatches: int) -> list[SegmentCost]:
     ]
 
 
-def _memory_rule(program: Program, schedule, stages: int, costs: list[SegmentCost]):
+def _memory_rule(program: Program, schedule, placement, stages: int, costs: list[SegmentCost]):
     """``fits(stage, a, b)``: whether segments ``a..b-1`` fit the memory stage ``stage``'s
-    mesh has for it (the mesh's memory shared by its stages, in the placement the user gave
-    or the schedule's own); everything fits where the platform reports no memory limit."""
+    mesh has for it (the mesh's memory shared by its stages in ``placement``, ``None``
+    for stage ``s`` on mesh ``s mod M``); everything fits where the platform reports no
+    memory limit."""
     num_meshes = len(program.meshes)
-    placement = program.stage_to_mesh
-    if placement is None and program.microbatches:
-        placement = schedule.placement(stages, num_meshes)
     layout = schedules.Layout.make(
         stages, program.microbatches or 1, placement, num_meshes=num_meshes
     )

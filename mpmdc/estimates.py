@@ -10,8 +10,10 @@ one stage's loop fragments send another. ``partition="balanced"`` and
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -68,12 +70,15 @@ class Estimate:
     flow: np.ndarray
     link: float
 
+    @functools.cached_property
+    def action_cost(self) -> Callable[[schedules.Action], float]:
+        """Seconds of an action, per microbatch (``schedules.by_kind``'s rules for a
+        backward estimated whole or in halves): what a simulation calls per action."""
+        return schedules.by_kind(lambda s, k: self.seconds.get((s, k)))
+
     def cost(self, stage: int, kind: ActionKind) -> float:
-        """Seconds of stage ``stage``'s ``kind`` per microbatch (``schedules.by_kind``'s
-        rules for a backward estimated whole or in halves)."""
-        return schedules.by_kind(lambda s, k: self.seconds.get((s, k)))(
-            schedules.Action(stage, kind, 0)
-        )
+        """Seconds of stage ``stage``'s ``kind`` per microbatch."""
+        return self.action_cost(schedules.Action(stage, kind, 0))
 
 
 def trial_split(program: Program) -> Program:
@@ -182,7 +187,7 @@ def pipeline_of(program: Program, chooser, microbatches: int) -> schedules.Pipel
                 f"program runs stages 0..{stages - 1}; time this program (with the stages "
                 f"it will run) with Compiled.run_timed."
             )
-    cost = schedules.measured(chooser.costs) or (lambda a: found.cost(a.stage, a.kind))
+    cost = schedules.measured(chooser.costs) or found.action_cost
     cap = chooser.memory_cap
     if isinstance(cap, tuple) and len(cap) != num_meshes:
         raise ScheduleError(

@@ -297,8 +297,7 @@ def _cap(memory: tuple[float | None, ...], limit: float) -> Callable[[int], floa
 def measured(costs) -> Callable[[Action], float] | None:
     """A cost function (seconds) from measured costs: the ``Timeline`` of
     ``Compiled.run_timed`` (milliseconds; each stage and kind at its mean over the
-    microbatches), a mapping by kind or action label (as :func:`simulate` takes), or a
-    function of an action. A backward measured whole gives ``I`` and ``W`` half of it
+    microbatches), a mapping from kind to seconds, or a function of an action. A backward measured whole gives ``I`` and ``W`` half of it
     each, and one measured in halves gives ``B`` their sum."""
     if costs is None or (callable(costs) and not isinstance(costs, Timeline)):
         return costs

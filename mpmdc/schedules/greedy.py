@@ -3,10 +3,10 @@ that can start soonest, ties broken by a priority, under a cap on in-flight micr
 
 This is how the zero-bubble papers define their schedules beyond the hand-drawn ones: an
 action may run once its dependencies (:mod:`mpmdc.schedules.simulate`) have finished; a
-forward may run only while its mesh holds fewer than ``cap`` microbatches' activations
-(a forward takes one, the weight gradient, or a whole backward, frees it). The
-simulation runs at unit costs (``F = I = W = 1``): the orders it finds are the ones the
-papers draw, and the simulator then times them at any costs.
+forward may run only while its mesh holds less than its cap of activations (a forward
+takes its stage's share, the weight gradient, or a whole backward, frees it). At unit
+costs (``F = I = W = 1``, the default) the orders it finds are the ones the papers draw
+(ZB-H2); ``schedule="auto"`` runs it at a program's own costs.
 """
 
 from __future__ import annotations
