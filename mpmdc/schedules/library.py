@@ -215,7 +215,8 @@ class ZeroBubbleH2(Schedule):
     The extra warm-up forwards fill the wait for the first input gradient, and the later
     stages defer their weight gradients to the tail, so every mesh is busy from its first
     forward to its last weight gradient (the paper's parallelogram): in steady training,
-    steps back to back, the bubble is ``(p-1)(F + I - 2W)``, none at equal costs.
+    steps back to back, the bubble is ``(p-1) max(F + I - 2W, I - F, 0)``, none at equal
+    costs (``bubble_time_formula``).
     """
 
     name = "zb-h2"
