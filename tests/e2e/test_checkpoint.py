@@ -542,6 +542,7 @@ def test_a_process_killed_during_a_save_leaves_the_last_checkpoint_and_nothing_r
     assert float(manager.restore()["['w']"][0, 0]) == 3.0
 
 
+@pytest.mark.slow
 def test_the_example_resumes_in_one_process_where_the_uninterrupted_run_ends(tmp_path, capsys):
     import importlib.util
     import pathlib

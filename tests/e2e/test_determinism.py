@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 RENDER_ALL = """
@@ -33,6 +35,7 @@ def _render_in_subprocess(seed: str) -> list[str]:
     return out.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_every_stage_and_module_is_identical_across_hash_seeds():
     first, second = _render_in_subprocess("0"), _render_in_subprocess("4242")
     assert len(first) > 300  # every stage and module of every program

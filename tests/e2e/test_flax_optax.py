@@ -80,6 +80,7 @@ def assert_on_stage_meshes(tree, meshes):
             assert mesh_index(leaf, meshes) == want, jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_nnx_gpt_trains_with_clip_and_adamw_fed_back_and_donated(meshes4):
     graphdef, params = small_gpt()
     optimizer = nnx_gpt.default_optimizer()
@@ -101,6 +102,7 @@ def test_nnx_gpt_trains_with_clip_and_adamw_fed_back_and_donated(meshes4):
     assert_on_stage_meshes(got[:2], meshes4)
 
 
+@pytest.mark.slow
 def test_nnx_gpt_with_dropout_keys_per_microbatch_in_bfloat16(meshes2):
     graphdef, params = small_gpt(jnp.bfloat16, stages=2)
     optimizer = optax.sgd(0.1)

@@ -21,6 +21,8 @@ from helpers import largest_difference
 
 import mpmdc
 
+pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
+
 _spec = importlib.util.spec_from_file_location(
     "llama_nnx", pathlib.Path(__file__).parents[2] / "examples" / "llama_nnx.py"
 )

@@ -40,6 +40,7 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_same_array, clipped_tanh
 from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
@@ -49,6 +50,8 @@ from jax.sharding import PartitionSpec as P
 import mpmdc
 from mpmdc.ir.primitives import transfer_p
 from mpmdc.ir.sharding import canonical_spec
+
+pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
 
 EXAMPLES = int(os.environ.get("MPMDC_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("MPMDC_FUZZ_SEED")

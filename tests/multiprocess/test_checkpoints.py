@@ -22,6 +22,8 @@ from test_multiprocess import HERE, process_lines, run_launch
 
 from mpmdc.checkpoint import restore
 
+pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
+
 ATOL = 2e-5
 
 

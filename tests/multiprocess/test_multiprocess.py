@@ -28,6 +28,8 @@ import pytest
 import mpmdc
 from mpmdc.cli.launch import launch
 
+pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 LIMIT = 150  # seconds any launch may take
