@@ -508,19 +508,24 @@ def barrier(topic: str) -> None:
         ) from None
 
 
-def rendezvous(topic: str, what: str, *, patient: bool = False, exchange: str = "") -> None:
+def rendezvous(
+    topic: str, what: str, *, patient: bool = False, exchange: str = "", value: str = "1"
+) -> dict[int, str]:
     """Wait until every process reaches ``topic``, as :func:`barrier` does, but stop as
     soon as a process announces a failure, of the run or of ``exchange``
     (:func:`announce_exchange_failure`), with an ``MpmdRuntimeError`` naming it and why,
     instead of at the fault timeout. ``what`` says what is waited for, for the error;
-    ``patient`` waits as long as the peers answer (see :func:`_wait_for`)."""
+    ``patient`` waits as long as the peers answer (see :func:`_wait_for`). Returns the
+    ``value`` each process brought, by process."""
     client = _client()
     here = jax.process_index()
-    client.key_value_set(f"{_PREFIX}meet/{topic}/{here}", "1")
+    client.key_value_set(f"{_PREFIX}meet/{topic}/{here}", value)
+    values = {here: value}
     for peer in range(jax.process_count()):
         if peer != here:
             key = f"{_PREFIX}meet/{topic}/{peer}"
-            _wait_for(key, peer, what, patient=patient, exchange=exchange)
+            values[peer] = _wait_for(key, peer, what, patient=patient, exchange=exchange)
+    return values
 
 
 def forget(topic: str) -> None:

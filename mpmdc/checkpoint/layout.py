@@ -4,34 +4,47 @@
 
     <directory>/
       zarr.json          the root group; attributes["mpmdc"] is the index: the format's
-                         version and, per leaf, its pytree path, its array's name, shape
-                         and dtype, and the PRNG implementation of a typed key
+                         version and, per leaf, its pytree path, its array's name, shape,
+                         dtype and chunk shape, and the PRNG implementation of a typed key
       params/w/zarr.json one Zarr v3 array per leaf, at the leaf's full logical shape,
-      params/w/c/0/0     in chunks that each saved shard covers whole
-      COMMITTED          written last: the save completed
+      params/w/c/0/0     in chunks that each saved shard covers whole, each ending in its
+                         CRC32C checksum (Zarr v3's ``crc32c`` codec)
+      COMMITTED          written last: the save completed, and which save it was
 
-A save writes ``<directory>.partial`` and renames it ``<directory>`` once every process has
-written its part, so ``<directory>`` is never seen half-written. Any Zarr v3 reader
-(TensorStore, zarr-python) reads the arrays; the index says which leaf each one is.
+A save writes ``<directory>.<id>.partial`` (a name of its own) and renames it
+``<directory>`` once every process has written its part, so ``<directory>`` is never seen
+half-written. Any Zarr v3 reader (TensorStore, zarr-python) reads the arrays; the index
+says which leaf each one is.
+
+Everything read back is checked here before any array is opened (:func:`parse_index`,
+:func:`check_array`): a damaged or hostile file is a ``CheckpointError`` naming it, never
+a crash or wrong values.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Any, Literal
 from urllib.parse import quote
 
 import jax
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mpmdc.errors import CheckpointError
 
 FORMAT = "mpmdc-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: chunk shapes in the index, a CRC32C checksum after every chunk
+READABLE = (1, 2)  # versions this code reads: 1 has no checksums, which it reads as they are
 COMMITTED = "COMMITTED"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"  # a checkpoint being replaced by ``overwrite=True``
 NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)  # leaves kept on the host
 INDEX_FILE = "zarr.json"
+MAX_RANK = 32  # TensorStore's limit on an array's dimensions
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,8 @@ class LeafEntry:
     name of its Zarr array under the checkpoint, ``shape`` and ``dtype`` the leaf's own (a
     typed PRNG key, ``key<fry>``, is stored as its key data, with ``key_impl`` naming the
     implementation that wraps it again); ``weak_type`` is the saved array's weak type, as
-    JAX promotes it."""
+    JAX promotes it; ``chunks`` the stored array's chunk shape (``None`` in version 1,
+    which did not record it)."""
 
     path: str
     array: str
@@ -48,13 +62,23 @@ class LeafEntry:
     dtype: str
     key_impl: str | None = None
     weak_type: bool = False
+    chunks: tuple[int, ...] | None = None
+
+    def stored_type(self) -> tuple[tuple[int, ...], np.dtype]:
+        """The shape and dtype of the stored array (:func:`stored_type` of the leaf)."""
+        if self.key_impl is None:
+            return self.shape, np.dtype(self.dtype)
+        key = jax.eval_shape(lambda: jax.random.key(0, impl=self.key_impl))
+        return stored_type(jax.ShapeDtypeStruct(self.shape, key.dtype))
 
 
 @dataclass(frozen=True)
 class Index:
-    """Every leaf of a checkpoint, in the saved tree's order."""
+    """Every leaf of a checkpoint, in the saved tree's order, and the format version it was
+    written in."""
 
     leaves: tuple[LeafEntry, ...]
+    version: int = VERSION
 
     def as_json(self) -> dict:
         """The root group's ``zarr.json``, with this index as the ``mpmdc`` attribute."""
@@ -64,31 +88,253 @@ class Index:
             "attributes": {
                 "mpmdc": {
                     "format": FORMAT,
-                    "version": VERSION,
+                    "version": self.version,
                     "leaves": [asdict(leaf) for leaf in self.leaves],
                 }
             },
         }
 
-    @classmethod
-    def from_json(cls, document: dict) -> Index | None:
-        """The index in a root ``zarr.json``; ``None`` when it holds none of this format."""
-        index = document.get("attributes", {}).get("mpmdc")
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            return None
-        return cls(
-            tuple(
-                LeafEntry(
-                    path=leaf["path"],
-                    array=leaf["array"],
-                    shape=tuple(leaf["shape"]),
-                    dtype=leaf["dtype"],
-                    key_impl=leaf.get("key_impl"),
-                    weak_type=leaf.get("weak_type", False),
-                )
-                for leaf in index["leaves"]
-            )
+
+# What is read back, as pydantic models: strict (no "5" for 5), so that any document that
+# is not what a save writes fails validation instead of reaching TensorStore or numpy.
+_STRICT = ConfigDict(strict=True, frozen=True)
+
+
+class _LeafModel(BaseModel):
+    model_config = _STRICT
+    path: str
+    array: str
+    shape: list[int] = Field(max_length=MAX_RANK)
+    dtype: str
+    key_impl: str | None = None
+    weak_type: bool = False
+    chunks: list[int] | None = Field(default=None, max_length=MAX_RANK)
+
+
+class _IndexModel(BaseModel):
+    model_config = _STRICT
+    format: Literal["mpmdc-checkpoint"]
+    version: int
+    leaves: list[_LeafModel]
+
+
+class _Attributes(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
+    mpmdc: dict
+
+
+class _RootModel(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
+    zarr_format: Literal[3]
+    node_type: Literal["group"]
+    attributes: _Attributes
+
+
+class _Grid(BaseModel):
+    model_config = _STRICT
+    name: Literal["regular"]
+    configuration: dict[str, list[int]]
+
+
+class _KeyEncoding(BaseModel):
+    model_config = _STRICT
+    name: Literal["default"]
+    configuration: dict[Literal["separator"], Literal["/"]] | None = None
+
+
+class _Codec(BaseModel):
+    model_config = _STRICT
+    name: str
+    configuration: dict[str, Any] | None = None
+
+
+class _ArrayModel(BaseModel):
+    """A Zarr v3 array's ``zarr.json`` as a save writes it; anything else (another chunk
+    grid or key encoding, storage transformers, extension fields) is refused."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+    zarr_format: Literal[3]
+    node_type: Literal["array"]
+    shape: list[int] = Field(max_length=MAX_RANK)
+    data_type: str
+    chunk_grid: _Grid
+    chunk_key_encoding: _KeyEncoding
+    codecs: list[_Codec]
+    fill_value: Any = None
+    attributes: dict[str, Any] | None = None
+    dimension_names: list[str | None] | None = None
+    storage_transformers: list[Any] = Field(default_factory=list, max_length=0)
+
+
+def _invalid(where: str, err: ValidationError) -> CheckpointError:
+    """The first thing wrong in a document that failed validation, as a ``CheckpointError``."""
+    first = err.errors()[0]
+    at = ".".join(map(str, first["loc"]))
+    what = first["msg"] + (f" at {at}" if at else "")
+    return CheckpointError(
+        f"{where} is damaged or was not written by mpmdc.checkpoint.save: {what}."
+    )
+
+
+def parse_document(raw: bytes, where: str) -> dict:
+    """The JSON object in ``raw``, the contents of file ``where``; a ``CheckpointError``
+    naming it when it is not UTF-8 JSON holding an object."""
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(
+            f"{where} is damaged or was not written by mpmdc.checkpoint.save: it is not "
+            f"JSON text ({type(err).__name__}: {str(err).splitlines()[0]})."
+        ) from None
+    if not isinstance(document, dict):
+        raise CheckpointError(
+            f"{where} is damaged or was not written by mpmdc.checkpoint.save: it holds a "
+            f"{type(document).__name__}, not a JSON object."
         )
+    return document
+
+
+def parse_index(document: dict, where: str) -> Index:
+    """The index in the root group's ``zarr.json`` (file ``where``), checked whole: every
+    field of the type a save writes, a version this code reads, every array name a
+    relative path inside the checkpoint, every dtype, PRNG implementation, shape and chunk
+    shape one that a save could have written. Anything else is a ``CheckpointError``
+    naming the file and what is wrong."""
+    try:
+        root = _RootModel.model_validate(document)
+    except ValidationError as err:
+        raise _invalid(where, err) from None
+    if root.attributes.mpmdc.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{where} is no mpmdc checkpoint's index: its attributes hold no "
+            f"mpmdc index (format {FORMAT!r})."
+        )
+    version = root.attributes.mpmdc.get("version")
+    if version not in READABLE:
+        raise CheckpointError(
+            f"{where} is a checkpoint of format version {version!r}; this mpmdc reads versions "
+            f"{', '.join(map(str, READABLE))}. Restore it with the mpmdc that wrote it (a newer one?)."
+        )
+    try:
+        index = _IndexModel.model_validate(root.attributes.mpmdc)
+    except ValidationError as err:
+        raise _invalid(where, err) from None
+    leaves = tuple(_checked_leaf(leaf, version, where) for leaf in index.leaves)
+    for kind, names in (("path", [e.path for e in leaves]), ("array", [e.array for e in leaves])):
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise CheckpointError(
+                f"{where} is damaged: the index lists the leaf {kind} {twice!r} twice."
+            )
+    return Index(leaves, version)
+
+
+def _checked_leaf(leaf: _LeafModel, version: int, where: str) -> LeafEntry:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where} is damaged: leaf {leaf.path}: {what}.")
+
+    parts = leaf.array.split("/")
+    if leaf.array.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise bad(f"its array name {leaf.array!r} is not a relative path inside the checkpoint")
+    if any(n < 0 for n in leaf.shape):
+        raise bad(f"its shape {leaf.shape} has a negative length")
+    if version >= 2 and leaf.chunks is None:
+        raise bad("it has no chunk shape")
+    if leaf.chunks is not None and (
+        any(c < 1 for c in leaf.chunks) or len(leaf.chunks) < len(leaf.shape)
+    ):
+        raise bad(f"its chunk shape {leaf.chunks} does not fit its shape {leaf.shape}")
+    entry = LeafEntry(
+        leaf.path,
+        leaf.array,
+        tuple(leaf.shape),
+        leaf.dtype,
+        leaf.key_impl,
+        leaf.weak_type,
+        None if leaf.chunks is None else tuple(leaf.chunks),
+    )
+    try:
+        stored = entry.stored_type()
+    except (TypeError, ValueError, KeyError):
+        what = (
+            f"PRNG implementation {leaf.key_impl!r}" if leaf.key_impl else f"dtype {leaf.dtype!r}"
+        )
+        raise bad(f"its {what} is not one JAX knows") from None
+    if leaf.key_impl is not None and leaf.dtype != str(
+        jax.eval_shape(lambda: jax.random.key(0, impl=leaf.key_impl)).dtype
+    ):
+        raise bad(f"its dtype {leaf.dtype!r} is not the dtype of {leaf.key_impl} keys")
+    if entry.chunks is not None and len(entry.chunks) != len(stored[0]):
+        raise bad(f"its chunk shape {leaf.chunks} does not fit its stored shape {list(stored[0])}")
+    return entry
+
+
+def array_metadata(entry: LeafEntry, version: int = VERSION, chunks=None) -> dict:
+    """The ``zarr.json`` fields a save writes for ``entry``'s array (format ``version``),
+    which a restore requires of it: shape, data type, a regular grid of ``entry.chunks``
+    (or ``chunks``), little-endian bytes and, from version 2, a CRC32C checksum."""
+    shape, dtype = entry.stored_type()
+    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if version >= 2:
+        codecs.append({"name": "crc32c"})
+    return {
+        "shape": list(shape),
+        "data_type": dtype.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {
+                "chunk_shape": list(chunks if entry.chunks is None else entry.chunks)
+            },
+        },
+        "codecs": codecs,
+    }
+
+
+def check_array(document: dict, entry: LeafEntry, version: int, where: str) -> dict:
+    """The metadata (:func:`array_metadata`) to read ``entry``'s array with, after checking
+    that its ``zarr.json`` (``document``, from file ``where``) says exactly that: the index's
+    shape, dtype and chunk shape, and the codecs a save writes. A difference is a
+    ``CheckpointError`` naming the file and the field."""
+    try:
+        stored = _ArrayModel.model_validate(document)
+    except ValidationError as err:
+        raise _invalid(where, err) from None
+    chunks = stored.chunk_grid.configuration.get("chunk_shape")
+    if chunks is None or len(chunks) != len(stored.shape) or any(c < 1 for c in chunks):
+        raise CheckpointError(
+            f"{where} is damaged: its chunk shape {chunks} does not fit its shape {stored.shape}."
+        )
+    wanted = array_metadata(entry, version, chunks)
+    codecs = [_codec(c, np.dtype(wanted["data_type"]).itemsize) for c in stored.codecs]
+    found = {
+        "shape": stored.shape,
+        "data_type": stored.data_type,
+        "chunk_grid": {"name": stored.chunk_grid.name, "configuration": {"chunk_shape": chunks}},
+        "codecs": codecs,
+    }
+    for field in wanted:
+        if found[field] != wanted[field]:
+            raise CheckpointError(
+                f"{where} does not match the checkpoint's index for leaf {entry.path}: it "
+                f"says {field} {json.dumps(found[field])}, the index implies "
+                f"{json.dumps(wanted[field])}. The checkpoint is damaged; restore another."
+            )
+    return wanted
+
+
+def _codec(codec: _Codec, itemsize: int) -> dict:
+    """A stored codec as :func:`array_metadata` spells it: single bytes need no byte order
+    (TensorStore writes none for them)."""
+    if codec.name == "bytes" and codec.configuration is None and itemsize == 1:
+        return {"name": "bytes", "configuration": {"endian": "little"}}
+    if codec.configuration is None:
+        return {"name": codec.name}
+    return {"name": codec.name, "configuration": codec.configuration}
+
+
+def nbytes(shape, dtype) -> int:
+    """Bytes of an array of ``shape`` and ``dtype`` (exact, however large)."""
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def path_text(path) -> str:
@@ -180,6 +426,15 @@ def stored_type(x) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(np.shape(x)), np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
-def is_partial_name(name: str) -> bool:
-    """Whether a directory entry is a save in progress, or one that died."""
-    return name.endswith(PARTIAL_SUFFIX)
+def partial_name(directory: str, save_id: str) -> str:
+    """Where the save numbered ``save_id`` writes ``directory`` until it commits: a folder
+    of that save alone, beside ``directory``."""
+    return f"{directory}.{save_id}{PARTIAL_SUFFIX}"
+
+
+def step_name(name: str) -> int | None:
+    """The step a manager's folder ``name`` holds: the step's decimal digits exactly as
+    ``str(step)`` writes them (``7``, not ``007`` or ``²``); ``None`` for any other name."""
+    if name.isascii() and name.isdigit() and str(int(name)) == name:
+        return int(name)
+    return None

@@ -7,7 +7,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mpmdc.checkpoint import storage
-from mpmdc.checkpoint.layout import REPLACED_SUFFIX, is_partial_name
+from mpmdc.checkpoint.layout import REPLACED_SUFFIX, step_name
 from mpmdc.checkpoint.restoring import restore
 from mpmdc.checkpoint.saving import Save
 from mpmdc.errors import CheckpointError
@@ -137,11 +137,9 @@ class CheckpointManager:
         self.close()
 
     def _remove_old(self) -> None:
-        """After a commit (process 0): remove steps beyond the newest ``max_to_keep`` and
-        what saves that never finished left behind."""
-        for name in os.listdir(self.directory):
-            if is_partial_name(name):
-                storage.remove(os.path.join(self.directory, name))
+        """After a commit (process 0): remove the complete steps beyond the newest
+        ``max_to_keep``. Nothing else is removed: a partial folder belongs to the save
+        writing it (perhaps another job's), and a step that is a link loses its link only."""
         if self.max_to_keep is not None:
             for step in _complete_steps(self.directory)[: -self.max_to_keep]:
                 storage.remove(self.step_directory(step))
@@ -165,11 +163,9 @@ def _complete_steps(directory: str) -> list[int]:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    steps = {name.removesuffix(REPLACED_SUFFIX) for name in names}
+    steps = {step_name(name.removesuffix(REPLACED_SUFFIX)) for name in names} - {None}
     return sorted(
-        int(name)
-        for name in steps
-        if name.isdigit() and storage.located(os.path.join(directory, name)) is not None
+        step for step in steps if storage.located(os.path.join(directory, str(step))) is not None
     )
 
 

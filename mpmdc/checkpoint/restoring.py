@@ -1,9 +1,17 @@
 """Restoring a checkpoint onto any layout: each process reads only the index ranges its
-own devices need, and every array comes back with the sharding the target asks for."""
+own devices need, and every array comes back with the sharding the target asks for.
+
+Nothing on disk is trusted before it is checked: the index and every array's metadata
+are validated (:mod:`mpmdc.checkpoint.layout`) and must agree, every array's folder must
+lie inside the checkpoint, and every chunk read must match its checksum. Arrays are then
+read with the metadata the index implies, never with what their own files say.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 
 import jax
 import numpy as np
@@ -18,6 +26,9 @@ from mpmdc.checkpoint.layout import (
     PARTIAL_SUFFIX,
     Index,
     LeafEntry,
+    check_array,
+    nbytes,
+    parse_index,
     path_text,
 )
 from mpmdc.errors import CheckpointError
@@ -28,31 +39,74 @@ _SHOWN = 4  # paths listed in an error about paths that do not match
 def resolve(directory) -> tuple[str, Index, dict]:
     """The folder holding the complete checkpoint saved to ``directory``, its index and
     its commit marker; ``CheckpointError`` when there is none, or only a save that has not
-    finished (or died). A checkpoint being replaced (``overwrite=True``) is for a moment
-    only beside ``directory`` (:func:`~mpmdc.checkpoint.storage.located`): it is read
-    there then.
+    finished (or died), or its index or marker is damaged. A checkpoint being replaced
+    (``overwrite=True``) is for a moment only beside ``directory``
+    (:func:`~mpmdc.checkpoint.storage.located`): it is read there then.
     """
-    wanted = os.path.abspath(os.fspath(directory))
-    root = storage.located(wanted)
-    if root is None:
-        if os.path.isfile(wanted):
-            why = "it is a file, not a checkpoint's directory"
-        elif os.path.isdir(wanted + PARTIAL_SUFFIX) and not os.path.exists(wanted):
-            why = f"only {wanted + PARTIAL_SUFFIX} is there: a save to it has not finished, or died"
-        elif os.path.isdir(wanted):
-            why = f"it has no {COMMITTED} marker: it was not written by mpmdc.checkpoint.save, or not to the end"
-        else:
-            why = "the directory does not exist"
-        raise CheckpointError(f"no checkpoint at {wanted}: {why}.")
-    document = storage.read_json(os.path.join(root, INDEX_FILE))
-    index = Index.from_json(document) if document is not None else None
-    marker = storage.read_json(os.path.join(root, COMMITTED))
-    if index is None or marker is None:
+    wanted = os.path.realpath(os.fspath(directory))
+    place = storage.located(wanted)
+    if place is None:
+        raise CheckpointError(f"no checkpoint at {wanted}: {_why_none(wanted)}.")
+    root = os.path.realpath(place)
+    where = os.path.join(root, INDEX_FILE)
+    index = parse_index(storage.read_json(where), where)
+    for leaf in index.leaves:
+        dtype = leaf.stored_type()[1]
+        if not storage.supports(dtype):
+            raise CheckpointError(
+                f"{where} is damaged: leaf {leaf.path} has dtype {dtype}, which no checkpoint holds."
+            )
+    return root, index, storage.read_json(os.path.join(root, COMMITTED))
+
+
+def _why_none(wanted: str) -> str:
+    """Why there is no checkpoint at ``wanted`` (which exists or not)."""
+    if os.path.isfile(wanted):
+        return "it is a file, not a checkpoint's directory"
+    partials = glob.glob(glob.escape(wanted) + ".*" + PARTIAL_SUFFIX) + glob.glob(
+        glob.escape(wanted) + PARTIAL_SUFFIX
+    )
+    if partials and not os.path.exists(wanted):
+        return f"only {partials[0]} is there: a save to it has not finished, or died"
+    if os.path.isdir(wanted):
+        if not os.access(wanted, os.R_OK | os.X_OK):
+            return "permission denied"
+        return f"it has no {COMMITTED} marker: it was not written by mpmdc.checkpoint.save, or not to the end"
+    return "the directory does not exist"
+
+
+def _opened(root: str, entry: LeafEntry, version: int, context: ts.Context) -> ts.TensorStore:
+    """``entry``'s array, opened for reading with the metadata the index implies once its
+    folder is found inside ``root`` and its own ``zarr.json`` agrees."""
+    folder = os.path.realpath(os.path.join(root, entry.array))
+    if os.path.commonpath([folder, root]) != root or folder == root:
         raise CheckpointError(
-            f"{root} is no mpmdc checkpoint, or a damaged one: its index ({INDEX_FILE}) or its "
-            f"{COMMITTED} marker cannot be read."
+            f"the checkpoint at {root} is damaged: leaf {entry.path}'s array {entry.array!r} "
+            f"resolves to {folder}, outside the checkpoint."
         )
-    return root, index, marker
+    where = os.path.join(folder, INDEX_FILE)
+    metadata = check_array(storage.read_json(where), entry, version, where)
+    return storage.opened(storage.array_spec(root, entry.array, metadata), context, read=True)
+
+
+def _read(root: str, entry: LeafEntry, future):
+    """The value of a read of ``entry``'s array, or a ``CheckpointError`` naming the leaf and
+    the chunk that failed (a checksum that does not match, a chunk that is not there)."""
+    try:
+        return future.result()
+    except ValueError as err:  # TensorStore's
+        text = str(err).splitlines()[0]
+        found = re.search(r'local file "([^"]+)"', text)
+        chunk = f", chunk {os.path.relpath(found.group(1), root)}" if found else ""
+        if "mismatch" in text and "DATA_LOSS" in text:
+            raise CheckpointError(
+                f"the checkpoint at {root} is damaged: leaf {entry.path}{chunk} does not match "
+                f"its checksum (changed after it was written). Restore another checkpoint."
+            ) from None
+        raise CheckpointError(
+            f"the checkpoint at {root} is damaged or was removed while read: leaf "
+            f"{entry.path}{chunk}: {text}"
+        ) from None
 
 
 def restore(directory, target=None):
@@ -72,27 +126,19 @@ def restore(directory, target=None):
     """
     root, index, marker = resolve(directory)
     context = ts.Context()
-    try:
-        if target is None:  # every read started before any is waited for
-            reads = {
-                leaf.path: storage.reader(root, leaf.array, context).read() for leaf in index.leaves
-            }
-            restored = {path: read.result() for path, read in reads.items()}
-        else:
-            flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-            saved = {leaf.path: leaf for leaf in index.leaves}
-            wanted = [path_text(path) for path, _ in flat]
-            _check_paths(root, list(saved), wanted)
-            plans = [
-                _Plan(root, saved[text], leaf, context) for text, (_, leaf) in zip(wanted, flat)
-            ]
-            for plan in plans:
-                plan.start()
-            restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
-    except ValueError as err:  # TensorStore's: a chunk or an array's metadata is not there
-        raise CheckpointError(
-            f"the checkpoint at {root} is damaged or was removed while read: {str(err).splitlines()[0]}"
-        ) from None
+    if target is None:  # every read started before any is waited for
+        _check_memory(root, index)
+        reads = {leaf: _opened(root, leaf, index.version, context).read() for leaf in index.leaves}
+        restored = {leaf.path: _read(root, leaf, read) for leaf, read in reads.items()}
+    else:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        saved = {leaf.path: leaf for leaf in index.leaves}
+        wanted = [path_text(path) for path, _ in flat]
+        _check_paths(root, list(saved), wanted)
+        plans = [_Plan(root, saved[text], leaf) for text, (_, leaf) in zip(wanted, flat)]
+        for plan in plans:
+            plan.start(_opened(root, plan.entry, index.version, context))
+        restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
     if storage.read_json(os.path.join(root, COMMITTED)) != marker:
         raise CheckpointError(
             f"the checkpoint at {root} was replaced while it was read; restore it again."
@@ -104,8 +150,8 @@ class _Plan:
     """One leaf's restore: its reads (one per distinct index range this process's devices
     hold), started for every leaf before any is waited for."""
 
-    def __init__(self, root: str, entry: LeafEntry, leaf, context: ts.Context):
-        self.root, self.entry, self.context = root, entry, context
+    def __init__(self, root: str, entry: LeafEntry, leaf):
+        self.root, self.entry = root, entry
         shape, dtype, self.sharding, self.weak_type = _target_type(leaf, entry, root)
         if shape != entry.shape or str(dtype) != entry.dtype:
             raise CheckpointError(
@@ -117,8 +163,8 @@ class _Plan:
             _check_fits(self.sharding, entry, root)
         self.reads: dict[str, object] = {}
 
-    def start(self) -> None:
-        store = storage.reader(self.root, self.entry.array, self.context)
+    def start(self, store: ts.TensorStore) -> None:
+        """Start reading what this process needs of ``store``, the leaf's array."""
         if self.sharding is None:
             self.reads["whole"] = store.read()
             return
@@ -132,9 +178,10 @@ class _Plan:
             self.places.append((device, key))
 
     def result(self):
+        """The restored leaf, once its reads are done."""
         if self.sharding is None:
-            return self.reads["whole"].result()
-        values = {key: read.result() for key, read in self.reads.items()}
+            return _read(self.root, self.entry, self.reads["whole"])
+        values = {key: _read(self.root, self.entry, read) for key, read in self.reads.items()}
         devices = [device for device, _ in self.places]
         parts = jax.device_put([values[key] for _, key in self.places], devices)
         if self.entry.key_impl is not None:
@@ -144,6 +191,19 @@ class _Plan:
             self.entry.shape, self.sharding, parts, dtype=dtype
         )
         return compat.weakly_typed(array) if self.weak_type else array
+
+
+def _check_memory(root: str, index: Index) -> None:
+    """Refuse to read every leaf whole onto the host when together they are larger than
+    this machine's memory (a damaged index could ask for any size)."""
+    total = sum(nbytes(*leaf.stored_type()) for leaf in index.leaves)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > memory:
+        raise CheckpointError(
+            f"the checkpoint at {root} holds {total:,} bytes, more than this machine's memory "
+            f"({memory:,} bytes): restore it onto shardings (a target) so that each device "
+            f"reads its part."
+        )
 
 
 def _logical_dtype(entry: LeafEntry):
@@ -159,6 +219,7 @@ def _target_type(leaf, entry: LeafEntry, root: str):
     the host (a numpy array or Python number)."""
     text = entry.path
     if isinstance(leaf, jax.sharding.Sharding):
+        _check_shape_fits(leaf, entry, root)
         leaf = jax.ShapeDtypeStruct(
             entry.shape, _logical_dtype(entry), sharding=leaf, weak_type=entry.weak_type
         )
@@ -197,7 +258,14 @@ def _check_fits(sharding, entry: LeafEntry, root: str) -> None:
                 f"would change. Turn on jax_enable_x64, or restore it onto the host (a numpy "
                 f"array as its target leaf)."
             )
+    _check_shape_fits(sharding, entry, root)
+
+
+def _check_shape_fits(sharding, entry: LeafEntry, root: str) -> None:
+    """A ``CheckpointError`` unless ``sharding`` splits ``entry``'s shape evenly (its
+    rank included)."""
     try:
+        jax.ShapeDtypeStruct(entry.shape, np.uint8, sharding=sharding)  # checks the rank
         sharding.shard_shape(entry.shape)
     except Exception as err:  # JAX's own error names neither the leaf nor the checkpoint
         raise CheckpointError(

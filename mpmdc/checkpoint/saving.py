@@ -3,15 +3,18 @@
 Every process calls :func:`save` with the same tree (the same structure, shapes and
 dtypes, as for a compiled step). Each writes only the shards it holds (one copy of a
 replicated shard: the replica numbered 0), in parallel, straight into the chunks that
-shard covers; nothing is gathered to one process. Process 0 writes the metadata and,
-once every process has written, the index and the commit marker, then renames the
-partial directory into place (see :mod:`mpmdc.checkpoint.layout`).
+shard covers; nothing is gathered to one process. Process 0 makes the save's own partial
+folder with the metadata and, once every process has written, writes the index and the
+commit marker and renames the folder into place, unless another save committed there
+meanwhile (see :mod:`mpmdc.checkpoint.layout` and :func:`~mpmdc.checkpoint.storage.publish`).
+A save that fails removes its partial folder; nothing else removes it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,26 +28,32 @@ from mpmdc.checkpoint.layout import (
     COMMITTED,
     INDEX_FILE,
     NUMBERS,
-    PARTIAL_SUFFIX,
     Index,
     LeafEntry,
+    array_metadata,
     array_names,
     chunk_shape,
     group_names,
     is_key,
+    partial_name,
     path_text,
     stored_type,
 )
-from mpmdc.errors import CheckpointError, MpmdRuntimeError
+from mpmdc.errors import CheckpointError, MpmdcError, MpmdRuntimeError
 
 
 @dataclass
 class _LeafWrite:
-    """One leaf's stored array (its TensorStore spec) and the shards this process writes
+    """One leaf's stored array (its name and metadata) and the shards this process writes
     of it: (index range in the stored array, value on the host)."""
 
-    spec: dict
+    name: str
+    metadata: dict
     shards: list[tuple[tuple[slice, ...], np.ndarray]]
+
+    def spec(self, root: str) -> dict:
+        """The array's TensorStore spec in the checkpoint folder ``root``."""
+        return storage.array_spec(root, self.name, self.metadata)
 
 
 class Save:
@@ -69,13 +78,17 @@ class Save:
         copy: bool = False,
         after_commit: Callable[[], None] | None = None,
     ):
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.partial = self.directory + PARTIAL_SUFFIX
+        # A link to a checkpoint's folder saves into the folder it names; the link stays.
+        self.directory = os.path.realpath(os.fspath(directory))
         self.after_commit = after_commit
         self.many = distributed.is_multiprocess()
         self.first = jax.process_index() == 0
         _check_replaceable(self.directory, overwrite)
-        self.index, writes = _planned(tree, self.directory, self.partial)
+        # What the commit may replace: the checkpoint there now, or none.
+        self.expected = storage.marker(storage.located(self.directory)) if overwrite else None
+        self.save_id = uuid.uuid4().hex[:16]
+        self.partial: str | None = None  # made by process 0 when the save starts
+        self.index, writes = _planned(tree, self.directory)
         self.topic = distributed.topic("checkpoint", self.directory) if self.many else ""
         if self.many:
             distributed.check_agreement(
@@ -88,10 +101,13 @@ class Save:
         self.bytes_written = sum(v.nbytes for w in self.writes for _, v in w.shards)
 
     def _start(self) -> None:
-        """Process 0 makes a fresh partial directory with every group's and array's
-        metadata; the others wait for it and check that they see it."""
+        """Process 0 makes the save's partial folder with every group's and array's
+        metadata and tells the others its name; they check that they see it."""
+        made = ""
         if self.first:
-            storage.remove(self.partial)
+            made = partial_name(self.directory, self.save_id)
+            storage.make_partial(made)
+            self.partial = made  # this save's from here on: removed if it fails
             names = [leaf.array for leaf in self.index.leaves]
             for group in group_names(names):
                 # Not synced one by one: groups serve readers that walk the hierarchy;
@@ -101,8 +117,8 @@ class Save:
                     {"zarr_format": 3, "node_type": "group", "attributes": {}},
                     sync=False,
                 )
-            storage.create_arrays([w.spec for w in self.writes], ts.Context())
-        self._meet("started", "the start of the save")
+            storage.create_arrays([w.spec(self.partial) for w in self.writes], ts.Context())
+        self.partial = self._meet("started", "the start of the save", made)[0]
         if not os.path.isdir(self.partial):
             raise CheckpointError(
                 f"process {jax.process_index()} does not see {self.partial}, which process 0 made to save "
@@ -110,17 +126,36 @@ class Save:
             )
 
     def finish(self) -> None:
-        """Make the partial directory, write this process's shards, wait for every
-        process, then commit."""
-        self._attempt(self._start)
-        self._attempt(self._finish)
+        """Make the partial folder, write this process's shards, wait for every process,
+        then commit; a save that fails removes its partial folder (:meth:`_discard`)."""
+        try:
+            self._attempt(self._start)
+            self._attempt(self._finish)
+        except BaseException as err:
+            self._discard(meet=isinstance(err, Exception))
+            raise
+
+    def _discard(self, meet: bool) -> None:
+        """After this save failed, process 0 (which made it) removes its partial folder,
+        once every process has stopped writing into it: with several processes, only
+        when all of them meet here within the fault timeout (``meet``). A process that
+        died or hangs may still write, so the folder then stays, read by nothing."""
+        if self.many:
+            if not meet:
+                return
+            try:
+                distributed.rendezvous(f"{self.topic}/ended", "the end of a failed save")
+            except MpmdcError:
+                return
+        if self.first and self.partial is not None:
+            storage.remove(self.partial)
 
     def _finish(self) -> None:
         context = ts.Context()
         pending = []
         for write in self.writes:
             if write.shards:
-                store = storage.writer(write.spec, context)
+                store = storage.opened(write.spec(self.partial), context, write=True)
                 pending += [store[index].write(value) for index, value in write.shards]
         for future in pending:
             future.result()
@@ -129,19 +164,24 @@ class Save:
             storage.write_json(os.path.join(self.partial, INDEX_FILE), self.index.as_json())
             storage.write_json(
                 os.path.join(self.partial, COMMITTED),
-                {"time": time.time(), "processes": jax.process_count()},
+                {"time": time.time(), "processes": jax.process_count(), "save": self.save_id},
             )
-            storage.publish(self.partial, self.directory)
+            storage.publish(self.partial, self.directory, self.expected)
+            self.partial = None  # committed: no longer this save's to remove
             if self.after_commit is not None:
                 self.after_commit()
         self._meet("committed", f"the commit of {self.directory}")
         self._forget()
 
-    def _meet(self, stage: str, what: str) -> None:
+    def _meet(self, stage: str, what: str, value: str = "") -> dict[int, str]:
+        """Wait for every process to reach ``stage``; each process's ``value``, by process."""
         # Patient: writing may take longer than the fault timeout; a peer that dies or
         # fails its part of the save still ends the wait.
-        if self.many:
-            distributed.rendezvous(f"{self.topic}/{stage}", what, patient=True, exchange=self.topic)
+        if not self.many:
+            return {0: value}
+        return distributed.rendezvous(
+            f"{self.topic}/{stage}", what, patient=True, exchange=self.topic, value=value
+        )
 
     def _forget(self) -> None:
         """Drop this save's keys from the key-value store, but the last meeting's (a peer
@@ -202,9 +242,9 @@ def _check_replaceable(directory: str, overwrite: bool) -> None:
         )
 
 
-def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:
-    """The checkpoint's index and, per leaf, what this process writes of it into the
-    arrays under ``root`` (values still on their devices)."""
+def _planned(tree, directory: str) -> tuple[Index, list[_LeafWrite]]:
+    """The checkpoint's index and, per leaf, what this process writes of it (values still
+    on their devices)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     if not flat:
         raise CheckpointError(
@@ -232,8 +272,9 @@ def _planned(tree, directory: str, root: str) -> tuple[Index, list[_LeafWrite]]:
         key_impl = str(jax.random.key_impl(x)) if key else None
         logical = str(x.dtype) if hasattr(x, "dtype") else str(dtype)
         weak = isinstance(x, jax.Array) and jax.typeof(x).weak_type
-        leaves.append(LeafEntry(text, name, tuple(np.shape(x)), logical, key_impl, weak))
-        writes.append(_LeafWrite(storage.array_spec(root, name, shape, dtype, chunks), shards))
+        entry = LeafEntry(text, name, tuple(np.shape(x)), logical, key_impl, weak, chunks)
+        leaves.append(entry)
+        writes.append(_LeafWrite(name, array_metadata(entry), shards))
     return Index(tuple(leaves)), writes
 
 
@@ -273,4 +314,7 @@ def _on_host(writes: list[_LeafWrite], copy: bool) -> list[_LeafWrite]:
         np.array(f, copy=True) if copy and not isinstance(v, jax.Array) else np.asarray(f)
         for v, f in zip(values, jax.device_get(values))
     )
-    return [_LeafWrite(w.spec, [(index, next(fetched)) for index, _ in w.shards]) for w in writes]
+    return [
+        _LeafWrite(w.name, w.metadata, [(index, next(fetched)) for index, _ in w.shards])
+        for w in writes
+    ]

@@ -3,37 +3,35 @@ renames that make a finished save appear at once."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import tensorstore as ts
 
-from mpmdc.checkpoint.layout import COMMITTED, REPLACED_SUFFIX
+from mpmdc.checkpoint.layout import COMMITTED, REPLACED_SUFFIX, parse_document
+from mpmdc.errors import CheckpointError
+
+LOCK_FILE = ".mpmdc-commit.lock"  # in the folder that holds checkpoints; never removed
 
 
-def _array(root: str, name: str) -> dict:
-    """The part of a TensorStore spec naming Zarr v3 array ``name`` under ``root``."""
+def array_spec(root: str, name: str, metadata: dict) -> dict:
+    """The TensorStore spec of Zarr v3 array ``name`` under ``root`` with ``metadata``
+    (:func:`~mpmdc.checkpoint.layout.array_metadata`). Every chunk is written (TensorStore
+    leaves out chunks equal to the fill value by default, and a missing chunk could then
+    not be told from one that was lost), and a read of a missing chunk fails rather than
+    giving the fill value."""
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": os.path.join(root, name) + "/"},
-    }
-
-
-def array_spec(root: str, name: str, shape, dtype: np.dtype, chunks) -> dict:
-    """The TensorStore spec of array ``name`` under ``root``: Zarr v3, uncompressed
-    little-endian chunks of shape ``chunks``, every chunk written (TensorStore leaves out
-    chunks equal to the fill value by default, and a missing chunk could then not be
-    told from one that was lost)."""
-    return {
-        **_array(root, name),
+        "metadata": metadata,
         "store_data_equal_to_fill_value": True,
-        "metadata": {
-            "shape": list(shape),
-            "data_type": np.dtype(dtype).name,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        },
+        "fill_missing_data_reads": False,
     }
 
 
@@ -52,17 +50,11 @@ def create_arrays(specs: list[dict], context: ts.Context) -> None:
         future.result()
 
 
-def writer(spec: dict, context: ts.Context) -> ts.TensorStore:
-    """Array ``spec`` opened for writing chunks, its metadata taken as written (by
-    :func:`create_arrays`, perhaps in another process): opening reads nothing."""
-    return ts.open(spec, open=True, assume_metadata=True, context=context).result()
-
-
-def reader(root: str, name: str, context: ts.Context) -> ts.TensorStore:
-    """Array ``name`` under ``root`` opened for reading, from its own metadata; reading a
-    chunk that is not there fails rather than giving the fill value."""
-    spec = {**_array(root, name), "fill_missing_data_reads": False}
-    return ts.open(spec, open=True, read=True, context=context).result()
+def opened(spec: dict, context: ts.Context, **mode) -> ts.TensorStore:
+    """Array ``spec`` opened with the metadata the spec gives, as checked or written
+    already (by :func:`create_arrays`, perhaps in another process, or by a restore's
+    checks): opening reads nothing, so what is read is read with exactly that metadata."""
+    return ts.open(spec, open=True, assume_metadata=True, context=context, **mode).result()
 
 
 def write_json(path: str, document: dict, *, sync: bool = True) -> None:
@@ -77,21 +69,45 @@ def write_json(path: str, document: dict, *, sync: bool = True) -> None:
     os.replace(path + ".tmp", path)
 
 
-def read_json(path: str) -> dict | None:
-    """The JSON document at ``path``, or ``None`` where there is none or it is no JSON."""
+def read_json(path: str) -> dict:
+    """The JSON object in file ``path``; a ``CheckpointError`` naming the file and why when
+    it cannot be read (missing, a folder, no permission) or holds anything else."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {_reason(err)}.") from None
+    return parse_document(raw, path)
+
+
+def _reason(err: OSError) -> str:
+    if isinstance(err, PermissionError):
+        return "permission denied"
+    if isinstance(err, IsADirectoryError):
+        return "it is a folder, not a file"
+    if isinstance(err, FileNotFoundError):
+        return "it is not there"
+    return err.strerror or type(err).__name__
 
 
 def located(directory: str) -> str | None:
     """Where the complete checkpoint saved to ``directory`` is: ``directory``, or while a
     save with ``overwrite=True`` swaps a new one in (or after it died doing so) the old
-    one beside it at ``<directory>.replaced``; ``None`` where there is none."""
+    one beside it at ``<directory>.replaced``; ``None`` where there is none. A folder this
+    process may not read is a ``CheckpointError`` saying so."""
     for place in (directory, directory + REPLACED_SUFFIX):
-        if os.path.isfile(os.path.join(place, COMMITTED)):
+        marker = os.path.join(place, COMMITTED)
+        try:
+            os.stat(marker)
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            raise CheckpointError(f"cannot read {place}: permission denied.") from None
+        except OSError as err:
+            if err.errno == errno.ENOTDIR:
+                continue
+            raise CheckpointError(f"cannot read {place}: {_reason(err)}.") from None
+        if os.path.isfile(marker):
             return place
     return None
 
@@ -105,21 +121,90 @@ def first_existing_above(path: str) -> str:
 
 
 def remove(path: str) -> None:
-    """Remove the directory ``path`` and everything in it, if it is there."""
+    """Remove ``path`` if it is there: a folder with everything in it, or a symbolic link
+    itself (never what it points to)."""
+    if os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
     shutil.rmtree(path, ignore_errors=True)
 
 
-def publish(partial: str, final: str) -> None:
-    """Rename the finished ``partial`` to ``final``, replacing a ``final`` that is there:
-    the old one is moved aside first and removed after, so a complete checkpoint is always
-    at ``final`` or, for that moment, beside it (which readers look for)."""
+def make_partial(partial: str) -> None:
+    """Create the folder ``partial``, which must not exist: a save's partial folder is its
+    own (a name nothing else has, made here or not at all; a link planted at that name is
+    refused, not followed)."""
+    os.makedirs(os.path.dirname(partial), exist_ok=True)
+    try:
+        os.mkdir(partial)
+    except FileExistsError:
+        raise CheckpointError(
+            f"{partial} is already there; a save's partial folder must be new. Remove it if "
+            f"no save is writing it."
+        ) from None
+
+
+def marker(place: str | None) -> dict | None:
+    """The commit marker of the complete checkpoint at ``place`` (``None`` for none)."""
+    return None if place is None else read_json(os.path.join(place, COMMITTED))
+
+
+_COMMITS_HERE = threading.Lock()  # POSIX record locks are per process, not per thread
+
+
+@contextlib.contextmanager
+def commit_lock(folder: str):
+    """Hold the lock that commits into ``folder`` take: a POSIX record lock on
+    ``folder/.mpmdc-commit.lock`` between processes (and hosts, where the filesystem
+    supports POSIX locks: local disks and NFS alike), a lock of this process between its
+    threads."""
+    with _COMMITS_HERE:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def publish(partial: str, final: str, expected: dict | None) -> None:
+    """Rename the finished ``partial`` to ``final``, if the checkpoint saved to ``final`` is
+    still the one whose commit marker is ``expected`` (``None``: no checkpoint at all);
+    otherwise a ``CheckpointError``, and nothing changes. A checkpoint that is there is moved
+    aside first and removed after, so a complete checkpoint is always at ``final`` or, for
+    that moment, beside it (which readers look for).
+
+    Commits into one folder take turns (:func:`commit_lock`), so the check and the renames
+    are one step: of two saves racing to one directory, the second finds the first's
+    checkpoint, not the one it expected, and fails. The last rename is one that cannot
+    replace a checkpoint either way (a folder renamed onto a non-empty folder fails).
+    """
+    folder = os.path.dirname(final)
     aside = final + REPLACED_SUFFIX
-    if os.path.exists(final):
+    with commit_lock(folder):
+        found = located(final)
+        if marker(found) != expected:
+            raise CheckpointError(
+                f"another save committed a checkpoint to {final} while this one was writing; "
+                f"this save is discarded and that checkpoint stays. Save each checkpoint from "
+                f"one run, or to a directory of its own."
+            )
+        if found == final:
+            remove(aside)  # left by a save that died after its commit, before removing it
+            os.replace(final, aside)
+        elif os.path.isdir(final):
+            os.rmdir(final)  # an empty folder, which the save was allowed to fill
+        try:
+            os.rename(partial, final)
+        except OSError as err:
+            if found == final:
+                os.rename(aside, final)
+            raise CheckpointError(
+                f"cannot commit {final}: {_reason(err)} (something was put there while the "
+                f"save was writing); this save is discarded."
+            ) from None
         remove(aside)
-        os.replace(final, aside)
-    os.replace(partial, final)
-    remove(aside)  # also one that a save which died in that moment left
-    _sync_directory(os.path.dirname(final))
+        _sync_directory(folder)
 
 
 def _sync_directory(path: str) -> None:

@@ -10,6 +10,7 @@ pipeline), the bound is ``ATOL`` below.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from training import mlp_data, scanned_loss, scanned_params
 
 import mpmdc
-from mpmdc.checkpoint import CheckpointManager, restore, save
+from mpmdc.checkpoint import CheckpointManager, restore, save, storage
 from mpmdc.errors import CheckpointError, PlacementWarning
 
 LAYERS, MICROBATCHES = 8, 4
@@ -105,6 +106,11 @@ def input_shardings(step, state):
     x, y = mlp_data(32)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     return step.input_shardings(*abstract, x, y)[0][:2]
+
+
+def entries(folder) -> list[str]:
+    """What ``folder`` holds, but the lock that commits into it take."""
+    return sorted(set(os.listdir(folder)) - {storage.LOCK_FILE})
 
 
 def executables(step) -> int:
@@ -316,7 +322,7 @@ def test_a_checkpoint_being_replaced_is_read_from_beside_it(tmp_path):
     with pytest.raises(CheckpointError, match="a checkpoint is already at"):
         save(tmp_path / "c", {"w": jnp.zeros(3)})
     save(tmp_path / "c", {"w": jnp.zeros(3)}, overwrite=True)
-    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert entries(tmp_path) == ["c"]
     np.testing.assert_array_equal(restore(tmp_path / "c")["['w']"], np.zeros(3))
 
 
@@ -333,16 +339,15 @@ def test_a_lost_chunk_is_an_error_not_zeros(tmp_path):
 
 
 def test_a_checkpoint_replaced_while_read_is_an_error(tmp_path, monkeypatch):
-    from mpmdc.checkpoint import storage
-
     save(tmp_path / "c", {"w": jnp.ones(3)})
-    reader = storage.reader
+    opened = storage.opened
 
-    def replacing(root, name, context):  # another process's overwrite lands mid-read
+    def replacing(spec, context, **mode):  # another process's overwrite lands mid-read
+        root = os.path.dirname(spec["kvstore"]["path"].rstrip("/"))
         storage.write_json(os.path.join(root, "COMMITTED"), {"time": 0})
-        return reader(root, name, context)
+        return opened(spec, context, **mode)
 
-    monkeypatch.setattr(storage, "reader", replacing)
+    monkeypatch.setattr(storage, "opened", replacing)
     with pytest.raises(CheckpointError, match="was replaced while it was read; restore it again"):
         restore(tmp_path / "c", {"w": jnp.ones(3)})
 
@@ -371,7 +376,7 @@ def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
         save(tmp_path / "c", {"w": jnp.ones(3)})
     save(tmp_path / "c", {"w": jnp.ones(3), "b": jnp.ones(2)}, overwrite=True)
     assert sorted(restore(tmp_path / "c")) == ["['b']", "['w']"]
-    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert entries(tmp_path) == ["c"]
 
 
 ERRORS = {
@@ -496,7 +501,7 @@ def test_the_manager_keeps_the_newest_steps_and_saves_while_the_next_step_runs(
             state = tuple(state)
         assert manager.latest_step() == 6  # waits for the save of 6 in the background
     assert manager.all_steps() == [4, 6]
-    assert sorted(os.listdir(tmp_path)) == ["4", "6"]
+    assert entries(tmp_path) == ["4", "6"]
     target = target_of(state, input_shardings(step, state))
     assert_bitwise(manager.restore(target), expected[6])
     assert_bitwise(manager.restore(target, step=4), expected[4])
@@ -510,14 +515,14 @@ KILLED_DURING_SAVE = textwrap.dedent(
 
     manager = CheckpointManager(sys.argv[1], asynchronous=False)
     manager.save(1, {"w": jnp.full((64, 64), 1.0), "b": jnp.ones(64)})
-    writer = storage.writer
+    opened = storage.opened
 
-    def dying(spec, context):  # dies with its first chunk written, the rest not
-        store = writer(spec, context)
+    def dying(spec, context, **mode):  # dies with its first chunk written, the rest not
+        store = opened(spec, context, **mode)
         store[...].write(jnp.full(store.shape, 2.0, store.dtype.numpy_dtype)).result()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    storage.writer = dying
+    storage.opened = dying
     manager.save(2, {"w": jnp.full((64, 64), 2.0), "b": jnp.ones(64)})
     """
 )
@@ -530,7 +535,8 @@ def test_a_process_killed_during_a_save_leaves_the_last_checkpoint_and_nothing_r
         [sys.executable, "-c", KILLED_DURING_SAVE, str(tmp_path)], capture_output=True, timeout=120
     )
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
-    assert sorted(os.listdir(tmp_path)) == ["1", "2.partial"]
+    [died] = [name for name in entries(tmp_path) if name != "1"]
+    assert re.fullmatch(r"2\.[0-9a-f]{16}\.partial", died)  # a folder of that save's own
     manager = CheckpointManager(tmp_path)
     assert manager.latest_step() == 1
     with pytest.raises(CheckpointError, match="a save to it has not finished, or died"):
@@ -538,7 +544,7 @@ def test_a_process_killed_during_a_save_leaves_the_last_checkpoint_and_nothing_r
     assert float(manager.restore()["['w']"][0, 0]) == 1.0
     manager.save(2, {"w": jnp.full((64, 64), 3.0), "b": jnp.ones(64)})  # the step saved again
     manager.close()
-    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    assert entries(tmp_path) == ["1", "2", died]  # nothing removes another save's folder
     assert float(manager.restore()["['w']"][0, 0]) == 3.0
 
 

@@ -9,6 +9,7 @@ array's writes begun and the rest not (``-`` for none).
 import importlib.util
 import os
 import pathlib
+import re
 import signal
 import sys
 
@@ -22,16 +23,19 @@ _spec.loader.exec_module(example)
 
 
 def dying_at(step: str):
-    """``storage.writer`` that kills this process as it opens the second array of ``step``."""
-    writer = storage.writer
-    opened = []
+    """``storage.opened`` that kills this process as it opens the second array of ``step``
+    for writing."""
+    opened = storage.opened
+    seen = []
 
-    def dying(spec, context):
-        if f"/{step}.partial/" in spec["kvstore"]["path"]:
-            opened.append(spec)
-            if len(opened) == 2:
+    def dying(spec, context, **mode):
+        if mode.get("write") and re.search(
+            rf"/{step}\.[0-9a-f]+\.partial/", spec["kvstore"]["path"]
+        ):
+            seen.append(spec)
+            if len(seen) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return writer(spec, context)
+        return opened(spec, context, **mode)
 
     return dying
 
@@ -41,5 +45,5 @@ if __name__ == "__main__":
     if die_at != "-" and os.environ.get("MPMDC_PROCESS_ID") == str(
         int(os.environ["MPMDC_NUM_PROCESSES"]) - 1
     ):
-        storage.writer = dying_at(die_at)
+        storage.opened = dying_at(die_at)
     example.main(argv)

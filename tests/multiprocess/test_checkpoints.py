@@ -11,6 +11,7 @@ microbatches reversed; CPU, float32, gradient clipping and AdamW) is 1.9e-6; ten
 """
 
 import os
+import re
 import shutil
 import sys
 
@@ -20,11 +21,16 @@ import pytest
 from checkpointing import example
 from test_multiprocess import HERE, process_lines, run_launch
 
-from mpmdc.checkpoint import restore
+from mpmdc.checkpoint import restore, storage
 
 pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
 
 ATOL = 2e-5
+
+
+def entries(folder) -> list[str]:
+    """What ``folder`` holds, but the lock that commits into it take."""
+    return sorted(set(os.listdir(folder)) - {storage.LOCK_FILE})
 
 
 def launch_example(directory, *options, processes=4, devices=1, die_at="-"):
@@ -39,7 +45,7 @@ def uninterrupted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("uninterrupted")
     status, output = launch_example(directory, "--steps", "8")
     assert status == 0, output[-3000:]
-    assert sorted(os.listdir(directory)) == ["4", "8"]
+    assert entries(directory) == ["4", "8"]
     return directory
 
 
@@ -77,11 +83,34 @@ def test_a_process_killed_saving_leaves_the_last_step_which_resumes_in_another_l
     assert "mpmdc launch: process 1 failed first: it was killed by SIGKILL" in output, output[
         -3000:
     ]
-    assert sorted(os.listdir(tmp_path)) == ["4", "8.partial"]  # step 4 whole, 8 never committed
+    [died] = [name for name in entries(tmp_path) if name != "4"]  # step 4 whole, 8 never committed
+    assert re.fullmatch(r"8\.[0-9a-f]+\.partial", died)
     status, output = launch_example(tmp_path, "--steps", "8", "--meshes", "2", **two_by_two)
     assert status == 0, output[-3000:]
     assert f"resumed from step 4 in {tmp_path}/4" in process_lines(output, 0)
-    assert sorted(os.listdir(tmp_path)) == ["4", "8"]  # the partial save cleared away
+    assert entries(tmp_path) == ["4", "8", died]  # the dead save's folder is left alone
     got, want = restore(tmp_path / "8"), restore(uninterrupted / "8")
     for path in want:
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=ATOL, err_msg=path)
+
+
+def test_a_save_failing_on_one_process_fails_that_save_everywhere_and_removes_its_folder(
+    tmp_path,
+):
+    """Process 1's writes fail as on a full disk: it raises ``CheckpointError`` naming why,
+    process 0 an ``MpmdRuntimeError`` naming process 1; the save's partial folder is gone
+    once both have stopped, and the next save of the run succeeds."""
+    script = [sys.executable, str(HERE / "failed_save.py"), str(tmp_path)]
+    status, output = run_launch("-n", "2", "--fault-timeout", "10", "--", *script)
+    assert status == 0, output[-3000:]
+    assert any(
+        line.startswith("caught CheckpointError: process 1 failed to save")
+        and "No space left on device" in line
+        for line in process_lines(output, 1)
+    ), output[-3000:]
+    assert any(
+        line.startswith("caught MpmdRuntimeError") and "process 1 failed to save" in line
+        for line in process_lines(output, 0)
+    ), output[-3000:]
+    assert entries(tmp_path) == ["second"]
+    np.testing.assert_array_equal(restore(tmp_path / "second")["['w']"], np.ones((8, 4)))

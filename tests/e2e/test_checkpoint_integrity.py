@@ -1,0 +1,439 @@
+"""What a checkpoint guarantees when writers race and files are damaged or hostile.
+
+- A save that returns normally committed exactly what it wrote: of saves racing to one
+  directory (threads, separate processes) exactly one commits; the others raise.
+- A save's partial folder is its own: nothing else, no other save or manager, removes it.
+- A restore checks everything it reads: the index and every array's metadata (against
+  each other and the target), a checksum per chunk, every array inside the checkpoint;
+  damaged or hostile files are ``CheckpointError``s naming the file, never a crash, a raw
+  Python error or wrong values.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mpmdc.checkpoint import CheckpointManager, restore, save, storage
+from mpmdc.checkpoint.saving import Save
+from mpmdc.errors import CheckpointError
+
+TRIALS = 40
+
+
+def entries(folder) -> list[str]:
+    """What ``folder`` holds, but the lock that commits into it take."""
+    return sorted(set(os.listdir(folder)) - {storage.LOCK_FILE})
+
+
+def tree_of(value: float) -> dict:
+    return {"w": jnp.full((64, 64), value), "b": jnp.full((8,), value)}
+
+
+def value_of(directory) -> float:
+    """The value a :func:`tree_of` checkpoint holds (every element the same)."""
+    restored = restore(directory)
+    values = {float(v) for leaf in restored.values() for v in np.unique(leaf)}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+def race(directory, overwrite: bool) -> dict[int, str]:
+    """Two threads save trees of different values to ``directory`` at once: what each
+    call did (``"ok"`` or the error's text), by value."""
+    outcome = {}
+    start = threading.Barrier(2)
+
+    def saving(value):
+        tree = tree_of(value)
+        start.wait()
+        try:
+            save(directory, tree, overwrite=overwrite)
+            outcome[value] = "ok"
+        except CheckpointError as err:
+            outcome[value] = str(err)
+
+    threads = [threading.Thread(target=saving, args=(v,)) for v in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcome
+
+
+def test_of_two_threads_saving_to_one_new_directory_exactly_one_commits(tmp_path):
+    for trial in range(TRIALS):
+        directory = tmp_path / str(trial)
+        outcome = race(directory, overwrite=False)
+        done = [v for v, what in outcome.items() if what == "ok"]
+        assert len(done) == 1, outcome
+        assert value_of(directory) == done[0]  # the one that returned is what is there
+        [refused] = [what for what in outcome.values() if what != "ok"]
+        assert re.search("already at|another save committed", refused), refused
+        assert entries(tmp_path) == sorted(str(t) for t in range(trial + 1))  # no partial left
+
+
+def test_saves_overwriting_one_checkpoint_at_once_never_lose_a_returned_save(tmp_path):
+    """With ``overwrite=True`` each save replaces only the checkpoint it found: of two
+    saves that both found the first checkpoint, one commits and the other raises; a save
+    that started after the other's commit replaces it knowingly."""
+    for trial in range(TRIALS // 2):
+        directory = tmp_path / str(trial)
+        save(directory, tree_of(0))
+        outcome = race(directory, overwrite=True)
+        done = [v for v, what in outcome.items() if what == "ok"]
+        assert done, outcome
+        assert value_of(directory) in done
+        for what in outcome.values():
+            assert what == "ok" or "another save committed" in what, what
+
+
+RACING_PROCESS = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import jax.numpy as jnp
+    from mpmdc.checkpoint import save
+    from mpmdc.errors import CheckpointError
+
+    folder, value, trials = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    outcome = {}
+    for trial in range(trials):
+        ready = os.path.join(folder, f"ready-{trial}-{value:g}")
+        open(ready, "w").close()
+        while len([n for n in os.listdir(folder) if n.startswith(f"ready-{trial}-")]) < 2:
+            time.sleep(0.001)
+        try:
+            save(os.path.join(folder, "runs", str(trial)), {"w": jnp.full((64, 64), value)})
+            outcome[trial] = "ok"
+        except CheckpointError as err:
+            outcome[trial] = str(err)
+    print(json.dumps(outcome))
+    """
+)
+
+
+def test_of_two_processes_saving_to_one_new_directory_exactly_one_commits(tmp_path):
+    """Two jobs (separate processes, as a zombie job and its restart) race to the same
+    checkpoints: in every trial exactly one save returns, and its values are there."""
+    trials = TRIALS // 2
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACING_PROCESS, str(tmp_path), str(value), str(trials)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for value in (1, 2)
+    ]
+    outcomes = {}
+    for value, run in zip((1, 2), runs):
+        out, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err.decode()[-3000:]
+        outcomes[value] = json.loads(out.decode().strip().splitlines()[-1])
+    for trial in range(trials):
+        said = {value: outcomes[value][str(trial)] for value in (1, 2)}
+        done = [value for value, what in said.items() if what == "ok"]
+        assert len(done) == 1, said
+        assert value_of(tmp_path / "runs" / str(trial)) == done[0]
+    assert entries(tmp_path / "runs") == sorted(str(t) for t in range(trials))
+
+
+def test_a_managers_commit_leaves_another_saves_partial_folder_alone(tmp_path):
+    """Two managers on one folder (a job that did not die and its restart): one's commit
+    and pruning remove nothing of the other's save in flight, which then commits whole."""
+    first = Save(tmp_path / "1", tree_of(1))
+    first._start()  # its partial folder is there, written into
+    [partial] = entries(tmp_path)
+    with CheckpointManager(tmp_path, max_to_keep=1) as other:
+        other.save(2, tree_of(2))
+        other.save(3, tree_of(3))
+    assert partial in entries(tmp_path)
+    first._finish()
+    assert entries(tmp_path) == ["1", "3"]
+    assert value_of(tmp_path / "1") == 1
+
+
+def test_a_failed_save_removes_its_own_partial_folder_and_only_that(tmp_path):
+    os.makedirs(tmp_path / "c.0123456789abcdef.partial")  # another save's, in flight
+    saving = Save(tmp_path / "c", tree_of(1))
+    saving.writes[0].shards[0] = (saving.writes[0].shards[0][0], np.zeros((3, 3)))  # wrong shape
+    with pytest.raises(CheckpointError):
+        saving.finish()
+    assert entries(tmp_path) == ["c.0123456789abcdef.partial"]
+
+
+# ----- damaged and hostile files -------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    directory = tmp_path / "c"
+    save(directory, {"w": jnp.arange(24.0).reshape(4, 6), "k": jax.random.key(3)})
+    return directory
+
+
+def edit_json(path, change):
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+def index_leaves(document) -> list[dict]:
+    return document["attributes"]["mpmdc"]["leaves"]
+
+
+def chunk_files(array_folder) -> list[str]:
+    return sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(os.path.join(array_folder, "c")) for f in fs
+    )
+
+
+ARRAY_EDITS = {
+    "data_type": (lambda a: a.update(data_type="int32"), 'it says data_type "int32"'),
+    "transpose codec": (
+        lambda a: a["codecs"].insert(0, {"name": "transpose", "configuration": {"order": [1, 0]}}),
+        "it says codecs [",
+    ),
+    "no checksum": (lambda a: a["codecs"].pop(), "it says codecs ["),
+    "big endian": (
+        lambda a: a["codecs"][0].update(configuration={"endian": "big"}),
+        "it says codecs [",
+    ),
+    "huge shape": (lambda a: a.update(shape=[10**13, 6]), "it says shape [10000000000000, 6]"),
+    "chunk grid": (
+        lambda a: a["chunk_grid"]["configuration"].update(chunk_shape=[2, 6]),
+        "it says chunk_grid",
+    ),
+    "storage transformer": (
+        lambda a: a.update(storage_transformers=[{"name": "sharding"}]),
+        "storage_transformers",
+    ),
+    "shape text": (lambda a: a.update(shape="ab"), "shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARRAY_EDITS))
+def test_an_arrays_metadata_must_say_what_the_index_says(saved, case):
+    change, says = ARRAY_EDITS[case]
+    edit_json(saved / "w" / "zarr.json", change)
+    for target in (None, {"w": jnp.zeros((4, 6)), "k": jax.random.key(0)}):
+        with pytest.raises(CheckpointError, match=re.escape(str(saved / "w" / "zarr.json"))) as e:
+            restore(saved, target)
+        assert says in str(e.value)
+
+
+def test_a_chunk_changed_in_place_fails_its_checksum_naming_leaf_and_chunk(saved):
+    [chunk] = chunk_files(saved / "w")
+    data = bytearray(open(chunk, "rb").read())
+    data[8] ^= 0x40  # one bit of one float; the file keeps its size
+    open(chunk, "wb").write(bytes(data))
+    with pytest.raises(
+        CheckpointError,
+        match=r"damaged: leaf \['w'\], chunk w/c/0/0 does not match its checksum",
+    ):
+        restore(saved, {"w": jnp.zeros((4, 6)), "k": jax.random.key(0)})
+
+
+def test_a_truncated_chunk_is_an_error(saved):
+    [chunk] = chunk_files(saved / "w")
+    os.truncate(chunk, 10)
+    with pytest.raises(CheckpointError, match=r"leaf \['w'\], chunk w/c/0/0"):
+        restore(saved)
+
+
+def test_an_array_outside_the_checkpoint_is_refused(tmp_path, saved):
+    save(tmp_path / "other", {"w": jnp.ones((4, 6)), "k": jax.random.key(0)})
+    for name in (str(tmp_path / "other" / "w"), "../other/w", "w/../../other/w", "w//x"):
+        edit_json(saved / "zarr.json", lambda d, name=name: index_leaves(d)[1].update(array=name))
+        with pytest.raises(CheckpointError, match="is not a relative path inside the checkpoint"):
+            restore(saved)
+    edit_json(saved / "zarr.json", lambda d: index_leaves(d)[1].update(array="w"))
+    restore(saved)
+    os.rename(saved / "w", saved / "w.real")
+    os.symlink(tmp_path / "other" / "w", saved / "w")  # a link inside, pointing out
+    with pytest.raises(CheckpointError, match=r"resolves to .*other/w, outside the checkpoint"):
+        restore(saved)
+
+
+ROOT_EDITS = {
+    "not utf-8": (b"\xff\xfe{}", "it is not JSON text"),
+    "not json": (b"{", "it is not JSON text"),
+    "a list": (b"[1, 2]", "it holds a list, not a JSON object"),
+    "no leaves": (
+        lambda d: d["attributes"]["mpmdc"].pop("leaves"),
+        "Field required at leaves",
+    ),
+    "leaves a number": (
+        lambda d: d["attributes"]["mpmdc"].update(leaves=5),
+        "Input should be a valid list at leaves",
+    ),
+    "leaf a list": (lambda d: index_leaves(d).__setitem__(0, [1]), "at leaves.0"),
+    "shape text": (lambda d: index_leaves(d)[1].update(shape="ab"), "at leaves.1.shape"),
+    "shape negative": (lambda d: index_leaves(d)[1].update(shape=[-4, 6]), "negative length"),
+    "shape floats": (lambda d: index_leaves(d)[1].update(shape=[4.0, 6]), "at leaves.1.shape.0"),
+    "dtype": (
+        lambda d: index_leaves(d)[1].update(dtype="not_a_dtype"),
+        "dtype 'not_a_dtype' is not one JAX knows",
+    ),
+    "object dtype": (lambda d: index_leaves(d)[1].update(dtype="object"), "which no checkpoint"),
+    "key impl": (
+        lambda d: index_leaves(d)[0].update(key_impl="nope"),
+        "PRNG implementation 'nope' is not one JAX knows",
+    ),
+    "chunks": (lambda d: index_leaves(d)[1].update(chunks=[0, 6]), "chunk shape"),
+    "no chunks": (lambda d: index_leaves(d)[1].pop("chunks"), "no chunk shape"),
+    "twice": (
+        lambda d: index_leaves(d)[0].update(path=index_leaves(d)[1]["path"]),
+        "lists the leaf path",
+    ),
+    "version": (
+        lambda d: d["attributes"]["mpmdc"].update(version=99),
+        "format version 99; this mpmdc reads versions 1, 2",
+    ),
+    "not ours": (lambda d: d["attributes"].pop("mpmdc"), "Field required at attributes.mpmdc"),
+    "a group no more": (lambda d: d.update(node_type="array"), "at node_type"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROOT_EDITS))
+def test_a_damaged_or_hostile_index_is_an_error_naming_the_file(saved, case):
+    change, says = ROOT_EDITS[case]
+    if isinstance(change, bytes):
+        (saved / "zarr.json").write_bytes(change)
+    else:
+        edit_json(saved / "zarr.json", change)
+    with pytest.raises(CheckpointError, match=re.escape(str(saved / "zarr.json"))) as e:
+        restore(saved, {"w": jnp.zeros((4, 6)), "k": jax.random.key(0)})
+    assert says in str(e.value)
+
+
+def test_an_index_that_is_a_folder_or_a_marker_that_is_damaged_is_an_error(saved):
+    os.rename(saved / "zarr.json", saved / "moved")
+    os.mkdir(saved / "zarr.json")
+    with pytest.raises(CheckpointError, match=r"cannot read .*c/zarr.json: it is a folder"):
+        restore(saved)
+    os.rmdir(saved / "zarr.json")
+    os.rename(saved / "moved", saved / "zarr.json")
+    (saved / "COMMITTED").write_bytes(b"\x00\x01")
+    with pytest.raises(CheckpointError, match=r"c/COMMITTED is damaged .* not JSON text"):
+        restore(saved)
+
+
+UNPRIVILEGED = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    if os.geteuid() == 0:  # root: drop the rights to read past permissions (Linux)
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        class Sets(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+        libc = ctypes.CDLL(None, use_errno=True)
+        header, sets = Header(0x20080522, 0), (Sets * 2)()
+        assert libc.capget(ctypes.byref(header), sets) == 0
+        sets[0].effective &= ~(1 << 1 | 1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        assert libc.capset(ctypes.byref(header), sets) == 0
+    from mpmdc.checkpoint import restore
+    from mpmdc.errors import CheckpointError
+    try:
+        restore(sys.argv[1])
+    except CheckpointError as err:
+        print(err)
+    """
+)
+
+
+def as_unprivileged(directory) -> str:
+    """What restoring ``directory`` says to a process that permissions apply to."""
+    done = subprocess.run(
+        [sys.executable, "-c", UNPRIVILEGED, str(directory)], capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done.stdout.decode()
+
+
+def test_files_this_process_may_not_read_say_permission_denied(tmp_path):
+    save(tmp_path / "c", tree_of(1))
+    os.chmod(tmp_path / "c" / "zarr.json", 0o000)
+    said = as_unprivileged(tmp_path / "c")
+    assert re.search(r"cannot read .*c/zarr.json: permission denied", said), said
+    os.chmod(tmp_path / "c" / "zarr.json", 0o644)
+    os.chmod(tmp_path / "c", 0o000)
+    said = as_unprivileged(tmp_path / "c")
+    assert re.search(r"cannot read .*c: permission denied", said), said
+    os.chmod(tmp_path / "c", 0o755)
+
+
+def test_a_target_sharding_of_another_rank_says_it_does_not_fit(saved):
+    mesh = jax.make_mesh((2,), ("x",))
+    for spec in (P(None, None, "x"), P("x", None, None)):
+        with pytest.raises(CheckpointError, match=r"target leaf \['w'\] .* does not fit") as e:
+            restore(saved, {"w": NamedSharding(mesh, spec), "k": jax.random.key(0)})
+        assert "damaged" not in str(e.value)
+
+
+def test_a_checkpoint_of_the_first_format_version_reads_without_checksums(saved):
+    """Version 1 recorded no chunk shapes and wrote no checksums: made so here from a
+    version 2 checkpoint, it restores the same values."""
+    want = restore(saved)
+    for folder in ("w", "k"):
+        edit_json(saved / folder / "zarr.json", lambda a: a["codecs"].pop())
+        for chunk in chunk_files(saved / folder):
+            os.truncate(chunk, os.path.getsize(chunk) - 4)  # the CRC32C at each chunk's end
+
+    def version_one(document):
+        document["attributes"]["mpmdc"]["version"] = 1
+        for leaf in index_leaves(document):
+            leaf.pop("chunks")
+
+    edit_json(saved / "zarr.json", version_one)
+    got = restore(saved)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path])
+
+
+# ----- links and a manager's folder --------------------------------------------------
+
+
+def test_saving_through_a_link_writes_where_it_points_and_keeps_the_link(tmp_path):
+    os.makedirs(tmp_path / "real")
+    os.symlink(tmp_path / "real" / "c", tmp_path / "c")
+    for value in (1, 2, 3):
+        save(tmp_path / "c", tree_of(value), overwrite=True)
+        assert os.path.islink(tmp_path / "c")
+        assert value_of(tmp_path / "c") == value
+    assert entries(tmp_path / "real") == ["c"]
+
+
+def test_a_link_planted_at_a_partial_name_is_never_written_through(tmp_path):
+    os.makedirs(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "c.partial")
+    save(tmp_path / "c", tree_of(1))
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert value_of(tmp_path / "c") == 1
+
+
+def test_a_manager_reads_steps_by_their_exact_names_and_prunes_links_not_targets(tmp_path):
+    run = tmp_path / "run"
+    for name in ("²", "007", "-1", "1e3", "٣"):  # folders that are no step's
+        os.makedirs(run / name)
+    os.makedirs(tmp_path / "kept")
+    save(tmp_path / "kept" / "5", tree_of(5))
+    os.symlink(tmp_path / "kept" / "5", run / "5")  # a step that is a link
+    manager = CheckpointManager(run, max_to_keep=2)
+    assert manager.all_steps() == [5]
+    for step in (6, 7):
+        manager.save(step, tree_of(step))
+    manager.close()
+    assert manager.all_steps() == [6, 7]
+    assert not os.path.lexists(run / "5")  # the link went,
+    assert value_of(tmp_path / "kept" / "5") == 5  # what it pointed to stayed
+    assert entries(run) == sorted(["-1", "007", "1e3", "²", "٣", "6", "7"])
