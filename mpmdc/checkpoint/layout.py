@@ -45,6 +45,10 @@ REPLACED_SUFFIX = ".replaced"  # a checkpoint being replaced by ``overwrite=True
 NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)  # leaves kept on the host
 INDEX_FILE = "zarr.json"
 MAX_RANK = 32  # TensorStore's limit on an array's dimensions
+# The largest chunk a save makes where its shards allow smaller ones. A chunk's bytes and
+# its checksum are one piece of work for TensorStore: smaller chunks spread a large
+# array's writes, reads and checksums over every core (measured in docs/performance.md).
+CHUNK_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -397,10 +401,12 @@ def group_names(arrays: list[str]) -> list[str]:
     return sorted(groups, key=lambda g: (g.count("/"), g))
 
 
-def chunk_shape(shape: tuple[int, ...], indices) -> tuple[int, ...]:
-    """Chunks that every shard in ``indices`` (tuples of slices of ``shape``) covers whole:
-    per dimension the greatest common divisor of its length and every shard's bounds, so
-    each process writes whole chunks and no two processes write one."""
+def chunk_shape(shape: tuple[int, ...], indices, itemsize: int) -> tuple[int, ...]:
+    """Chunks that every shard in ``indices`` (tuples of slices of ``shape``) covers whole,
+    of at most :data:`CHUNK_BYTES` where the shards allow: per dimension the greatest common
+    divisor of its length and every shard's bounds, so each process writes whole chunks and
+    no two processes write one, then divided further, leading dimensions first (so a chunk
+    stays one contiguous block), until a chunk fits."""
     chunks = []
     for d, n in enumerate(shape):
         size = n
@@ -408,7 +414,17 @@ def chunk_shape(shape: tuple[int, ...], indices) -> tuple[int, ...]:
             s = index[d] if d < len(index) else slice(None)
             size = math.gcd(size, s.start or 0, n if s.stop is None else s.stop)
         chunks.append(max(size, 1))
+    for d in range(len(chunks)):
+        inner = math.prod(chunks[d + 1 :]) * itemsize
+        if chunks[d] * inner <= CHUNK_BYTES:
+            break
+        chunks[d] = max(k for k in _divisors(chunks[d]) if k * inner <= CHUNK_BYTES or k == 1)
     return tuple(chunks)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in small]
 
 
 def is_key(x) -> bool:

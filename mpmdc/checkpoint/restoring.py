@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import stat
 
 import jax
 import numpy as np
@@ -75,16 +76,43 @@ def _why_none(wanted: str) -> str:
     return "the directory does not exist"
 
 
-def _opened(root: str, entry: LeafEntry, version: int, context: ts.Context) -> ts.TensorStore:
+class _Inside:
+    """Checks that array folders of the checkpoint at ``root`` (its real path) lie inside
+    it once links are followed. Names are relative without ``..`` (checked with the index),
+    so only a link can lead out: each folder on the way is looked at once (``lstat``) and
+    a link among them resolved, rather than resolving every array's path whole."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.seen: set[str] = set()
+
+    def check(self, entry: LeafEntry) -> None:
+        path = self.root
+        for part in entry.array.split("/"):
+            path = os.path.join(path, part)
+            if path in self.seen:
+                continue
+            self.seen.add(path)
+            try:
+                is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+            except OSError:
+                return  # not there: reading its metadata says so
+            if is_link:
+                real = os.path.realpath(path)
+                if os.path.commonpath([real, self.root]) != self.root or real == self.root:
+                    raise CheckpointError(
+                        f"the checkpoint at {self.root} is damaged: leaf {entry.path}'s array "
+                        f"{entry.array!r} resolves to {real}, outside the checkpoint."
+                    )
+
+
+def _opened(
+    root: str, entry: LeafEntry, version: int, context: ts.Context, inside: _Inside
+) -> ts.TensorStore:
     """``entry``'s array, opened for reading with the metadata the index implies once its
-    folder is found inside ``root`` and its own ``zarr.json`` agrees."""
-    folder = os.path.realpath(os.path.join(root, entry.array))
-    if os.path.commonpath([folder, root]) != root or folder == root:
-        raise CheckpointError(
-            f"the checkpoint at {root} is damaged: leaf {entry.path}'s array {entry.array!r} "
-            f"resolves to {folder}, outside the checkpoint."
-        )
-    where = os.path.join(folder, INDEX_FILE)
+    folder is found inside ``root`` (``inside``) and its own ``zarr.json`` agrees."""
+    inside.check(entry)
+    where = os.path.join(root, entry.array, INDEX_FILE)
     metadata = check_array(storage.read_json(where), entry, version, where)
     return storage.opened(storage.array_spec(root, entry.array, metadata), context, read=True)
 
@@ -125,10 +153,13 @@ def restore(directory, target=None):
     Without ``target``: ``{path: numpy array}`` of every leaf, whole, on the host.
     """
     root, index, marker = resolve(directory)
-    context = ts.Context()
+    context, inside = ts.Context(), _Inside(root)
     if target is None:  # every read started before any is waited for
         _check_memory(root, index)
-        reads = {leaf: _opened(root, leaf, index.version, context).read() for leaf in index.leaves}
+        reads = {
+            leaf: _opened(root, leaf, index.version, context, inside).read()
+            for leaf in index.leaves
+        }
         restored = {leaf.path: _read(root, leaf, read) for leaf, read in reads.items()}
     else:
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -137,7 +168,7 @@ def restore(directory, target=None):
         _check_paths(root, list(saved), wanted)
         plans = [_Plan(root, saved[text], leaf) for text, (_, leaf) in zip(wanted, flat)]
         for plan in plans:
-            plan.start(_opened(root, plan.entry, index.version, context))
+            plan.start(_opened(root, plan.entry, index.version, context, inside))
         restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
     if storage.read_json(os.path.join(root, COMMITTED)) != marker:
         raise CheckpointError(

@@ -260,15 +260,16 @@ def _planned(tree, directory: str) -> tuple[Index, list[_LeafWrite]]:
         if isinstance(x, jax.Array):
             extra = (slice(None),) * (len(shape) - x.ndim)
             indices = x.sharding.devices_indices_map(x.shape)
-            chunks = chunk_shape(shape, [i + extra for i in indices.values()])
+            chunks = chunk_shape(shape, [i + extra for i in indices.values()], dtype.itemsize)
             shards = [
                 (indices[s.device] + extra, jax.random.key_data(s.data) if key else s.data)
                 for s in x.addressable_shards
                 if s.replica_id == 0
             ]
         else:
-            chunks = tuple(max(n, 1) for n in shape)
-            shards = [((slice(None),) * len(shape), np.asarray(x))] if here == 0 else []
+            whole = (slice(None),) * len(shape)
+            chunks = chunk_shape(shape, [whole], dtype.itemsize)
+            shards = [(whole, np.asarray(x))] if here == 0 else []
         key_impl = str(jax.random.key_impl(x)) if key else None
         logical = str(x.dtype) if hasattr(x, "dtype") else str(dtype)
         weak = isinstance(x, jax.Array) and jax.typeof(x).weak_type

@@ -17,7 +17,7 @@ import tensorstore as ts
 from mpmdc.checkpoint.layout import COMMITTED, REPLACED_SUFFIX, parse_document
 from mpmdc.errors import CheckpointError
 
-LOCK_FILE = ".mpmdc-commit.lock"  # in the folder that holds checkpoints; never removed
+LOCK_FILE = ".mpmdc-commit.lock"  # where folders cannot be locked (see commit_lock); kept
 
 
 def array_spec(root: str, name: str, metadata: dict) -> dict:
@@ -154,14 +154,20 @@ _COMMITS_HERE = threading.Lock()  # POSIX record locks are per process, not per 
 
 @contextlib.contextmanager
 def commit_lock(folder: str):
-    """Hold the lock that commits into ``folder`` take: a POSIX record lock on
-    ``folder/.mpmdc-commit.lock`` between processes (and hosts, where the filesystem
-    supports POSIX locks: local disks and NFS alike), a lock of this process between its
-    threads."""
+    """Hold the lock that commits into ``folder`` take: an exclusive ``flock`` of the
+    folder itself between processes, or where the filesystem locks only files (NFS,
+    which turns ``flock`` into POSIX record locks) a POSIX record lock on
+    ``folder/.mpmdc-commit.lock``, which works across hosts; and a lock of this process
+    between its threads."""
     with _COMMITS_HERE:
-        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                os.close(fd)
+                fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.lockf(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # releases the lock

@@ -10,21 +10,25 @@
 """
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import textwrap
 import threading
+from unittest.mock import patch
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mpmdc.checkpoint import CheckpointManager, restore, save, storage
+from mpmdc.checkpoint import CheckpointManager, layout, restore, save, storage
 from mpmdc.checkpoint.saving import Save
 from mpmdc.errors import CheckpointError
 
@@ -100,12 +104,16 @@ def test_saves_overwriting_one_checkpoint_at_once_never_lose_a_returned_save(tmp
 
 RACING_PROCESS = textwrap.dedent(
     """
-    import json, os, sys, time
+    import fcntl, json, os, sys, time
     import jax.numpy as jnp
     from mpmdc.checkpoint import save
     from mpmdc.errors import CheckpointError
 
-    folder, value, trials = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    folder, value, trials, lock = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if lock == "lock file":  # as on NFS, where folders cannot be locked
+        def flock(fd, operation):
+            raise OSError(9, "Bad file descriptor")
+        fcntl.flock = flock
     outcome = {}
     for trial in range(trials):
         ready = os.path.join(folder, f"ready-{trial}-{value:g}")
@@ -122,13 +130,15 @@ RACING_PROCESS = textwrap.dedent(
 )
 
 
-def test_of_two_processes_saving_to_one_new_directory_exactly_one_commits(tmp_path):
+@pytest.mark.parametrize("lock", ["folder lock", "lock file"])
+def test_of_two_processes_saving_to_one_new_directory_exactly_one_commits(tmp_path, lock):
     """Two jobs (separate processes, as a zombie job and its restart) race to the same
-    checkpoints: in every trial exactly one save returns, and its values are there."""
+    checkpoints: in every trial exactly one save returns, and its values are there; with
+    the folder locked, or a lock file beside the checkpoints where folders cannot be."""
     trials = TRIALS // 2
     runs = [
         subprocess.Popen(
-            [sys.executable, "-c", RACING_PROCESS, str(tmp_path), str(value), str(trials)],
+            [sys.executable, "-c", RACING_PROCESS, str(tmp_path), str(value), str(trials), lock],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -437,3 +447,31 @@ def test_a_manager_reads_steps_by_their_exact_names_and_prunes_links_not_targets
     assert not os.path.lexists(run / "5")  # the link went,
     assert value_of(tmp_path / "kept" / "5") == 5  # what it pointed to stayed
     assert entries(run) == sorted(["-1", "007", "1e3", "²", "٣", "6", "7"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 64), min_size=1, max_size=3).flatmap(
+        lambda shape: st.tuples(
+            st.just(tuple(shape)),
+            st.tuples(*[st.sampled_from([k for k in (1, 2, 4, 8) if n % k == 0]) for n in shape]),
+            st.sampled_from([1, 2, 4, 8]),
+            st.sampled_from([64, 1000, 4096, 2**20]),
+        )
+    )
+)
+def test_chunks_are_whole_in_every_shard_and_no_larger_than_the_shards_allow(case):
+    """Chunks tile every shard of an even split and hold at most ``CHUNK_BYTES``, cut from
+    the leading dimensions: a dimension is cut only where those after it are whole."""
+    shape, parts, itemsize, limit = case
+    blocks = [n // k for n, k in zip(shape, parts)]
+    indices = [
+        tuple(slice(i * b, (i + 1) * b) for i, b in zip(position, blocks))
+        for position in np.ndindex(*parts)
+    ]
+    with patch.object(layout, "CHUNK_BYTES", limit):
+        chunks = layout.chunk_shape(shape, indices, itemsize)
+    assert all(b % c == 0 for b, c in zip(blocks, chunks))  # every shard is whole chunks
+    assert math.prod(chunks) * itemsize <= limit
+    cut = [d for d, (b, c) in enumerate(zip(blocks, chunks)) if c < b]
+    assert not cut or all(c == b for b, c in zip(blocks[cut[-1] + 1 :], chunks[cut[-1] + 1 :]))
