@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from mpmdc import distributed
+from mpmdc import distributed, watchdog
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
@@ -102,7 +102,7 @@ class Save:
                     sync=False,
                 )
             storage.create_arrays([w.spec for w in self.writes], ts.Context())
-        self._meet("started", "the start of the save")
+        self._meet("started", f"the start of the save to {self.directory}")
         if not os.path.isdir(self.partial):
             raise CheckpointError(
                 f"process {jax.process_index()} does not see {self.partial}, which process 0 made to save "
@@ -111,9 +111,11 @@ class Save:
 
     def finish(self) -> None:
         """Make the partial directory, write this process's shards, wait for every
-        process, then commit."""
-        self._attempt(self._start)
-        self._attempt(self._finish)
+        process, then commit. The peers' meetings wait for this process as long as it
+        is in here (:func:`mpmdc.watchdog.working_on`)."""
+        with watchdog.working_on(self.topic):
+            self._attempt(self._start)
+            self._attempt(self._finish)
 
     def _finish(self) -> None:
         context = ts.Context()
@@ -138,8 +140,8 @@ class Save:
         self._forget()
 
     def _meet(self, stage: str, what: str) -> None:
-        # Patient: writing may take longer than the fault timeout; a peer that dies or
-        # fails its part of the save still ends the wait.
+        # Patient: writing may take longer than the fault timeout; a peer that fails its
+        # part of the save, or has not been working on it for the fault timeout, ends the wait.
         if self.many:
             distributed.rendezvous(f"{self.topic}/{stage}", what, patient=True, exchange=self.topic)
 

@@ -6,11 +6,13 @@ process its id through ``MPMDC_*`` variables (read by
 :func:`mpmdc.distributed.initialize`), and streams each process's output with its
 id in front. It exits 0 only if every process does. When one process fails (a
 non-zero status or a signal) the others get ``grace`` seconds to report what they
-saw, then are stopped; the launcher says which process failed first and how.
+saw, then are stopped; the launcher says which process failed first and how (a
+process that announced it gave up waiting for a stuck one blames that one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -154,24 +156,40 @@ def launch(
         shutil.rmtree(failure_dir, ignore_errors=True)
 
 
+def _announcements(failure_dir: str) -> list[tuple[float, int, dict]]:
+    """``(when, process, record)`` of each failure a process announced
+    (:func:`mpmdc.distributed.announce_failure`)."""
+    found = []
+    for name in os.listdir(failure_dir):
+        if name.isdigit():
+            with open(os.path.join(failure_dir, name)) as f:
+                record = json.load(f)
+            found.append((record["time"], int(name), record))
+    return found
+
+
 def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process], failure_dir: str):
     """``(process, what happened)`` of the failure to blame.
 
     ``first_exit`` is the first process seen exiting with an error (when, and which).
     Killed by a signal, it could not say why and is the one to blame. Otherwise the
     earliest error a process announced may be older than that exit: a process raising
-    tells its peers at once, and they can exit before it does.
+    tells its peers at once, and they can exit before it does. An announcement that
+    blames another process (one that made no progress while the announcer waited for
+    it) blames that one.
     """
     seen, process = first_exit
     if process.popen.returncode < 0:
         return process, f"it {_how(process.popen.returncode)}"
-    events = [(seen, process.index, "")]
-    for name in os.listdir(failure_dir):
-        if name.isdigit():
-            with open(os.path.join(failure_dir, name)) as f:
-                when, _, message = f.read().partition("\n")
-            events.append((float(when), int(name), message))
-    _, index, message = min(events)
+    events = [(seen, process.index, None), *_announcements(failure_dir)]
+    _, index, record = min(events, key=lambda event: event[:2])
+    message = ""
+    if record is not None:
+        culprit = record["culprit"]
+        if culprit is not None and culprit != index:
+            index, message = culprit, record["blame"]
+        else:
+            message = record["message"]
     process = processes[index]
     status = process.popen.returncode
     ending = "" if status is None else f"it {_how(status)}"
