@@ -209,17 +209,16 @@ class Watchdog:
         end: Callable[[str], None] = _end,
     ):
         self.here = here
-        self.client, self.fault_timeout, self.failures, self.told, self.end = (
-            client,
-            fault_timeout,
-            failures,
-            told,
-            end,
-        )
+        self.client = client
+        self.fault_timeout = fault_timeout
+        self.failures = failures
+        self.told = told
+        self.end = end
         self._published: str | None = None
         self._beating: set[str] = set()
         self._beats = 0
         self._seen: tuple[float, int] | None = None  # when a peer's failure was first seen
+        self._learnt = False  # this process has been in a wait since: it learnt of the failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpmdc-watchdog", daemon=True)
 
@@ -278,8 +277,9 @@ class Watchdog:
     def _check_peers(self, now: float) -> None:
         """End this process if a peer blamed it for a hang, or if a peer's failure has
         gone a fault timeout without this process coming back to mpmdc to learn of it
-        (a process that is in a wait, or has been since, learns there and is left alone)."""
-        if self.told():
+        (a process that has been in a wait since learnt of it there, and is left to its
+        script)."""
+        if self.told() or self._learnt:
             return
         failed = {p: f for p, f in self.failures().items() if p != self.here}
         if not failed:
@@ -288,6 +288,7 @@ class Watchdog:
             self._seen = (now, _waits_begun)
         seen_at, begun = self._seen
         if _waits or _waits_begun != begun:
+            self._learnt = True
             return
         blamed = [p for p, (_, culprit) in sorted(failed.items()) if culprit == self.here]
         if blamed:
