@@ -123,7 +123,8 @@ def launch(
     out = out or sys.stdout
     err = err or sys.stderr
     deadline = None if timeout is None else time.monotonic() + timeout
-    for restart in range(max_restarts + 1):
+    restart = 0
+    while True:
         try:
             status = _attempt(
                 command,
@@ -139,18 +140,17 @@ def launch(
             )
         except _Ended as ended:
             return ended.status
-        if status == 0:
-            return 0
+        if status == 0 or restart == max_restarts:
+            return status
         if deadline is not None and time.monotonic() > deadline:
             print(f"mpmdc launch: timed out after {timeout:g} s", file=err)
             return EXIT_TIMEOUT
-        if restart < max_restarts:
-            print(
-                f"mpmdc launch: restart {restart + 1} of {max_restarts}: starting every process again",
-                file=err,
-                flush=True,
-            )
-    return status
+        restart += 1
+        print(
+            f"mpmdc launch: restart {restart} of {max_restarts}: starting every process again",
+            file=err,
+            flush=True,
+        )
 
 
 def _attempt(
