@@ -17,6 +17,9 @@ One process (8 CPU devices, 4 meshes of 2)::
 Four processes of one device each, resuming the same run on 4 meshes of 1::
 
     mpmdc launch -n 4 -- python examples/resume_training.py /tmp/run --steps 24
+
+Under ``mpmdc launch --max-restarts 3`` a run whose process fails starts again by
+itself, as often as three times, and resumes here.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Kubernetes, TPU pods), and turns on what mpmdc's runtime relies on:
 - recoverable tasks, so that a process that dies becomes an error in the others
   instead of JAX aborting them all;
 - a bound on every wait (:func:`fault_timeout`): a transfer whose sender never comes,
-  a peer that stops.
+  a peer that stops. A wait that gives up names the process its peers' waits lead to
+  (:func:`gave_up`); :mod:`mpmdc.watchdog` keeps what that takes.
 
 The rest goes through ``jax.distributed``'s key-value store: failures a process
 announces before it raises (:func:`announce_failure`), and checks that all processes
@@ -34,6 +35,7 @@ import jax
 import numpy as np
 
 from mpmdc import _jax_compat as compat
+from mpmdc import watchdog
 from mpmdc.errors import DistributedError, MpmdRuntimeError, ProgramMismatchError
 
 # What ``mpmdc launch`` tells each process it starts.
@@ -44,11 +46,13 @@ ENV_DEVICES_PER_PROCESS = "MPMDC_DEVICES_PER_PROCESS"
 ENV_TRANSFER_ADDRESS = "MPMDC_TRANSFER_ADDRESS"
 ENV_FAULT_TIMEOUT = "MPMDC_FAULT_TIMEOUT"
 ENV_FAILURE_DIR = "MPMDC_FAILURE_DIR"  # where a process's announced failure is also written
+ENV_RESTART_COUNT = "MPMDC_RESTART_COUNT"  # how many times `mpmdc launch` restarted the run
 
 DEFAULT_FAULT_TIMEOUT = 60.0
 _PREFIX = "mpmdc/"
 _fault_timeout: float | None = None
 _failed = False  # this process announced a failure: it leaves without waiting for the others
+_watchdog: watchdog.Watchdog | None = None
 
 
 def initialize(
@@ -132,7 +136,22 @@ def initialize(
     # one leaving while the coordinator's process has gone aborts; so all leave together.
     atexit.register(_leave_together)
     sys.excepthook = _announcing(sys.excepthook)
+    _start_watchdog()
     _connect_peers()
+
+
+def _start_watchdog() -> None:
+    """This process's :class:`~mpmdc.watchdog.Watchdog`: its lasting waits and saves
+    published for the others, and its end when they gave up on it."""
+    global _watchdog
+    _watchdog = watchdog.Watchdog(
+        jax.process_index(),
+        compat.distributed_client,
+        fault_timeout_seconds,
+        _announced,
+        lambda: _failed,
+    )
+    _watchdog.start()
 
 
 def _announcing(excepthook):
@@ -154,6 +173,8 @@ def _leave_together() -> None:
     """At exit: wait for every process (unless the run failed), then disconnect the
     others before the coordinator's process, which hosts the service they disconnect
     from (leaving after it aborts a process)."""
+    if _watchdog is not None:
+        _watchdog.stop()
     failed = _failed or bool(peer_failures())
     if failed:
         _keep_runtime_at_exit()
@@ -266,12 +287,18 @@ def _client():
     return client
 
 
-def announce_failure(message: str) -> None:
-    """Tell the other processes that this one failed, and why (before raising here)."""
+def announce_failure(message: str, *, culprit: int | None = None, blame: str = "") -> None:
+    """Tell the other processes that this one failed, and why (before raising here).
+
+    ``culprit`` is the process to blame when it is another (one that made no progress
+    while this one waited for it), and ``blame`` what it did, for ``mpmdc launch`` to
+    say; that process's watchdog ends it.
+    """
     global _failed
     _failed = True
+    record = {"message": message, "culprit": culprit, "blame": blame}
     try:
-        _client().key_value_set(f"{_PREFIX}failed/{jax.process_index()}", message)
+        _client().key_value_set(f"{_PREFIX}failed/{jax.process_index()}", json.dumps(record))
     except Exception:  # the store itself may be gone: the peers then time out instead
         pass
     folder = os.environ.get(ENV_FAILURE_DIR)
@@ -280,20 +307,32 @@ def announce_failure(message: str) -> None:
     ):  # for `mpmdc launch`, which blames the process that failed first, not the first to exit
         path = os.path.join(folder, str(jax.process_index()))
         with open(path + ".tmp", "w") as f:
-            f.write(f"{time.time()!r}\n{message}")
+            json.dump({"time": time.time(), **record}, f)
         os.replace(path + ".tmp", path)
+
+
+def _announced() -> dict[int, tuple[str, int | None]]:
+    """The run failures processes announced: ``{process: (message, process it blames)}``."""
+    try:
+        entries = _client().key_value_dir_get(f"{_PREFIX}failed/")
+    except Exception:
+        return {}
+    found = {}
+    for key, value in entries:
+        record = json.loads(value)
+        found[int(key.rsplit("/", 1)[1])] = (record["message"], record["culprit"])
+    return found
 
 
 def peer_failures(exchange: str = "") -> dict[int, str]:
     """``{process: message}`` of the processes that announced a failure (of the whole run,
     or with ``exchange`` also of that one exchange: :func:`announce_exchange_failure`)."""
-    prefixes = [f"{_PREFIX}failed/"] + ([f"{_PREFIX}{exchange}/failed/"] if exchange else [])
-    found = {}
-    for prefix in prefixes:
+    found = {process: message for process, (message, _) in _announced().items()}
+    if exchange:
         try:
-            entries = _client().key_value_dir_get(prefix)
+            entries = _client().key_value_dir_get(f"{_PREFIX}{exchange}/failed/")
         except Exception:
-            continue
+            entries = []
         found.update({int(key.rsplit("/", 1)[1]): message for key, message in entries})
     return found
 
@@ -310,53 +349,62 @@ def announce_exchange_failure(exchange: str, message: str) -> None:
         pass
 
 
-def dead_peers() -> list[int]:
-    """Processes ``jax.distributed`` no longer hears from (may take a heartbeat to tell)."""
-    try:
-        live = _client().get_live_nodes(list(range(jax.process_count())))
-    except Exception:
-        return []
-    return sorted(set(range(jax.process_count())) - set(live))
+def gave_up(what: str, peers, seconds: float, hint: str = "") -> MpmdRuntimeError:
+    """The error of this process's wait for ``what`` on ``peers``, which got nothing for
+    ``seconds``: it names the process that the chain of the processes' waits ends at
+    (:func:`mpmdc.watchdog.stuck`; this one when ``peers`` is empty: the wait was for its
+    own computation), and is announced to the others, blaming that process. ``hint``
+    ends the message."""
+    here = jax.process_index()
+    peers = tuple(peers)
+    found = watchdog.stuck(_client(), here, peers) if peers else watchdog.Stuck(here, (), what)
+    message = f"process {here} stopped waiting for {what}: {found.reason(seconds)}.{hint}"
+    if found.process is None:
+        announce_failure(message)
+    else:
+        announce_failure(message, culprit=found.process, blame=found.blame(seconds, here, what))
+    return MpmdRuntimeError(message)
 
 
-_LOOK_FOR_DEAD_EVERY = 2.0  # seconds between asking which peers still answer, when patient
+def _failed_peer(what: str, exchange: str = "") -> MpmdRuntimeError | None:
+    """The error of this process's wait for ``what`` when a process announced a failure
+    (of the run, or of ``exchange``), naming the first; ``None`` if none did."""
+    failed = peer_failures(exchange)
+    if not failed:
+        return None
+    first = min(failed)
+    return MpmdRuntimeError(
+        f"process {jax.process_index()} stopped waiting for {what}: process {first} failed: {failed[first]}"
+    )
 
 
 def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, exchange: str = "") -> str:
     """The value of ``key``, which process ``peer`` sets on reaching ``what``; raises
     ``MpmdRuntimeError`` once a process announces a failure (see :func:`peer_failures`
-    for ``exchange``), or after the fault timeout; a ``patient`` wait has no timeout but
-    ends when a process stops answering (work that may take long, such as writing a
-    checkpoint, is not a hang)."""
+    for ``exchange``), or after the fault timeout with nothing from ``peer``
+    (:func:`gave_up`). A ``patient`` wait goes on as long as ``peer`` works on
+    ``exchange`` (:func:`mpmdc.watchdog.working_on`): work that may take long, such as
+    writing a large checkpoint, is not a hang, but a peer that has not begun it is."""
     client = _client()
     timeout = fault_timeout_seconds()
-    deadline = time.monotonic() + timeout
-    next_look = time.monotonic() + _LOOK_FOR_DEAD_EVERY
-    while True:
-        try:
-            return client.blocking_key_value_get(key, 250)
-        except Exception:
-            failed = peer_failures(exchange)
-            if failed:
-                first = min(failed)
-                raise MpmdRuntimeError(
-                    f"process {jax.process_index()} stopped waiting for process {peer} to reach {what}: "
-                    f"process {first} failed: {failed[first]}"
-                ) from None
-            now = time.monotonic()
-            if patient and now > next_look:
-                next_look = now + _LOOK_FOR_DEAD_EVERY
-                dead = dead_peers()
-                if dead:
-                    raise MpmdRuntimeError(
-                        f"process {jax.process_index()} stopped waiting for process {peer} to reach {what}: "
-                        f"process(es) {', '.join(map(str, dead))} no longer answer."
-                    ) from None
-            if not patient and now > deadline:
-                raise MpmdRuntimeError(
-                    f"process {jax.process_index()} waited {timeout:g} s for process {peer} to reach {what}; "
-                    f"it did not: it failed, hangs, or runs different code. Check its output."
-                ) from None
+    last_progress = time.monotonic()
+    beat = None
+    what = f"process {peer} to reach {what}"
+    with watchdog.waiting_for(what, (peer,)):
+        while True:
+            try:
+                return client.blocking_key_value_get(key, 250)
+            except Exception:
+                failure = _failed_peer(what, exchange)
+                if failure is not None:
+                    raise failure from None
+                now = time.monotonic()
+                if patient:
+                    seen = watchdog.beating(client, exchange, peer)
+                    if seen != beat:
+                        beat, last_progress = seen, now
+                if now - last_progress > timeout:
+                    raise gave_up(what, (peer,), timeout) from None
 
 
 def offer_agreement(topic: str, entries: list[tuple[str, str]]) -> None:
@@ -452,14 +500,18 @@ def fetch(tree):
         indices = {
             _index_text(i, x.shape): i for i in x.sharding.devices_indices_map(x.shape).values()
         }
+        owners = sorted({d.process_index for d in x.sharding.device_set})
+        what = f"leaf {k} ({x.dtype}{list(x.shape)}) of mpmdc.fetch from process(es) {owners}"
         for text, index in indices.items():
             try:
-                data = client.blocking_key_value_get_bytes(f"{prefix}/{k}/{text}", timeout_ms)
+                with watchdog.waiting_for(what, owners):
+                    data = client.blocking_key_value_get_bytes(f"{prefix}/{k}/{text}", timeout_ms)
             except Exception:
-                raise MpmdRuntimeError(
-                    f"mpmdc.fetch on process {jax.process_index()}: leaf {k} ({x.dtype}{list(x.shape)}) did not "
-                    f"arrive from its processes {sorted({d.process_index for d in x.sharding.device_set})} within "
-                    f"{fault_timeout_seconds():g} s; every process must call fetch with the same tree."
+                raise _failed_peer(what) or gave_up(
+                    what,
+                    owners,
+                    fault_timeout_seconds(),
+                    " Every process must call fetch with the same tree.",
                 ) from None
             value[index] = np.frombuffer(data, x.dtype).reshape(value[index].shape)
         out.append(value)
@@ -499,13 +551,13 @@ def topic(kind: str, about: str) -> str:
 
 def barrier(topic: str) -> None:
     """Wait until every process reaches ``topic`` (bounded by the fault timeout)."""
+    others = [p for p in range(jax.process_count()) if p != jax.process_index()]
+    what = f"the other processes at {topic}"
     try:
-        _client().wait_at_barrier(f"{_PREFIX}{topic}", int(fault_timeout_seconds() * 1000))
-    except Exception as err:
-        raise MpmdRuntimeError(
-            f"process {jax.process_index()} waited {fault_timeout_seconds():g} s at {topic} for the other "
-            f"processes; not all came ({type(err).__name__}). Check the other processes' output."
-        ) from None
+        with watchdog.waiting_for(what, others):
+            _client().wait_at_barrier(f"{_PREFIX}{topic}", int(fault_timeout_seconds() * 1000))
+    except Exception:
+        raise _failed_peer(what) or gave_up(what, others, fault_timeout_seconds()) from None
 
 
 def rendezvous(
@@ -555,9 +607,15 @@ def merge_timelines(topic: str, timeline):
     merged = [[] for _ in rows]
     timeout_ms = int(fault_timeout_seconds() * 1000)
     for peer in range(jax.process_count()):
-        theirs = json.loads(
-            client.blocking_key_value_get(f"{_PREFIX}timeline/{topic}/{peer}", timeout_ms)
-        )
+        what = f"process {peer}'s timeline of {topic}"
+        try:
+            with watchdog.waiting_for(what, (peer,)):
+                text = client.blocking_key_value_get(
+                    f"{_PREFIX}timeline/{topic}/{peer}", timeout_ms
+                )
+        except Exception:
+            raise _failed_peer(what) or gave_up(what, (peer,), fault_timeout_seconds()) from None
+        theirs = json.loads(text)
         for m, row in enumerate(theirs):
             if row and not merged[m]:
                 merged[m] = [

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from mpmdc import distributed
+from mpmdc import distributed, watchdog
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
@@ -118,7 +118,7 @@ class Save:
                     sync=False,
                 )
             storage.create_arrays([w.spec(self.partial) for w in self.writes], ts.Context())
-        self.partial = self._meet("started", "the start of the save", made)[0]
+        self.partial = self._meet("started", f"the start of the save to {self.directory}", made)[0]
         if not os.path.isdir(self.partial):
             raise CheckpointError(
                 f"process {jax.process_index()} does not see {self.partial}, which process 0 made to save "
@@ -127,13 +127,16 @@ class Save:
 
     def finish(self) -> None:
         """Make the partial folder, write this process's shards, wait for every process,
-        then commit; a save that fails removes its partial folder (:meth:`_discard`)."""
-        try:
-            self._attempt(self._start)
-            self._attempt(self._finish)
-        except BaseException as err:
-            self._discard(meet=isinstance(err, Exception))
-            raise
+        then commit; a save that fails removes its partial folder (:meth:`_discard`). The
+        peers' meetings wait for this process as long as it is in here
+        (:func:`mpmdc.watchdog.working_on`)."""
+        with watchdog.working_on(self.topic):
+            try:
+                self._attempt(self._start)
+                self._attempt(self._finish)
+            except BaseException as err:
+                self._discard(meet=isinstance(err, Exception))
+                raise
 
     def _discard(self, meet: bool) -> None:
         """After this save failed, process 0 (which made it) removes its partial folder,
@@ -175,8 +178,8 @@ class Save:
 
     def _meet(self, stage: str, what: str, value: str = "") -> dict[int, str]:
         """Wait for every process to reach ``stage``; each process's ``value``, by process."""
-        # Patient: writing may take longer than the fault timeout; a peer that dies or
-        # fails its part of the save still ends the wait.
+        # Patient: writing may take longer than the fault timeout; a peer that fails its
+        # part of the save, or has not been working on it for the fault timeout, ends the wait.
         if not self.many:
             return {0: value}
         return distributed.rendezvous(

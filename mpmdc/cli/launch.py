@@ -6,11 +6,16 @@ process its id through ``MPMDC_*`` variables (read by
 :func:`mpmdc.distributed.initialize`), and streams each process's output with its
 id in front. It exits 0 only if every process does. When one process fails (a
 non-zero status or a signal) the others get ``grace`` seconds to report what they
-saw, then are stopped; the launcher says which process failed first and how.
+saw, then are stopped; the launcher says which process failed first and how (a
+process that announced it gave up waiting for a stuck one blames that one). With
+``max_restarts``, it then starts every process again, as ``torchrun --max-restarts``
+does, telling each how many restarts came before (``MPMDC_RESTART_COUNT``), so that a
+script resuming from its latest checkpoint finishes on its own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +30,15 @@ from dataclasses import dataclass
 from mpmdc import distributed
 
 EXIT_TIMEOUT = 124
+
+
+class _Ended(Exception):
+    """The launch ends with ``status``, whatever restarts are left (a timeout, an
+    interrupt, a command that cannot start)."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
 
 
 @dataclass
@@ -94,22 +108,73 @@ def launch(
     timeout: float | None = None,
     fault_timeout: float | None = None,
     grace: float = 5.0,
+    max_restarts: int = 0,
     out=None,
     err=None,
 ) -> int:
     """Run ``command`` as ``num_processes`` processes; return the exit status (see module doc).
 
-    ``timeout`` (seconds) stops all of them and returns 124; ``fault_timeout`` is
-    passed to each process (``MPMDC_FAULT_TIMEOUT``).
+    ``timeout`` (seconds) bounds the whole launch, restarts included: it stops every
+    process and returns 124. ``fault_timeout`` is passed to each process
+    (``MPMDC_FAULT_TIMEOUT``). After a failure, every process starts again, on fresh
+    ports, up to ``max_restarts`` times; the status is 0 once an attempt succeeds,
+    else the last failure's.
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    deadline = None if timeout is None else time.monotonic() + timeout
+    restart = 0
+    while True:
+        try:
+            status = _attempt(
+                command,
+                num_processes,
+                restart,
+                devices_per_process=devices_per_process,
+                fault_timeout=fault_timeout,
+                grace=grace,
+                timeout=timeout,
+                deadline=deadline,
+                out=out,
+                err=err,
+            )
+        except _Ended as ended:
+            return ended.status
+        if status == 0 or restart == max_restarts:
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"mpmdc launch: timed out after {timeout:g} s", file=err)
+            return EXIT_TIMEOUT
+        restart += 1
+        print(
+            f"mpmdc launch: restart {restart} of {max_restarts}: starting every process again",
+            file=err,
+            flush=True,
+        )
+
+
+def _attempt(
+    command: list[str],
+    num_processes: int,
+    restart: int,
+    *,
+    devices_per_process: int | None,
+    fault_timeout: float | None,
+    grace: float,
+    timeout: float | None,
+    deadline: float | None,
+    out,
+    err,
+) -> int:
+    """Start every process once (``restart`` restarts came before) and supervise them;
+    the exit status of this attempt."""
     ports = _free_ports(num_processes + 1)
     base = dict(os.environ)
     base.update(
         {
             distributed.ENV_COORDINATOR: f"127.0.0.1:{ports[0]}",
             distributed.ENV_NUM_PROCESSES: str(num_processes),
+            distributed.ENV_RESTART_COUNT: str(restart),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -137,21 +202,33 @@ def launch(
             except OSError as error:
                 _stop(processes)
                 print(f"mpmdc launch: cannot start {command[0]!r}: {error.strerror}", file=err)
-                return 127
+                raise _Ended(127) from None
             reader = threading.Thread(
                 target=_stream, args=(i, popen.stdout, out, lock), daemon=True
             )
             reader.start()
             processes.append(_Process(i, popen, reader))
-        return _supervise(processes, timeout, grace, err, failure_dir)
+        return _supervise(processes, timeout, deadline, grace, err, failure_dir)
     except KeyboardInterrupt:
         _stop(processes)
         print("mpmdc launch: interrupted; stopped every process", file=err)
-        return 130
+        raise _Ended(130) from None
     finally:
         for p in processes:
             p.reader.join(timeout=2)
         shutil.rmtree(failure_dir, ignore_errors=True)
+
+
+def _announcements(failure_dir: str) -> list[tuple[float, int, dict]]:
+    """``(when, process, record)`` of each failure a process announced
+    (:func:`mpmdc.distributed.announce_failure`)."""
+    found = []
+    for name in os.listdir(failure_dir):
+        if name.isdigit():
+            with open(os.path.join(failure_dir, name)) as f:
+                record = json.load(f)
+            found.append((record["time"], int(name), record))
+    return found
 
 
 def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process], failure_dir: str):
@@ -160,18 +237,22 @@ def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process]
     ``first_exit`` is the first process seen exiting with an error (when, and which).
     Killed by a signal, it could not say why and is the one to blame. Otherwise the
     earliest error a process announced may be older than that exit: a process raising
-    tells its peers at once, and they can exit before it does.
+    tells its peers at once, and they can exit before it does. An announcement that
+    blames another process (one that made no progress while the announcer waited for
+    it) blames that one.
     """
     seen, process = first_exit
     if process.popen.returncode < 0:
         return process, f"it {_how(process.popen.returncode)}"
-    events = [(seen, process.index, "")]
-    for name in os.listdir(failure_dir):
-        if name.isdigit():
-            with open(os.path.join(failure_dir, name)) as f:
-                when, _, message = f.read().partition("\n")
-            events.append((float(when), int(name), message))
-    _, index, message = min(events)
+    events = [(seen, process.index, None), *_announcements(failure_dir)]
+    _, index, record = min(events, key=lambda event: event[:2])
+    message = ""
+    if record is not None:
+        culprit = record["culprit"]
+        if culprit is not None and culprit != index:
+            index, message = culprit, record["blame"]
+        else:
+            message = record["message"]
     process = processes[index]
     status = process.popen.returncode
     ending = "" if status is None else f"it {_how(status)}"
@@ -179,9 +260,13 @@ def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process]
 
 
 def _supervise(
-    processes: list[_Process], timeout: float | None, grace: float, err, failure_dir: str
+    processes: list[_Process],
+    timeout: float | None,
+    deadline: float | None,
+    grace: float,
+    err,
+    failure_dir: str,
 ) -> int:
-    start = time.monotonic()
     first: _Process | None = None
     first_seen = 0.0  # wall-clock time, as processes write in their announcements
     stop_at = None
@@ -195,13 +280,13 @@ def _supervise(
         if not running:
             break
         now = time.monotonic()
-        if timeout is not None and now - start > timeout:
+        if deadline is not None and now > deadline:
             _stop(processes)
             ids = ", ".join(str(p.index) for p in running)
             print(
                 f"mpmdc launch: timed out after {timeout:g} s; stopped process(es) {ids}", file=err
             )
-            return EXIT_TIMEOUT
+            raise _Ended(EXIT_TIMEOUT)
         if stop_at is not None and now > stop_at:
             culprit, what = _first_failure(processes, (first_seen, first), failure_dir)
             _stop(processes)

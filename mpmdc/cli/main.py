@@ -60,16 +60,21 @@ id and its cross-host transfer address (all on the loopback interface) from MPMD
 variables that mpmdc.distributed.initialize() reads, and gets K CPU devices. Output
 lines are prefixed with the process id. The exit status is 0 only if every process
 exits 0; when one fails, the others are stopped after --grace seconds and the
-launcher says which process failed first and how.
+launcher says which process failed first and how. A process that makes no progress
+for --fault-timeout seconds while the others wait for it is the one that failed.
+With --max-restarts R, after a failure every process starts again (up to R times),
+with MPMDC_RESTART_COUNT set to the number of restarts so far: a script that resumes
+from its CheckpointManager's latest step finishes on its own.
 """
 
 _LAUNCH_EPILOG = """\
 examples:
   mpmdc launch -n 4 -- mpmdc demo
   mpmdc launch -n 2 --devices-per-process 2 --timeout 300 -- python train.py
+  mpmdc launch -n 4 --max-restarts 3 -- python examples/resume_training.py /tmp/run
 
-exit status: 0 all processes succeeded; the first failing process's status (1 for a
-signal); 124 --timeout; 2 usage mistake.
+exit status: 0 all processes succeeded (in some attempt); else the first failing
+process's status in the last attempt (1 for a signal); 124 --timeout; 2 usage mistake.
 """
 
 _DUMP_DESCRIPTION = """\
@@ -317,6 +322,8 @@ def _launch(args) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     for name in ("timeout", "fault_timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -330,6 +337,7 @@ def _launch(args) -> int:
         timeout=args.timeout,
         fault_timeout=args.fault_timeout,
         grace=args.grace,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -482,7 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU devices per process (jax_num_cpu_devices; default JAX's own: 1)",
     )
     launch_cmd.add_argument(
-        "--timeout", type=float, metavar="S", help="stop everything after S seconds (exit 124)"
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="stop everything after S seconds, restarts included (exit 124)",
     )
     launch_cmd.add_argument(
         "--fault-timeout",
@@ -496,6 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         metavar="S",
         help="after a process fails, how long the others may run to report what they saw (default 5)",
+    )
+    launch_cmd.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="after a failure, start every process again, up to R times (default 0)",
     )
     launch_cmd.add_argument(
         "command",

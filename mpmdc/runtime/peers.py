@@ -6,7 +6,9 @@
 - :class:`Progress`: this process's work in flight during a call. Waiting for it is
   bounded: a step that gets no further for ``fault_timeout`` seconds, a peer that
   announced a failure, or a transfer whose sender is gone ends in an
-  ``MpmdRuntimeError`` naming the peer, the transfer or fragment waited on and its mesh.
+  ``MpmdRuntimeError`` naming the peer, the transfer or fragment waited on and its mesh;
+  after the fault timeout, the process that the chain of waits ends at
+  (:func:`mpmdc.distributed.gave_up`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import numpy as np
 
 from mpmdc import _jax_compat as compat
-from mpmdc import distributed
+from mpmdc import distributed, watchdog
 from mpmdc.errors import MpmdRuntimeError
 from mpmdc.ir.program import Program
 
@@ -117,30 +119,41 @@ class Progress:
         timeout = distributed.fault_timeout_seconds()
         last_progress = next_look = time.monotonic()
         pause = 0.0005
-        while True:
-            if self.settle():
-                last_progress, pause = time.monotonic(), 0.0005
-            if not self.in_flight:
-                return
-            now = time.monotonic()
-            if now >= next_look:
-                next_look = now + _POLL_PEERS_EVERY
-                failed = distributed.peer_failures()
-                if failed:
-                    peer = min(failed)
-                    raise self._stopped(f"process {peer} failed: {failed[peer]}")
-            if now - last_progress > timeout:
-                dead = distributed.dead_peers()
-                gone = f"; process(es) {', '.join(map(str, dead))} no longer answer" if dead else ""
-                raise self._stopped(f"nothing arrived for {timeout:g} s (the fault timeout){gone}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+        with watchdog.waiting(self._waited_for):
+            while True:
+                if self.settle():
+                    last_progress, pause = time.monotonic(), 0.0005
+                if not self.in_flight:
+                    return
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + _POLL_PEERS_EVERY
+                    failed = distributed.peer_failures()
+                    if failed:
+                        peer = min(failed)
+                        raise self._stopped(f"process {peer} failed: {failed[peer]}")
+                if now - last_progress > timeout:
+                    what, senders = self._waited_for()
+                    self.in_flight.clear()
+                    raise distributed.gave_up(what, senders, timeout)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
 
-    def _stopped(self, why: str) -> MpmdRuntimeError:
-        step = self.in_flight[0].step
+    def _waited_for(self) -> tuple[str, tuple[int, ...]] | None:
+        """The oldest step in flight, as text, and the processes sending it (none for a
+        fragment of this process); ``None`` when nothing is (asked from the watchdog's
+        thread too)."""
+        try:
+            step = self.in_flight[0].step
+        except IndexError:
+            return None
         what = f"{step.name} on mesh{step.mesh}"
         if step.senders:
             what += f" (sent by process {', '.join(map(str, step.senders))})"
+        return what, tuple(step.senders)
+
+    def _stopped(self, why: str) -> MpmdRuntimeError:
+        what, _ = self._waited_for()
         message = f"process {jax.process_index()} stopped waiting for {what}: {why.rstrip('.')}."
         distributed.announce_failure(message)
         self.in_flight.clear()

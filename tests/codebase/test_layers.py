@@ -25,6 +25,7 @@ LAYERS = [
     ("mpmdc.passes", 4),
     ("mpmdc.distributed", 5),
     ("mpmdc.runtime", 5),
+    ("mpmdc.watchdog", 5),
     ("mpmdc.pipeline", 6),
     ("mpmdc.balancing", 6),
     ("mpmdc.estimates", 6),

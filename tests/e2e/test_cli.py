@@ -212,6 +212,10 @@ def test_plain_function_with_args_and_meshes(capsys, plain_file):
         (["dump", "{plain}:not_lowered"], "returned int, not mpmdc.Lowered"),
         (["dump", MLP2, "--stages", "all"], "unrecognized arguments: --stages"),
         (["dump"], "FILE.py:TARGET"),
+        (
+            ["launch", "-n", "2", "--max-restarts", "-1", "--", "true"],
+            "--max-restarts must be at least 0, got -1",
+        ),
         ([], "COMMAND"),
     ],
 )

@@ -3,7 +3,9 @@
 
 ``python checkpointing.py DIE_AT ARGS...``: the example with ``ARGS``; with ``DIE_AT`` a
 step number, the last process kills itself (SIGKILL) while saving that step, its first
-array's writes begun and the rest not (``-`` for none).
+array's writes begun and the rest not (``-`` for none). Only the first attempt dies:
+under ``mpmdc launch --max-restarts`` the processes started again
+(``MPMDC_RESTART_COUNT`` above 0) run to the end.
 """
 
 import importlib.util
@@ -42,8 +44,8 @@ def dying_at(step: str):
 
 if __name__ == "__main__":
     die_at, argv = sys.argv[1], sys.argv[2:]
-    if die_at != "-" and os.environ.get("MPMDC_PROCESS_ID") == str(
-        int(os.environ["MPMDC_NUM_PROCESSES"]) - 1
-    ):
+    last = os.environ.get("MPMDC_PROCESS_ID") == str(int(os.environ["MPMDC_NUM_PROCESSES"]) - 1)
+    first_attempt = os.environ.get("MPMDC_RESTART_COUNT", "0") == "0"
+    if die_at != "-" and last and first_attempt:
         storage.opened = dying_at(die_at)
     example.main(argv)

@@ -4,6 +4,9 @@ device; resumed from step 4 in 4 processes it ends bit for bit where the uninter
 run ended; resumed in 2 processes of 2 devices on 2 meshes (another layout, another
 process count), with a process killed while saving step 8, it keeps step 4, never reads
 the half-written step 8, and ends where the uninterrupted run ended up to ``ATOL``.
+Under ``mpmdc launch --max-restarts``, a run whose process is killed while saving step 8
+starts again by itself, resumes from step 4 and ends bit for bit where the
+uninterrupted run ended.
 
 Tolerance: resumed on 2 meshes the last 4 steps are another program (2 stages of 4
 layers); the noise floor of the example's 8 steps (``jax.jit`` against itself with the
@@ -33,9 +36,9 @@ def entries(folder) -> list[str]:
     return sorted(set(os.listdir(folder)) - {storage.LOCK_FILE})
 
 
-def launch_example(directory, *options, processes=4, devices=1, die_at="-"):
+def launch_example(directory, *options, processes=4, devices=1, die_at="-", restarts=0):
     layout = ["-n", str(processes), "--devices-per-process", str(devices)]
-    faults = ["--fault-timeout", "10", "--grace", "15"]
+    faults = ["--fault-timeout", "10", "--grace", "15", "--max-restarts", str(restarts)]
     script = [sys.executable, str(HERE / "checkpointing.py"), die_at, str(directory)]
     return run_launch(*layout, *faults, "--", *script, "--save-every", "4", "--keep", "3", *options)
 
@@ -92,6 +95,25 @@ def test_a_process_killed_saving_leaves_the_last_step_which_resumes_in_another_l
     got, want = restore(tmp_path / "8"), restore(uninterrupted / "8")
     for path in want:
         np.testing.assert_allclose(got[path], want[path], rtol=0, atol=ATOL, err_msg=path)
+
+
+def test_a_run_restarted_after_a_process_was_killed_ends_where_the_uninterrupted_one_did(
+    uninterrupted, tmp_path
+):
+    status, output = launch_example(tmp_path, "--steps", "8", die_at="8", restarts=2)
+    assert status == 0, output[-3000:]
+    assert "mpmdc launch: process 3 failed first: it was killed by SIGKILL" in output, output[
+        -3000:
+    ]
+    assert "mpmdc launch: restart 1 of 2: starting every process again" in output
+    assert "restart 2 of 2" not in output  # the second attempt succeeded
+    assert f"resumed from step 4 in {tmp_path}/4" in process_lines(output, 0), output[-3000:]
+    [died] = [name for name in entries(tmp_path) if name not in ("4", "8")]
+    assert re.fullmatch(r"8\.[0-9a-f]+\.partial", died)  # the killed save's, left alone
+    got, want = restore(tmp_path / "8"), restore(uninterrupted / "8")
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
 def test_a_save_failing_on_one_process_fails_that_save_everywhere_and_removes_its_folder(

@@ -1,0 +1,60 @@
+"""``mpmdc launch --max-restarts``: after a failure every process starts again, on fresh
+ports and told how many restarts came before it, until an attempt succeeds or the
+restarts run out, each failure's cause printed; ``--timeout`` bounds it all. The
+processes here are plain Python (no JAX), so these run in a second; a training run
+restarted from its checkpoint is in ``tests/multiprocess/test_checkpoints.py``."""
+
+import re
+import sys
+
+from mpmdc.cli.launch import launch
+
+SAYS_ATTEMPT = (
+    "import os; print('attempt', os.environ['MPMDC_RESTART_COUNT'], "
+    "os.environ['MPMDC_COORDINATOR_ADDRESS'], flush=True); "
+    "i = int(os.environ['MPMDC_PROCESS_ID']); r = int(os.environ['MPMDC_RESTART_COUNT']); "
+)
+
+
+def test_every_process_starts_again_until_an_attempt_succeeds(capsys):
+    code = SAYS_ATTEMPT + "raise SystemExit(5 if i == 1 and r < 2 else 0)"
+    status = launch([sys.executable, "-c", code], 2, grace=0.5, timeout=60, max_restarts=3)
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert err.count("mpmdc launch: process 1 failed first: it exited with status 5") == 2, err
+    assert "restart 1 of 3: starting every process again" in err
+    assert "restart 2 of 3" in err and "restart 3 of 3" not in err
+    for index in range(2):
+        said = re.findall(rf"^\[{index}\] attempt (\d) (\S+)$", out, re.M)
+        assert [attempt for attempt, _ in said] == ["0", "1", "2"], out
+        assert len({address for _, address in said}) == 3  # fresh ports every time
+
+
+def test_a_run_that_always_fails_ends_after_its_restarts_with_each_cause_printed(capsys):
+    # Process 1 is killed on the first attempt, and exits with 7 on the others.
+    code = SAYS_ATTEMPT + (
+        "import signal; os.kill(os.getpid(), signal.SIGKILL) if i == 1 and r == 0 else None; "
+        "raise SystemExit(7 if i == 1 else 0)"
+    )
+    status = launch([sys.executable, "-c", code], 2, grace=0.5, timeout=60, max_restarts=2)
+    out, err = capsys.readouterr()
+    assert status == 7
+    said = re.findall(r"^mpmdc launch: .*$", err, re.M)
+    expected = [
+        "mpmdc launch: process 1 failed first: it was killed by SIGKILL",
+        "mpmdc launch: restart 1 of 2: starting every process again",
+        "mpmdc launch: process 1 failed first: it exited with status 7",
+        "mpmdc launch: restart 2 of 2: starting every process again",
+        "mpmdc launch: process 1 failed first: it exited with status 7",
+    ]
+    assert len(said) == len(expected) and all(map(str.startswith, said, expected)), err
+    assert re.findall(r"^\[0\] attempt (\d)", out, re.M) == ["0", "1", "2"]
+
+
+def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
+    code = "import time; time.sleep(0.3); raise SystemExit(1)"
+    status = launch([sys.executable, "-c", code], 2, grace=0.1, timeout=2, max_restarts=1000)
+    err = capsys.readouterr().err
+    assert status == 124
+    assert "mpmdc launch: timed out after 2 s" in err
+    assert 1 <= err.count("starting every process again") < 20, err

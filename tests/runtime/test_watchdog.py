@@ -1,0 +1,162 @@
+"""The watchdog of a multi-process run, on a key-value store in a dict: which process a
+chain of waits ends at, what each beat publishes, and when it ends its process.
+(Under ``mpmdc launch``: ``tests/multiprocess/test_hangs.py``.)"""
+
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from mpmdc import watchdog
+
+TIMEOUT = 10.0
+BEAT = watchdog.beat_seconds(TIMEOUT)
+
+
+class Store:
+    """The key-value calls the watchdog makes, on a dict."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.values
+        self.values[key] = value
+
+    def key_value_delete(self, key):
+        self.values.pop(key, None)
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise KeyError(key)
+        return self.values[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in sorted(self.values.items()) if k.startswith(prefix)]
+
+
+def waits(store: Store, process: int, *entries) -> None:
+    store.values[f"mpmdc/waiting/{process}"] = json.dumps([[w, list(on)] for w, on in entries])
+
+
+def test_the_chain_of_waits_ends_at_the_process_that_waits_for_nobody():
+    store = Store()
+    waits(store, 1, ("transfer mesh2->mesh1 on mesh1 (sent by process 2)", [2]))
+    waits(store, 2, ("transfer mesh3->mesh2 on mesh2 (sent by process 3)", [3]))
+    found = watchdog.stuck(store, 0, [1])
+    assert found.process == 3 and [link[:2] for link in found.chain] == [(1, 2), (2, 3)]
+    assert found.reason(10) == (
+        "process 1 waits for transfer mesh2->mesh1 on mesh1 (sent by process 2), process 2 waits "
+        "for transfer mesh3->mesh2 on mesh2 (sent by process 3); process 3 made no progress for "
+        "10 s (the fault timeout) and waits for no other process: it is stuck in its own code, "
+        "stopped, or has died"
+    )
+    assert found.blame(10, 0, "transfer mesh1->mesh0 on mesh0 (sent by process 1)") == (
+        "it made no progress for 10 s while process 0 waited for transfer mesh1->mesh0 on mesh0 "
+        "(sent by process 1) and process 1 for transfer mesh2->mesh1 on mesh1 (sent by process 2) "
+        "and process 2 for transfer mesh3->mesh2 on mesh2 (sent by process 3)"
+    )
+
+
+def test_the_nearest_process_that_waits_for_nobody_is_named():
+    store = Store()  # a barrier: 1 waits for everyone, 2 is not there
+    waits(store, 1, ("the other processes at fetch/x", [0, 2]))
+    assert watchdog.stuck(store, 0, [1, 2]) == watchdog.Stuck(2, ())
+
+
+def test_a_process_computing_its_own_fragment_ends_the_chain():
+    store = Store()
+    waits(store, 1, ("s1_fwd_mb0 on mesh1", []))
+    found = watchdog.stuck(store, 0, [1])
+    assert found == watchdog.Stuck(1, (), "s1_fwd_mb0 on mesh1")
+    assert "process 1 is still computing s1_fwd_mb0 on mesh1" in found.reason(10)
+
+
+def test_processes_waiting_for_each_other_name_no_one():
+    store = Store()
+    waits(store, 1, ("process 0 to reach the save to /a", [0]))
+    found = watchdog.stuck(store, 0, [1])
+    assert found.process is None
+    assert found.reason(10) == (
+        "the processes wait for each other: process 1 waits for process 0 to reach the save to /a"
+    )
+
+
+@pytest.fixture
+def dog():
+    """A watchdog of process 0 over a fresh store (``dog.watchdog``), the failures it
+    sees, whether process 0 announced one, and the messages it would have ended with."""
+    dog = SimpleNamespace(store=Store(), failed={}, told=[False], ended=[])
+    dog.watchdog = watchdog.Watchdog(
+        0,
+        lambda: dog.store,
+        lambda: TIMEOUT,
+        lambda: dog.failed,
+        lambda: dog.told[0],
+        dog.ended.append,
+    )
+    dog.tick = lambda now: dog.watchdog.tick(dog.store, now)
+    return dog
+
+
+def test_a_wait_is_published_once_it_lasts_a_beat_and_removed_after(dog):
+    describe = lambda: ("transfer mesh1->mesh0 on mesh0 (sent by process 1)", (1,))  # noqa: E731
+    with watchdog.waiting(describe):
+        start = watchdog._waits[threading.get_ident()][1]
+        dog.tick(start + BEAT / 2)
+        assert dog.store.values == {}  # a short wait costs nothing
+        dog.tick(start + 1.5 * BEAT)
+        assert json.loads(dog.store.values["mpmdc/waiting/0"]) == [[describe()[0], [1]]]
+    dog.tick(start + 2.5 * BEAT)
+    assert dog.store.values == {}
+
+
+def test_a_save_beats_while_worked_on_and_stops_after(dog):
+    with watchdog.working_on("checkpoint/abc/1"):
+        dog.tick(0.0)
+        first = watchdog.beating(dog.store, "checkpoint/abc/1", 0)
+        dog.tick(0.0)
+        assert first is not None and watchdog.beating(dog.store, "checkpoint/abc/1", 0) != first
+    dog.tick(0.0)
+    assert watchdog.beating(dog.store, "checkpoint/abc/1", 0) is None
+
+
+def test_a_process_blamed_for_a_hang_ends_itself_and_says_where(dog):
+    dog.failed[1] = ("process 1 stopped waiting for transfer ...: process 0 made no progress", 0)
+    dog.tick(0.0)
+    (message,) = dog.ended
+    assert message.startswith("mpmdc: process 0 ends itself, since the others gave up on it: ")
+    assert "in test_a_process_blamed_for_a_hang_ends_itself_and_says_where" in message
+
+
+def test_a_process_in_a_wait_learns_of_the_failure_there(dog):
+    dog.failed[1] = ("process 1 stopped waiting ...", 0)
+    with watchdog.waiting_for("transfer mesh1->mesh0 on mesh0 (sent by process 1)", (1,)):
+        dog.tick(0.0)
+    dog.tick(TIMEOUT + 1)  # the wait raised; what the script does next is its own
+    assert dog.ended == []
+
+
+def test_a_process_that_does_not_come_back_after_a_failure_ends_a_fault_timeout_later(dog):
+    dog.failed[1] = ("process 1 raised ValueError: no", None)
+    dog.tick(0.0)
+    dog.tick(TIMEOUT - 1)
+    assert dog.ended == []
+    dog.tick(TIMEOUT + 1)
+    assert dog.ended[0].startswith(
+        "mpmdc: process 0 ends itself, since process 1 failed (process 1 raised ValueError: no) "
+        "and in 10 s since, this process has not come back to mpmdc"
+    )
+
+
+def test_a_process_that_came_back_or_failed_itself_is_left_alone(dog):
+    dog.failed[1] = ("process 1 raised ValueError: no", None)
+    dog.tick(0.0)
+    with watchdog.waiting_for("process 1 to reach the program", (1,)):
+        pass
+    dog.tick(TIMEOUT + 1)
+    dog.told[0] = True
+    dog.failed[2] = ("process 2 stopped waiting for ...", 0)
+    dog.tick(TIMEOUT + 2)
+    assert dog.ended == []
