@@ -58,17 +58,18 @@ def sleeping_before(finish):
     return sleepy
 
 
-def slow(writer):
-    """``storage.writer`` whose first array takes 1.5 fault timeouts to open."""
-    opened = []
+def slow(opened):
+    """``storage.opened`` whose first array opened for writing takes 1.5 fault timeouts."""
+    writes = []
 
-    def slow_writer(spec, context):
-        opened.append(spec)
-        if len(opened) == 1:
-            time.sleep(1.5 * FAULT_TIMEOUT)
-        return writer(spec, context)
+    def slow_opened(spec, context, **mode):
+        if mode.get("write"):
+            writes.append(spec)
+            if len(writes) == 1:
+                time.sleep(1.5 * FAULT_TIMEOUT)
+        return opened(spec, context, **mode)
 
-    return slow_writer
+    return slow_opened
 
 
 def caught(err, start) -> None:
@@ -93,7 +94,7 @@ def main():
     if SLEEPER and MODE == "save":
         saving.Save.finish = sleeping_before(saving.Save.finish)
     if SLEEPER and MODE == "slow-save":
-        storage.writer = slow(storage.writer)
+        storage.opened = slow(storage.opened)
     start = time.monotonic()
     try:
         mpmdc.checkpoint.save(os.path.join(DIRECTORY, "saved"), params)
