@@ -256,11 +256,14 @@ def _is_function(costs) -> bool:
 
 
 def _is_seconds(value) -> bool:
-    return (
-        not isinstance(value, (bool, str, bytes))
-        and hasattr(value, "__float__")
-        and float(value) >= 0
-    )
+    """Whether ``value`` is a number of seconds: a non-negative real (NumPy's and 0-d
+    arrays' included), not a string or a bool."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        return False
+    try:
+        return float(value) >= 0
+    except (TypeError, ValueError):  # (an array of several values)
+        return False
 
 
 class ChosenBy(Chooser):
