@@ -16,6 +16,7 @@ from jax._src import effects as _effects
 from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
+from jax._src import util as _util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
@@ -47,6 +48,12 @@ def with_metadata(ctx, updates: dict):
         ctx.remove_size_one_mesh_axis,
         tuple(sorted(items.items())) or None,
     )
+
+
+def register_cache(cache, what: str) -> None:
+    """Have ``jax.clear_caches()`` clear ``cache`` too (it calls ``cache.cache_clear()``),
+    as it clears JAX's own caches; JAX's registry holds ``cache`` weakly."""
+    _util.register_cache(cache, what)
 
 
 def exclude_from_source_lines(path: str) -> None:

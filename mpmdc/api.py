@@ -45,6 +45,7 @@ from mpmdc.passes import FunctionPass
 from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled, Signature, leaf_type
+from mpmdc.runtime.executable_cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
 from mpmdc.runtime.meshes import check_meshes
 from mpmdc.runtime.transfers import is_here
 from mpmdc.schedules.accumulate import recording_loops
@@ -430,6 +431,17 @@ class Lowered:
         return Compiled(self._lowered(), self.signature, compiler=compiler)
 
 
+def _checked_cache_size(size):
+    """``compile(cache_size=)``: a positive int, or ``None`` for no bound."""
+    if size is None or (isinstance(size, (int, np.integer)) and not isinstance(size, bool)):
+        if size is None or size > 0:
+            return None if size is None else int(size)
+    raise ArgumentError(
+        f"cache_size must be a positive int (the call signatures whose executables are "
+        f"kept) or None (no bound), got {size!r}."
+    )
+
+
 def _qualified_name(fn) -> str:
     """``module.qualname`` of ``fn``, seen through ``functools.partial``: the same in every
     process running the same script, unlike an address."""
@@ -503,6 +515,7 @@ class Wrapped:
         partition=None,
         backend: str | None = None,
         passes=None,
+        cache_size: int | None = DEFAULT_CACHE_SIZE,
     ):
         if not callable(fn):
             raise ArgumentError(f"mpmdc.compile expects a callable, got {type(fn).__name__}.")
@@ -538,7 +551,9 @@ class Wrapped:
             backend or backends.for_platform(first.platform, first.client.platform_version)
         ).name
         self.passes = resolve(passes)
-        self._cache: dict = {}
+        self._cache = ExecutableCache(
+            _checked_cache_size(cache_size), f"mpmdc: executables of {_qualified_name(fn)}"
+        )
 
     def _checked_stage_to_mesh(self, stage_to_mesh):
         if stage_to_mesh is None:
@@ -625,7 +640,7 @@ class Wrapped:
 
     def _executable(self, args, kwargs):
         key, leaves = self._signature_key(args, kwargs)
-        exe = self._cache.get(key) or self._served_by_cache(key, args, kwargs)
+        exe = self._cache.get(key, self._serving(key, args, kwargs))
         if exe is None:
             backend = backends.get(self.backend)
             backend.check_can_run(self.meshes)
@@ -634,19 +649,35 @@ class Wrapped:
                 passes = self._passes_for_call(compiler.offer)
                 lowered = self._traced(args, kwargs, passes).lower()
                 exe = lowered._compile_with(compiler)
-            self._cache[key] = exe
+            exe = self._cache.put(key, exe)
         return exe, leaves
 
-    def _served_by_cache(self, key, args, kwargs):
-        """An executable built for other committed specs that serves ``key`` (see
-        :func:`_serves`), remembered under ``key``; ``None`` if none does."""
-        call = self._split_args(args, kwargs)
-        given = self._flat_in_specs(args, dict(call.static_args), call.kwargs)
-        for exe_key, exe in list(self._cache.items()):
-            if _serves(exe_key, exe, key, given):
-                self._cache[key] = exe
-                return exe
-        return None
+    def _serving(self, key, args, kwargs):
+        """``serves(exe_key, exe)``: whether an executable the cache keeps, built for other
+        committed specs, serves a call keyed ``key`` (:func:`_serves`). The specs given
+        for the arguments are worked out only if the cache asks (a call whose key it
+        holds never does)."""
+        given = []
+
+        def serves(exe_key, exe) -> bool:
+            if not given:
+                call = self._split_args(args, kwargs)
+                given.append(self._flat_in_specs(args, dict(call.static_args), call.kwargs))
+            return _serves(exe_key, exe, key, given[0])
+
+        return serves
+
+    def clear_cache(self) -> None:
+        """Drop every executable kept for this function (as ``jax.jit``'s
+        ``clear_cache()``); the next call compiles again. ``jax.clear_caches()`` does this
+        for every compiled function."""
+        self._cache.cache_clear()
+
+    def cache_info(self) -> CacheInfo:
+        """How the executable cache has served calls: ``hits`` (an executable was kept),
+        ``misses`` (the call compiled), ``evictions`` (least recently used signatures
+        dropped to stay within ``cache_size``), ``maxsize`` and ``currsize``."""
+        return self._cache.cache_info()
 
     def _passes_for_call(self, on_module):
         """The passes, with ``lower`` handing each module to ``on_module`` as it lowers it
@@ -686,7 +717,7 @@ class Wrapped:
         these argument types run on what the result's ``compile()`` returns."""
         lowered = self._traced(args, kwargs, self.passes).lower()
         key = self._signature_key(args, kwargs)[0]
-        lowered._compiled_hook = lambda compiled: self._cache.setdefault(key, compiled)
+        lowered._compiled_hook = lambda compiled: self._cache.put(key, compiled)
         return lowered
 
     @cycles_collected_after()  # (see its docstring)
@@ -857,6 +888,7 @@ def compile(
     partition=None,
     backend: str | None = None,
     passes=None,
+    cache_size: int | None = DEFAULT_CACHE_SIZE,
 ) -> Wrapped:
     """Compile ``fn`` for pipeline execution over ``meshes`` (lazily, like ``jax.jit``);
     returns the :class:`Wrapped` function.
@@ -885,6 +917,10 @@ def compile(
     ``jax.jit``'s: a parameter given by number is also static (or donated) when passed
     by keyword, and one given by name also when passed by position. ``backend`` (a
     registered name, default the meshes' platform's) lowers, compiles and runs.
+
+    ``cache_size`` bounds how many call signatures keep their executables (least
+    recently used dropped first; ``None``: no bound); ``Wrapped.clear_cache()`` and
+    ``jax.clear_caches()`` drop them all.
     """
     return Wrapped(
         fn,
@@ -901,4 +937,5 @@ def compile(
         partition=partition,
         backend=backend,
         passes=passes,
+        cache_size=cache_size,
     )

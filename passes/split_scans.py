@@ -11,7 +11,9 @@ the concatenation of the groups' results. Each new scan is placed in its stage (
 a seed, as it takes a marker, and runs as a fragment of its own (so the stages' equal
 scans share one executable on meshes of one shape); and the carry is marked where it crosses stages, with
 ``stage`` markers as ``mpmdc.stage(h, s)`` between per-stage scans would mark it: on
-entering a forward group, on leaving a transposed one.
+entering a forward group, on leaving a transposed one. A scan of no iterations has no
+groups and no boundary to cut: it stays one scan, its markers removed, unplaced, so
+``partition`` places it as any other equation, where its carry lives.
 
 Slices of a value concatenated from the same groups, such as the forward's stacked
 residuals read by the transposed scan, are left for ``slice-stacks`` to cancel, so each
@@ -60,6 +62,8 @@ def _split(eqn, split: ScanSplit) -> list:
     xs = eqn.invars[n_consts + n_carry :]
     carry_out, ys_out = eqn.outvars[:n_carry], eqn.outvars[n_carry:]
     groups = range(len(split.bounds) - 1)
+    if not groups:  # no iterations, no boundaries to cut: the scan stays whole, unplaced
+        return [eqn.replace(params={**p, "jaxpr": body})]
     pieces: list[list] = [[None] * len(groups) for _ in ys_out]
     out = []
     entering = split.transpose % 2 == 0

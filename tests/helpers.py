@@ -22,12 +22,18 @@ def assert_same_as_jit(fn, meshes, *args, rtol=0, atol=0, compile_kwargs=None):
     static = compile_kwargs.get("static_argnums", ())
     got = mpmdc.compile(fn, meshes, **compile_kwargs)(*args)
     want = jax.jit(fn, static_argnums=static)(*args)
+    assert_same_tree(got, want, rtol=rtol, atol=atol)
+    return got
+
+
+def assert_same_tree(got, want, rtol=0, atol=0):
+    """``got`` has ``want``'s pytree structure and each leaf is ``want``'s leaf as
+    :func:`assert_same_array` compares them."""
     got_leaves, got_tree = jax.tree_util.tree_flatten(got)
     want_leaves, want_tree = jax.tree_util.tree_flatten(want)
     assert got_tree == want_tree
     for g, w in zip(got_leaves, want_leaves):
         assert_same_array(g, w, rtol=rtol, atol=atol)
-    return got
 
 
 def assert_same_array(got, want, rtol=0, atol=0):

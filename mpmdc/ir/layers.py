@@ -143,7 +143,10 @@ def regrouped(jaxpr: jcore.Jaxpr, stage_of: Callable[[int], int]) -> jcore.Jaxpr
 
 def _grouped_split(split: ScanSplit, stage_of: Callable[[int], int]) -> dict:
     """The ``every`` and ``first`` of a scan cut by ``split`` once its groups (segments
-    ``split.first + g``) are grouped into stages by ``stage_of``."""
+    ``split.first + g``) are grouped into stages by ``stage_of``; unchanged (no
+    parameters) for a scan of no iterations, which has no groups."""
+    if len(split.bounds) == 1:
+        return {}
     counts: list[int] = []
     stages: list[int] = []
     for g in range(len(split.bounds) - 1):

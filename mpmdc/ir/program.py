@@ -102,6 +102,9 @@ def _placed_context(ctx, placement: Placement | None):
     return compat.with_metadata(ctx, updates)
 
 
+compat.register_cache(_placed_context, "mpmdc: equation contexts with placements")
+
+
 def alone(eqn):
     """``eqn`` marked to run as a fragment of its own (a stage's scan of a layer stack: the
     stages' equal scans then share one executable across meshes of one shape)."""

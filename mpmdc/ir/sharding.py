@@ -7,6 +7,7 @@ import math
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mpmdc import _jax_compat as compat
 from mpmdc.errors import SpecError
 
 # The leading axis of the mesh a stacked array held in per-stage pieces is sharded on
@@ -41,6 +42,9 @@ def canonical_spec(spec: PartitionSpec | None) -> PartitionSpec | None:
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries, unreduced=spec.unreduced, reduced=spec.reduced)
+
+
+compat.register_cache(canonical_spec, "mpmdc: canonical partition specs")
 
 
 def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:

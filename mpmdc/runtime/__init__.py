@@ -5,6 +5,8 @@
   and mesh, called in program order (one process or many);
 - ``compiling``: each distinct module compiled once, as soon as it is lowered, and
   loaded onto other meshes of one shape;
+- ``executable_cache``: a compiled function's executables per call signature, least
+  recently used first out, cleared by ``jax.clear_caches()`` too;
 - ``transfers``: how a value moves between two meshes (in one process or across);
 - ``pieces``: a stacked argument handed to its per-stage pieces, and a result assembled
   from them, as one array over the stage meshes;

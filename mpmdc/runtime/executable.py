@@ -208,7 +208,10 @@ class Compiled:
     ):
         if program.lowerings is None:
             raise PassError("only a lowered program can be compiled; run the `lower` pass first.")
-        self.program = program
+        # The program it runs, without its modules: once compiled, each module (an MLIR
+        # module in a context of its own) is not needed, and held it would be most of
+        # what a compiled program costs in memory (docs/performance.md).
+        self.program = program.replace(module_keys=None, lowerings=None)
         self.signature = signature
         backend = backends.get(program.backend)
         backend.check_can_run(program.meshes)

@@ -29,7 +29,7 @@ class Action:
 
     def __post_init__(self):
         if type(self.kind) is not ActionKind:  # "F" works as well as ActionKind.F
-            object.__setattr__(self, "kind", ActionKind(self.kind))
+            object.__setattr__(self, "kind", _kind(self.kind))
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -37,12 +37,23 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """``Action`` from its text form, e.g. ``"2B5"``."""
-        match = _ACTION.match(text.strip())
+        match = _ACTION.match(text.strip()) if isinstance(text, str) else None
         if not match:
             raise ScheduleError(
                 f"{text!r} is not an action; write <stage><F|B|I|W><microbatch>, e.g. 0F1 or 3B0."
             )
         return cls(int(match[1]), ActionKind(match[2]), int(match[3]))
+
+
+def _kind(kind) -> ActionKind:
+    """``kind`` as an ``ActionKind``; anything but F, B, I or W is a ``ScheduleError``."""
+    try:
+        return ActionKind(kind)
+    except ValueError:
+        raise ScheduleError(
+            f"{kind!r} is not an action kind; use one of {', '.join(ActionKind)} (forward, "
+            f"backward, input gradient, weight gradient)."
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,19 @@ class Pipeline:
             self.num_stages, self.microbatches, placement, num_meshes=self.num_meshes
         )
 
+    def check_costs(self) -> None:
+        """A ``ScheduleError`` naming the first action whose cost is not seconds (a
+        non-negative number), as a costs function of the user's might return."""
+        for stage, kind in itertools.product(range(self.num_stages), ActionKind):
+            for microbatch in range(self.microbatches):
+                action = Action(stage, kind, microbatch)
+                seconds = self.cost(action)
+                if not _is_seconds(seconds):
+                    raise ScheduleError(
+                        f"the cost of {action} is {seconds!r:.40}; a costs function returns "
+                        f"the action's seconds, a non-negative number."
+                    )
+
     def caps(self, layout: Layout) -> tuple[float | None, ...]:
         """Per mesh, the bytes of activations it may hold in ``layout``: its own cap, and
         its memory less what its stages hold all step."""
@@ -152,17 +165,19 @@ class Auto(Chooser):
 
     ``memory_cap``: bytes of activations a mesh may hold (one number for every mesh, or
     one per mesh; default: what the devices report having, none on CPU); ``costs``:
-    measured costs (``Compiled.run_timed()``'s ``Timeline``, a mapping from kind to
-    seconds, or a function of an action) instead of estimates from the fragments.
+    measured costs (``Compiled.run_timed()``'s ``Timeline``, a mapping from kind or
+    action label to seconds, or a function of an action) instead of estimates from the
+    fragments. Either of another type is a ``ScheduleError`` here.
     """
 
     name = "auto"
 
     def __init__(self, memory_cap=None, costs=None):
         self.memory_cap = _checked_cap(memory_cap)
-        self.costs = costs
+        self.costs = _checked_costs(costs)
 
     def choose(self, pipeline):
+        pipeline.check_costs()  # (a candidate's ScheduleError only rules the candidate out)
         tried: list[tuple[str, float | None, str]] = []
         best: Evaluation | None = None
         for candidate in candidates(pipeline):
@@ -206,6 +221,49 @@ def _checked_cap(cap):
             f"non-negative number or one per mesh (None for no cap)."
         )
     return float(cap) if one else tuple(None if c is None else float(c) for c in caps)
+
+
+def _checked_costs(costs):
+    """``costs`` as given, checked: ``None``, a ``Timeline``, a function of an action, or
+    a mapping from kind or action label to seconds."""
+    if costs is None or isinstance(costs, Timeline) or _is_function(costs):
+        return costs
+    if not isinstance(costs, Mapping):
+        raise ScheduleError(
+            f"costs={costs!r:.40} is {type(costs).__name__}, not measured costs: give "
+            f"Compiled.run_timed()'s Timeline, a mapping from kind ('F', 'B', 'I', 'W') or "
+            f"action label ('0F1') to seconds, or a function of an action returning seconds; "
+            f"leave costs out to estimate them from the program."
+        )
+    for key, seconds in costs.items():
+        if not (key in tuple(ActionKind) or isinstance(key, Action)):
+            try:
+                Action.parse(key)
+            except ScheduleError:
+                raise ScheduleError(
+                    f"costs has the key {key!r}, which is neither an action kind (F, B, I, "
+                    f"W) nor an action label such as '0F1'; key each cost by one of them."
+                ) from None
+        if not _is_seconds(seconds):
+            raise ScheduleError(
+                f"costs[{key!r}] is {seconds!r:.40}; give seconds, a non-negative number."
+            )
+    return costs
+
+
+def _is_function(costs) -> bool:
+    return callable(costs) and not isinstance(costs, (type, Mapping))
+
+
+def _is_seconds(value) -> bool:
+    """Whether ``value`` is a number of seconds: a non-negative real (NumPy's and 0-d
+    arrays' included), not a string or a bool."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        return False
+    try:
+        return float(value) >= 0
+    except (TypeError, ValueError):  # (an array of several values)
+        return False
 
 
 class ChosenBy(Chooser):
@@ -297,13 +355,26 @@ def _cap(memory: tuple[float | None, ...], limit: float) -> Callable[[int], floa
 def measured(costs) -> Callable[[Action], float] | None:
     """A cost function (seconds) from measured costs: the ``Timeline`` of
     ``Compiled.run_timed`` (milliseconds; each stage and kind at its mean over the
-    microbatches), a mapping from kind to seconds, or a function of an action. A backward measured whole gives ``I`` and ``W`` half of it
-    each, and one measured in halves gives ``B`` their sum."""
-    if costs is None or (callable(costs) and not isinstance(costs, Timeline)):
+    microbatches), a mapping from kind or action label to seconds, or a function of an
+    action (:meth:`Pipeline.check_costs` checks what it returns). A backward measured
+    whole gives ``I`` and ``W`` half of it each, and one measured in halves gives ``B``
+    their sum; an action's own label comes before its kind."""
+    costs = _checked_costs(costs)
+    if costs is None:
+        return None
+    if _is_function(costs):
         return costs
     if isinstance(costs, Mapping):
         kinds = {ActionKind(k) for k in costs if k in tuple(ActionKind)}
-        return by_kind(lambda stage, kind: costs[kind] if kind in kinds else None)
+        per_kind = by_kind(lambda stage, kind: costs[kind] if kind in kinds else None)
+        labels = {
+            k if isinstance(k, Action) else Action.parse(k): float(v)
+            for k, v in costs.items()
+            if k not in tuple(ActionKind)
+        }
+        if not labels:
+            return per_kind
+        return lambda action: labels[action] if action in labels else per_kind(action)
     took: dict = {}
     for row in costs.meshes:
         for slot in row:

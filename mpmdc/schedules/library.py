@@ -24,6 +24,7 @@ before it runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 from mpmdc.errors import ScheduleError
@@ -414,10 +415,14 @@ class ActionLists(Schedule):
     name = "custom"
 
     def __init__(self, per_mesh):
+        if isinstance(per_mesh, str) or not isinstance(per_mesh, Sequence):
+            raise _not_lists(per_mesh, f"it is {_typed(per_mesh)}, not a list")
         lists = []
-        for mesh_actions in per_mesh:
+        for mesh, mesh_actions in enumerate(per_mesh):
             if isinstance(mesh_actions, str):
                 mesh_actions = mesh_actions.split()
+            if not isinstance(mesh_actions, Sequence):
+                raise _not_lists(per_mesh, f"mesh {mesh}'s entry is {_typed(mesh_actions)}")
             lists.append(
                 tuple(a if isinstance(a, Action) else Action.parse(a) for a in mesh_actions)
             )
@@ -436,6 +441,20 @@ class ActionLists(Schedule):
 
     def __repr__(self) -> str:
         return f"ActionLists({[' '.join(map(str, a)) for a in self.lists]!r})"
+
+
+def _typed(value) -> str:
+    return f"{value!r:.30}, of type {type(value).__name__}"
+
+
+def _not_lists(per_mesh, problem: str) -> ScheduleError:
+    """The ``ScheduleError`` for ``per_mesh`` given as action lists when it is none."""
+    return ScheduleError(
+        f"schedule={per_mesh!r:.60} is not per-mesh action lists: {problem}. Give one entry "
+        f"per mesh, each a string of actions or a list of them, e.g. "
+        f"['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1']; to put stages on meshes, use "
+        f"mpmdc.compile(..., stage_to_mesh=...)."
+    )
 
 
 SCHEDULES: dict[str, type[Schedule]] = {

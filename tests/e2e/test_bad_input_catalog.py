@@ -484,6 +484,18 @@ MISTAKES = [
         lambda w: ActionLists(["0F0 0X1"]),
     ),
     Mistake(
+        "a schedule given as a list of stage numbers",
+        errors.ScheduleError,
+        r"schedule=\[0, 1\] is not per-mesh action lists: mesh 0's entry is 0, of type int",
+        lambda w: mpmdc.compile(two_stage, w.meshes, schedule=[0, 1]),
+    ),
+    Mistake(
+        "costs for schedule='auto' that are not measured costs",
+        errors.ScheduleError,
+        "costs='fast' is str, not measured costs",
+        lambda w: mpmdc.schedules.Auto(costs="fast"),
+    ),
+    Mistake(
         "action lists that deadlock",
         errors.ScheduleError,
         "the schedule deadlocks",

@@ -19,10 +19,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import largest_difference
+from helpers import assert_same_tree, largest_difference
 
 import mpmdc
-from mpmdc.errors import PlacementWarning, StageError
+from mpmdc.errors import IdleMeshWarning, PlacementWarning, StageError
+from mpmdc.ir.program import placement_of
 
 LAYERS, WIDTH, MICROBATCHES = 8, 16, 4
 ATOL = 5e-6  # ten times the noise floor above
@@ -209,9 +210,9 @@ def test_results_fed_back_move_nothing_and_compile_nothing(meshes4):
     assert jax.tree_util.tree_leaves(shardings[0]["layers"]) == [
         p.sharding for p in jax.tree_util.tree_leaves(params["layers"])
     ]
-    cached = len({id(e) for e in step._cache.values()})
+    compiled = step.cache_info().misses
     _, again, _ = step(params, opt_state, x, y)
-    assert len({id(e) for e in step._cache.values()}) == cached
+    assert step.cache_info().misses == compiled
     assert again["layers"]["w1"].sharding == params["layers"]["w1"].sharding
 
 
@@ -435,3 +436,71 @@ def test_a_stack_indexed_inside_the_body_is_named_in_a_warning(meshes4):
     params["head"] = jnp.tile(params["head"], (8, 1))
     with pytest.warns(PlacementWarning, match=r"reads args\[0\]\['layers'\]\['w1'\] whole"):
         mpmdc.compile(jax.grad(loss), meshes4).lower(params, *batch())
+
+
+def stack_of_no_layers_loss(params, x, every=2, first=0):
+    def body(h, w):
+        h = mpmdc.stage(h, every=every, first=first)
+        return jnp.tanh(h @ w["w"] + w["b"]), h
+
+    h, hs = jax.lax.scan(body, x @ params["embed"], params["layers"])
+    return jnp.mean(h**2) + jnp.sum(hs)
+
+
+def sgd_step(loss, microbatches):
+    def step(params, x):
+        if microbatches is None:
+            value, grads = jax.value_and_grad(loss)(params, x)
+        else:
+            value, grads = mpmdc.accumulate(
+                lambda mb: jax.value_and_grad(loss)(params, mb),
+                x,
+                microbatches=microbatches,
+                reduce="mean",
+            )
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return step
+
+
+def no_layers():
+    k = jax.random.split(jax.random.key(2))
+    params = {
+        "embed": jax.random.normal(k[0], (WIDTH, WIDTH)) * 0.3,
+        "layers": {"w": jnp.zeros((0, WIDTH, WIDTH)), "b": jnp.zeros((0, WIDTH))},
+    }
+    return params, jax.random.normal(k[1], (8, WIDTH))
+
+
+@pytest.mark.parametrize("microbatches", [None, 2], ids=["value_and_grad", "accumulate"])
+def test_a_stack_of_no_layers_runs_whole_as_under_jit(meshes2, microbatches):
+    """A scan of length 0 has no stage boundaries to cut: it stays one scan, unplaced,
+    and runs where its carry lives (here with the rest of the program, in stage 0, so
+    mesh 1 is idle and says so); its empty rows, their gradient and update come back as
+    under ``jax.jit``."""
+    step = sgd_step(stack_of_no_layers_loss, microbatches)
+    params, x = no_layers()
+    with pytest.warns(IdleMeshWarning, match="mesh1"):
+        got = mpmdc.compile(step, meshes2)(params, x)
+    assert got[1]["layers"]["w"].shape == (0, WIDTH, WIDTH)
+    assert_same_tree(got, jax.jit(step)(params, x))
+
+
+def test_a_stack_of_no_layers_after_marked_stages_stays_in_the_stage_of_its_carry(meshes2):
+    """Between marked stages, with its iterations balanced or counted: the empty scan
+    has no groups to regroup and runs in the stage its carry comes from."""
+    for every in (2, "balanced"):
+
+        def loss(params, x, every=every):
+            h = jnp.tanh(mpmdc.stage(x, 0) @ params["embed"])
+            h = jnp.tanh(mpmdc.stage(h, 1) @ params["embed"])
+            return stack_of_no_layers_loss(params, h, every=every, first=2)
+
+        step = sgd_step(loss, 2)
+        params, x = no_layers()
+        compiled = mpmdc.compile(step, meshes2, partition="balanced")
+        assert_same_tree(compiled(params, x), jax.jit(step)(params, x))
+        placed = compiled.lower(params, x).program("after-partition")
+        scans = [e for e in placed.jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        assert {e.params["length"] for e in scans} == {0}
+        assert {placement_of(e).stage for e in scans} == {1}, every

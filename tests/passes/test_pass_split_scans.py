@@ -6,7 +6,8 @@ stage (``first`` numbering the first), reading its rows of every per-iteration o
 handing the carry on, all sharing one body without the markers; the carry is marked
 entering each forward group and leaving each transposed one; the transposed scan of a
 gradient is cut at the same rows, its groups last first; the program computes what it
-did. A scan without such markers is left as it is.
+did. A scan of no iterations has nothing to cut and stays one scan, unplaced, its
+markers removed. A scan without such markers is left as it is.
 """
 
 import jax
@@ -89,3 +90,14 @@ def test_a_scan_without_markers_is_left_as_it_is(meshes2):
 
     before, after = cut(plain, meshes2, WS, X)
     assert after is before
+
+
+def test_a_scan_of_no_iterations_stays_one_scan_unplaced_without_markers(meshes2):
+    empty = jnp.zeros((0, 4, 4))
+    before, after = cut(jax.value_and_grad(stacked_loss), meshes2, empty, X)
+    kept = scans(after)
+    assert [e.params["length"] for e in kept] == [0, 0]  # the forward and its transpose
+    assert [placement_of(e) for e in kept] == [None, None]
+    assert all("layer_stage" not in str(e.params["jaxpr"]) for e in kept)
+    for got, want in zip(run(after, empty, X), run(before, empty, X)):
+        assert_same_array(got, want)

@@ -213,6 +213,11 @@ def test_unknown_names_list_auto(meshes4):
     [
         (lambda: Auto(memory_cap="lots"), "memory_cap='lots': give bytes of activations"),
         (lambda: Auto(memory_cap=(1e9, -1.0)), "memory_cap=(1000000000.0, -1.0)"),
+        (lambda: Auto(costs="fast"), "costs='fast' is str, not measured costs: give"),
+        (lambda: Auto(costs=3), "costs=3 is int, not measured costs"),
+        (lambda: Auto(costs={"F": "1ms"}), "costs['F'] is '1ms'; give seconds"),
+        (lambda: Auto(costs={"F": -1.0}), "costs['F'] is -1.0; give seconds"),
+        (lambda: Auto(costs={"forward": 1.0}), "costs has the key 'forward', which is neither"),
         (
             lambda: mpmdc.schedules.get(Auto),
             "schedule=Auto is a class; pass an instance, schedule=Auto()",
@@ -238,6 +243,20 @@ def test_a_schedule_function_must_return_a_schedule_and_caps_match_the_meshes(me
         mpmdc.compile(step_with("auto"), meshes4, schedule=Auto(memory_cap=(1e9, 1e9))).lower(
             params, *mlp_data()
         )
+
+
+def test_a_costs_function_returning_no_seconds_is_named_before_any_candidate():
+    """Each candidate's ``ScheduleError`` only rules it out; a costs function returning
+    something other than seconds is the user's mistake, named with the action."""
+    pipeline = Pipeline(2, 2, 4, None, measured(lambda a: "1ms"), (1.0,) * 2, (None,) * 2)
+    with pytest.raises(ScheduleError, match=re.escape("the cost of 0F0 is '1ms'")):
+        Auto().choose(pipeline)
+
+
+def test_costs_by_action_label_come_before_their_kind():
+    cost = measured({"F": 1.0, "B": 2.0, "1F0": 5.0, Action(0, "B", 2): 7.0})
+    assert cost(Action(1, "F", 0)) == 5.0 and cost(Action(1, "F", 1)) == 1.0
+    assert cost(Action(0, "B", 2)) == 7.0 and cost(Action(0, "B", 1)) == 2.0
 
 
 def test_costs_by_kind_fill_in_whole_and_split_backwards():

@@ -279,6 +279,31 @@ def test_schedule_choice_errors(schedule, layout, says):
         schedules.get(schedule).actions(layout)
 
 
+@pytest.mark.parametrize(
+    ("schedule", "says"),
+    [
+        ([0, 1], "schedule=[0, 1] is not per-mesh action lists: mesh 0's entry is 0, of type int"),
+        ((0, 1), "mesh 0's entry is 0, of type int"),
+        (["0F0 0B0", None], "mesh 1's entry is None, of type NoneType"),
+        ([[0, 1], [1]], "0 is not an action"),
+        ([[Action(0, "F", 0), 3], []], "3 is not an action"),
+    ],
+)
+def test_action_lists_of_other_things_are_named(schedule, says):
+    """Per-mesh action lists hold, per mesh, a string of actions or a sequence of actions
+    (objects or text); anything else (a list of ints, which looks like stage_to_mesh) is a
+    ``ScheduleError`` naming the entry, not a ``TypeError``."""
+    with pytest.raises(ScheduleError, match=re.escape(says)):
+        schedules.get(schedule)
+
+
+def test_action_lists_not_in_a_list_and_actions_of_unknown_kinds_are_named():
+    with pytest.raises(ScheduleError, match=re.escape("use mpmdc.compile(..., stage_to_mesh=...)")):
+        ActionLists(5)
+    with pytest.raises(ScheduleError, match="'Q' is not an action kind; use one of F, B, I, W"):
+        Action(0, "Q", 0)
+
+
 def test_layout_errors():
     with pytest.raises(ScheduleError, match="at least one stage and one microbatch"):
         Layout.make(4, 0)

@@ -1,0 +1,105 @@
+"""The executables a compiled function keeps per call signature
+(``mpmdc.runtime.executable_cache``, ``compile(..., cache_size=)``).
+
+What it promises: at most ``cache_size`` signatures are kept, the least recently used
+dropped first, and a signature kept is never compiled again; ``step.clear_cache()`` and
+``jax.clear_caches()`` drop them all, and the next call compiles again and still gives
+``jax.jit``'s numbers; a compiled program keeps its executables, not the modules they
+were compiled from.
+"""
+
+import gc
+import weakref
+
+import jax
+import pytest
+from helpers import XlaCompiles, assert_same_tree, mlp_loss
+
+import mpmdc
+from mpmdc.errors import ArgumentError
+from mpmdc.runtime.executable_cache import ExecutableCache
+
+STEP = jax.value_and_grad(mlp_loss)
+WS = [jax.random.normal(k, (8, 8)) * 0.3 for k in jax.random.split(jax.random.key(0), 2)]
+
+
+def batch(rows: int):
+    return jax.random.normal(jax.random.key(rows), (rows, 8))
+
+
+def live_executables() -> int:
+    gc.collect()
+    return len(jax.devices()[0].client.live_executables())
+
+
+def test_the_lru_drops_the_least_recently_used_signature_and_keeps_reused_ones(meshes2):
+    step = mpmdc.compile(STEP, meshes2, cache_size=2)
+    xs = {rows: batch(rows) for rows in (2, 4, 6)}
+    want = {rows: jax.jit(STEP)(WS, x) for rows, x in xs.items()}
+    compiles = []
+    for rows in (2, 4, 2, 6, 2, 4):  # 6 drops 4 (2 was used since), 4 comes back
+        with XlaCompiles() as c:
+            got = step(WS, xs[rows])
+        compiles.append(c.count > 0)
+        assert_same_tree(got, want[rows])
+    assert compiles == [True, True, False, True, False, True]
+    info = step.cache_info()
+    assert (info.hits, info.misses, info.evictions, info.maxsize, info.currsize) == (2, 4, 2, 2, 2)
+
+
+@pytest.mark.parametrize("clear", ["step.clear_cache()", "jax.clear_caches()"])
+def test_clearing_drops_every_executable_and_the_next_call_compiles_as_jit(meshes2, clear):
+    step = mpmdc.compile(STEP, meshes2)
+    x = batch(4)
+    want = jax.jit(STEP)(WS, x)
+    step(WS, x)
+    step(WS, batch(2))
+    held = live_executables()
+    assert step.cache_info().currsize == 2
+    step.clear_cache() if clear == "step.clear_cache()" else jax.clear_caches()
+    assert step.cache_info().currsize == 0
+    assert live_executables() < held  # the executables are gone, not only the entries
+    with XlaCompiles() as c:
+        got = step(WS, x)
+    assert c.count > 0
+    assert_same_tree(got, want)
+    assert step.cache_info().currsize == 1
+
+
+def test_a_compiled_program_keeps_its_executables_not_its_modules(meshes2):
+    """Each module is an MLIR module in a context of its own, several times what its
+    executable holds; once compiled, only the ``Lowered`` (while kept) holds them."""
+    lowered = mpmdc.compile(STEP, meshes2).lower(WS, batch(4))
+    modules = [weakref.ref(m) for m in lowered.program("stablehlo").lowerings.values()]
+    assert modules
+    compiled = lowered.compile()
+    del lowered
+    gc.collect()
+    assert [m() for m in modules] == [None] * len(modules)
+    assert_same_tree(compiled(WS, batch(4)), jax.jit(STEP)(WS, batch(4)))
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.0, "8", True])
+def test_a_cache_size_that_is_no_positive_int_is_named(meshes2, size):
+    with pytest.raises(ArgumentError, match=r"cache_size must be a positive int .* or None"):
+        mpmdc.compile(STEP, meshes2, cache_size=size)
+
+
+def test_the_cache_alone_counts_hits_misses_and_evictions_and_files_what_serves():
+    cache = ExecutableCache(2, "test")
+    assert cache.get("a") is None
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # now the most recently used
+    cache.put("c", 3)
+    assert cache.cache_keys() == ["a", "c"]
+    assert cache.get("d", lambda key, exe: exe == 3) == 3  # served by c's, filed under d
+    assert cache.cache_keys() == ["c", "d"]
+    assert tuple(cache.cache_info()) == (2, 1, 2, 2, 2)
+    assert cache.put("d", 4) == 3  # one kept already is the one used
+    jax.clear_caches()
+    assert len(cache) == 0
+    unbounded = ExecutableCache(None, "test")
+    for k in range(100):
+        unbounded.put(k, k)
+    assert unbounded.cache_info().evictions == 0 and len(unbounded) == 100
