@@ -172,7 +172,7 @@ class _ArrayModel(BaseModel):
 
 def _invalid(where: str, err: ValidationError) -> CheckpointError:
     """The first thing wrong in a document that failed validation, as a ``CheckpointError``."""
-    first = err.errors()[0]
+    first = err.errors(include_url=False)[0]
     at = ".".join(map(str, first["loc"]))
     what = first["msg"] + (f" at {at}" if at else "")
     return CheckpointError(
@@ -294,13 +294,13 @@ def array_metadata(entry: LeafEntry, version: int = VERSION, chunks=None) -> dic
     }
 
 
-def check_array(document: dict, entry: LeafEntry, version: int, where: str) -> dict:
+def check_array(raw: bytes, entry: LeafEntry, version: int, where: str) -> dict:
     """The metadata (:func:`array_metadata`) to read ``entry``'s array with, after checking
-    that its ``zarr.json`` (``document``, from file ``where``) says exactly that: the index's
-    shape, dtype and chunk shape, and the codecs a save writes. A difference is a
+    that its ``zarr.json`` (``raw``, the contents of file ``where``) says exactly that: the
+    index's shape, dtype and chunk shape, and the codecs a save writes. A difference is a
     ``CheckpointError`` naming the file and the field."""
     try:
-        stored = _ArrayModel.model_validate(document)
+        stored = _ArrayModel.model_validate_json(raw)
     except ValidationError as err:
         raise _invalid(where, err) from None
     chunks = stored.chunk_grid.configuration.get("chunk_shape")

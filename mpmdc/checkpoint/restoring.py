@@ -113,7 +113,7 @@ def _opened(
     folder is found inside ``root`` (``inside``) and its own ``zarr.json`` agrees."""
     inside.check(entry)
     where = os.path.join(root, entry.array, INDEX_FILE)
-    metadata = check_array(storage.read_json(where), entry, version, where)
+    metadata = check_array(storage.read_bytes(where), entry, version, where)
     return storage.opened(storage.array_spec(root, entry.array, metadata), context, read=True)
 
 

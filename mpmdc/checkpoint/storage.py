@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -37,8 +38,13 @@ def array_spec(root: str, name: str, metadata: dict) -> dict:
 
 def supports(dtype: np.dtype) -> bool:
     """Whether Zarr arrays through TensorStore can hold ``dtype``."""
+    return _supports(np.dtype(dtype).name)
+
+
+@functools.cache
+def _supports(name: str) -> bool:
     try:
-        ts.dtype(np.dtype(dtype).name)
+        ts.dtype(name)
     except (TypeError, ValueError):
         return False
     return True
@@ -69,15 +75,20 @@ def write_json(path: str, document: dict, *, sync: bool = True) -> None:
     os.replace(path + ".tmp", path)
 
 
-def read_json(path: str) -> dict:
-    """The JSON object in file ``path``; a ``CheckpointError`` naming the file and why when
-    it cannot be read (missing, a folder, no permission) or holds anything else."""
+def read_bytes(path: str) -> bytes:
+    """The contents of file ``path``; a ``CheckpointError`` naming it and why when it
+    cannot be read (missing, a folder, no permission)."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {_reason(err)}.") from None
-    return parse_document(raw, path)
+
+
+def read_json(path: str) -> dict:
+    """The JSON object in file ``path``; a ``CheckpointError`` naming the file and why when
+    it cannot be read or holds anything else."""
+    return parse_document(read_bytes(path), path)
 
 
 def _reason(err: OSError) -> str:
