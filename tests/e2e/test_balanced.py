@@ -89,6 +89,7 @@ def heavy_head_loss(params, x, y):
     return jnp.mean((h @ params["head"] - y) ** 2)
 
 
+@pytest.mark.slow
 def test_every_balanced_splits_a_scanned_stack_unevenly_around_a_heavy_head(meshes4):
     params = scanned_params(jax.random.key(0), layers=8)
     params["head_w"] = jax.random.normal(jax.random.key(5), (16, 16)) * 0.3

@@ -176,7 +176,10 @@ SETUPS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(SETUPS))
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param(k, marks=pytest.mark.slow) if k == "nn.scan" else k for k in SETUPS],
+)
 def test_a_scanned_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(meshes4, kind):
     params, loss = SETUPS[kind]()
     step = training_step(loss)
@@ -241,6 +244,7 @@ def test_only_the_carry_its_cotangent_and_scalars_cross_and_activations_wait_as_
     assert [m.peak_microbatches for m in memory] == [4, 3, 2, 1]
 
 
+@pytest.mark.slow
 def test_the_layer_axis_may_be_any_axis(meshes4):
     params, loss = linen_setup(layer_axis=1, remat=True)
     step = training_step(loss)
@@ -267,8 +271,10 @@ def _mixed_meshes():
     "layout,every,schedule",
     [
         ("uneven", (3, 2, 2, 1), "1f1b"),
-        ("interleaved", 1, "interleaved-1f1b"),  # 8 stages on 4 meshes
-        ("meshes of different shapes", 2, "1f1b"),
+        pytest.param(  # 8 stages on 4 meshes
+            "interleaved", 1, "interleaved-1f1b", marks=pytest.mark.slow
+        ),
+        pytest.param("meshes of different shapes", 2, "1f1b", marks=pytest.mark.slow),
     ],
 )
 def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(

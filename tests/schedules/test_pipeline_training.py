@@ -237,6 +237,7 @@ def test_a_user_action_list_schedule_runs(meshes2):
     )
 
 
+@pytest.mark.slow
 def test_transformer_with_tied_embedding_trains_three_adam_steps(meshes4):
     params = init_transformer(jax.random.key(0))
     state = adam_init(params)
