@@ -12,9 +12,11 @@ Rules, in the order they apply:
 2. Operands forward. The pipeline's own work (equations that depend on a marker)
    runs with its operands: where moving the operands that other equations made costs
    the fewest bytes (program inputs, the parameters, never pull work: they go where
-   they are used), ties going to the latest in pipeline order (forward stages
-   ascending, then backward stages descending), so a sum of gradient contributions
-   lands on the stage that holds the parameter.
+   they are used), ties going to the latest placement in pipeline order (forward
+   stages ascending, then backward stages descending), so a sum of gradient
+   contributions lands on the stage that holds the parameter. An equation waits while
+   an operand at least as large as its placed ones is still unplaced, so that a sum is
+   not decided by whichever contribution was placed first.
 3. Users backward. Work that prepares a marker's input (an embedding lookup) runs
    with the earliest of its users. Rules 2 and 3 repeat until nothing changes, one
    transpose count at a time (forward first); then a cotangent leaving a transposed
@@ -264,8 +266,9 @@ class PlacementState:
     def cheapest(self, i, candidates: dict, with_users: bool):
         """The candidate stage where running ``i`` moves the fewest bytes: operands not
         already on its mesh and, ``with_users``, results its placed users read elsewhere.
-        ``candidates`` maps each stage to the latest pipeline position of the equations
-        that suggested it; ties go to the latest."""
+        ``candidates`` maps each stage to the highest rank of the equations that
+        suggested it; ties go to the higher rank, then to the latest placement in
+        pipeline order (``i``'s transpose count in each candidate stage)."""
         if len(candidates) == 1:  # (most of the pipeline's work: nothing to weigh)
             return next(iter(candidates))
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
@@ -287,16 +290,17 @@ class PlacementState:
                 moved += sum(nbytes(v.aval) * len(where - {m}) for v, where in outputs)
             return moved
 
-        return min(candidates, key=lambda s: (cost(s), tuple(-k for k in candidates[s])))
+        def order(s):  # the later a placement comes in the pipeline, the smaller
+            return tuple(-k for k in self.key(s, self.transpose[i]))
+
+        return min(candidates, key=lambda s: (cost(s), -candidates[s], order(s)))
 
     def suggest(self, candidates: dict, js, rank: int = 0) -> None:
         """Add the stages of the placed equations ``js`` to ``candidates``; on equal
-        costs a higher ``rank`` wins, then the latest in pipeline order."""
+        costs a higher ``rank`` wins (:meth:`cheapest`)."""
         for j in js:
             stage = self.stage[j]
-            key = (rank, *self.key(stage, self.transpose[j]))
-            if stage not in candidates or key > candidates[stage]:
-                candidates[stage] = key
+            candidates[stage] = max(rank, candidates.get(stage, rank))
 
     def from_operands(self, i, through_boundaries: bool):
         """Rule 2: a stage for ``i`` from its placed operands, or ``None``. Before
@@ -315,7 +319,7 @@ class PlacementState:
                 placed = max(placed, nbytes(a.aval))
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet.
-        if not candidates or waiting > placed:
+        if not candidates or waiting >= placed:
             return None
         if through_boundaries:
             for a in operands:
