@@ -37,9 +37,11 @@ Rules, in the order they apply:
    loop, such as slicing the batch into microbatches).
 6. Cheap equations are cloned into every stage that uses them instead of being
    transferred: those computed from literals alone (constants, ``iota``, broadcasts
-   of literals, a jitted helper building a mask from them), and shape or type changes
-   of a small value (broadcasting a global norm to a gradient's shape), which therefore
-   move the small value, never the large result.
+   of literals, a jitted helper building a mask from them), shape or type changes
+   of a small value (broadcasting a global norm to a gradient's shape), and, outside
+   the pipeline's own work, elementwise and shape work making a value larger than what
+   it is computed from (an attention mask or a rotary position table built from a
+   microbatch's tokens), which therefore move the small values, never the large result.
 
 The rules are steps a test can run alone on a :func:`placement_state`:
 :func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_by_bytes`
@@ -506,14 +508,64 @@ def _order(microbatch) -> int:
 
 
 def _cheap_equations(eqns, reads) -> set[int]:
-    """Indices of the equations cheap enough to clone next to each user (``_is_cheap``)."""
+    """Indices of the equations cheap enough to clone next to each user: those of
+    :func:`_is_cheap`, and elementwise or shape work outside the pipeline's own work
+    (:func:`_recomputed`) whose result is larger than what it is computed from."""
     cheap, from_literals = set(), set()
+    pipeline: set = set()  # values that depend on a marker
+    origins: dict = {}  # a cheap equation's value -> the values it is computed from
     for i, eqn in enumerate(eqns):
+        in_pipeline = is_marker(eqn) or not pipeline.isdisjoint(reads[i])
+        if in_pipeline:
+            pipeline.update(eqn.outvars)
         if _is_cheap(eqn, reads[i], from_literals):
-            cheap.add(i)
             if all(a in from_literals for a in reads[i]):
                 from_literals.update(eqn.outvars)
+        elif in_pipeline or not _recomputed(eqn, reads[i], origins):
+            continue
+        cheap.add(i)
+        found = frozenset().union(
+            *(origins.get(a, {a}) for a in reads[i] if a not in from_literals)
+        )
+        origins.update((v, found) for v in eqn.outvars)
     return cheap
+
+
+# Elementwise and shape work: computing it again next to each user costs little.
+_RECOMPUTABLE = frozenset(
+    {
+        *_EXPANDING,
+        *(
+            getattr(jprims, f"{name}_p")
+            for name in (
+                "add sub mul div max min neg abs sign floor ceil round exp log sqrt rsqrt sin "
+                "cos tanh logistic integer_pow pow and or not xor eq ne lt le gt ge select_n "
+                "iota clamp"
+            ).split()
+        ),
+    }
+)
+
+
+def _recomputable(eqn) -> bool:
+    """Elementwise or shape work, or a call (``jnp.where``, ``jnp.tril``) of nothing else."""
+    if eqn.effects:
+        return False
+    body = call_body(eqn)
+    if body is None:
+        return eqn.primitive in _RECOMPUTABLE
+    return all(map(_recomputable, body[0].eqns))
+
+
+def _recomputed(eqn, operands, origins) -> bool:
+    """Whether ``eqn`` (:func:`_recomputable`) makes a larger value than what it is
+    computed from through other such work (``origins``): an attention mask or a position
+    table built from a microbatch's tokens. Moving those values and computing it again
+    next to each user moves fewer bytes than moving it."""
+    if not _recomputable(eqn):
+        return False
+    found = set().union(*(origins.get(a, {a}) for a in operands))
+    return sum(nbytes(a.aval) for a in found) < sum(nbytes(v.aval) for v in eqn.outvars)
 
 
 def placement_state(program: Program) -> PlacementState:
