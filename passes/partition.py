@@ -212,6 +212,7 @@ class PlacementState:
         self.seeded = list(map(_seed_stage, eqns))  # (the stage of each marker or stage scan)
         self.stage = [s if s is not None else seeds.get(i) for i, s in enumerate(self.seeded)]
         self.default = min((s for s in self.seeded if s is not None), default=0)
+        self.returned = set(vars_of(program.jaxpr.jaxpr.outvars))
         self.depends, self.prepares = self.pipeline_work()
 
     def mesh(self, stage: int) -> int:
@@ -275,7 +276,11 @@ class PlacementState:
             return next(iter(candidates))
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
         outputs = [
-            (v, {self.mesh(self.stage[j]) for j in self.placed_users(v)})
+            (
+                v,
+                ({self.mesh(self.stage[j]) for j in self.placed_users(v)} if with_users else set())
+                | self.read_next(i, v),
+            )
             for v in self.eqns[i].outvars
         ]
         # Inside the microbatch loop a program input is moved once for every microbatch,
@@ -288,14 +293,31 @@ class PlacementState:
         def cost(s):
             m = self.mesh(s)
             moved = sum(size(a) for a, where in operands if m not in where)
-            if with_users:
-                moved += sum(nbytes(v.aval) * len(where - {m}) for v, where in outputs)
-            return moved
+            return moved + sum(nbytes(v.aval) * len(where - {m}) for v, where in outputs)
 
         def order(s):  # the later a placement comes in the pipeline, the smaller
             return tuple(-k for k in self.key(s, self.transpose[i]))
 
         return min(candidates, key=lambda s: (cost(s), -candidates[s], order(s)))
+
+    def homes_read_next(self, i, v) -> list[int]:
+        """The homes (:meth:`home`) of the inputs ``i`` reads (through cheap operands, such
+        as a cast) whose new value ``v`` is: a result of ``i`` the program returns, of such
+        an input's type (a parameter's update). The next call reads ``v`` there; placing ``i`` elsewhere moves ``v`` back
+        at every call."""
+        if v not in self.returned:
+            return []
+        return [
+            home
+            for a in self.operands(i, inputs=True)
+            if a not in self.producer
+            and (a.aval.shape, a.aval.dtype) == (v.aval.shape, v.aval.dtype)
+            and (home := self.home(a)) is not None
+        ]
+
+    def read_next(self, i, v) -> set[int]:
+        """The meshes of :meth:`homes_read_next`."""
+        return {self.mesh(self.stage[j]) for j in self.homes_read_next(i, v)}
 
     def suggest(self, candidates: dict, js, rank: int = 0) -> None:
         """Add the stages of the placed equations ``js`` to ``candidates``; on equal
@@ -326,6 +348,9 @@ class PlacementState:
         if through_boundaries:
             for a in operands:
                 self.suggest(candidates, (j for j in self.placed_users(a) if j != i))
+        # A parameter's new value may go where the parameter lives, which the next call reads.
+        for v in self.eqns[i].outvars:
+            self.suggest(candidates, self.homes_read_next(i, v))
         return self.cheapest(i, candidates, with_users=False)
 
     def from_users(self, i):

@@ -313,3 +313,26 @@ def test_masks_and_position_tables_from_each_microbatchs_tokens_are_built_where_
     want = jax.jit(step)(params, tokens)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         assert_same_array(g, w, rtol=2e-5, atol=1e-6)
+
+
+def test_a_parameter_whose_gradient_comes_from_a_later_stage_returns_where_it_is_read(meshes4):
+    """A parameter stage 0 reads for a side result (it lives there, its first user) whose
+    gradient comes from stage 1 only: its update runs on stage 0's mesh, where the next
+    call reads it, and only the gradient moves; returned on stage 1's mesh, it would be
+    moved back at every call."""
+
+    def loss(w, x):
+        side = jnp.tanh(mpmdc.stage(w, 0) @ x)
+        return jnp.sum((mpmdc.stage(w + w, 1) @ x) ** 2), side
+
+    def step(w, momentum, x):
+        (value, side), grad = jax.value_and_grad(loss, has_aux=True)(w, x)
+        momentum = 0.9 * momentum + grad
+        return value, side, w - 0.1 * momentum, momentum
+
+    args = (jnp.full((4, 4), 0.5), jnp.zeros((4, 4)), jnp.ones((4, 4)))
+    program = mpmdc.compile(step, meshes4[:2]).lower(*args).program("after-split")
+    assert program.out_meshes[2:] == program.in_meshes[:2]  # w and its momentum
+    got = mpmdc.compile(step, meshes4[:2])(*args)
+    for g, w in zip(got, jax.jit(step)(*args)):
+        assert_same_array(g, w)
