@@ -65,8 +65,12 @@ def test_tied_embedding(meshes4):
     }
     tokens = jnp.array([1, 5, 7, 3])
     targets = jnp.array([2, 2, 9, 0])
+    # Noise floor 8.9e-08 absolute (jax.jit of the same gradient against it op by op, whose
+    # fusions round otherwise); the embedding's two gradient contributions are summed
+    # across a fragment boundary, so its last bit depends on the CPU's vector width.
+    # Margin ~10x.
     loss, grads = assert_same_as_jit(
-        jax.value_and_grad(tied_loss), meshes4, params, tokens, targets
+        jax.value_and_grad(tied_loss), meshes4, params, tokens, targets, atol=1e-6
     )
     # the embedding lives on the first stage's mesh, so its summed gradient does too
     assert mesh_index(grads["embed"], meshes4) == 0

@@ -46,7 +46,10 @@ def test_reductions_and_pytree_prefixes(meshes2, microbatches):
         return mpmdc.accumulate(per_microbatch, x, microbatches=microbatches, reduce=reduce)
 
     w, x = jnp.ones((4, 6)) * 0.1, jnp.arange(32.0).reshape(8, 4) / 10
-    got = assert_same_as_jit(fn, meshes2, w, x)
+    # The microbatches' means are summed on another mesh than jax.jit sums them: noise
+    # floor one float32 ulp of the mean (1.2e-07 relative, jax.jit of the loop against
+    # jax.jit of the whole batch's mean), margin 4x.
+    got = assert_same_as_jit(fn, meshes2, w, x, rtol=5e-7)
     # Against the whole batch at once: noise floors 8.6e-08 (rows, so their maximum too)
     # and 7.9e-08 (total) relative (jax.jit of the loop over microbatch slices against the
     # whole batch), margin 10x.
