@@ -26,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 import jax
@@ -49,6 +50,12 @@ MAX_RANK = 32  # TensorStore's limit on an array's dimensions
 # its checksum are one piece of work for TensorStore: smaller chunks spread a large
 # array's writes, reads and checksums over every core (measured in docs/performance.md).
 CHUNK_BYTES = 16 * 2**20
+CHECKSUM_BYTES = 4  # the CRC32C that ends each chunk from version 2
+NAME_MAX = 255  # bytes of one file name on the filesystems checkpoints live on
+MAX_DOCUMENT_BYTES = 2**30  # the largest JSON file a restore reads (an index of ~3M leaves)
+# The characters of an array's node names (:func:`_segment` writes no others), so that a
+# name is a plain relative path on every filesystem.
+_ARRAY_NAME = re.compile(r"[A-Za-z0-9._~%-]{1,255}(/[A-Za-z0-9._~%-]{1,255})*")
 
 
 @dataclass(frozen=True)
@@ -101,18 +108,21 @@ class Index:
 
 # What is read back, as pydantic models: strict (no "5" for 5), so that any document that
 # is not what a save writes fails validation instead of reaching TensorStore or numpy.
-_STRICT = ConfigDict(strict=True, frozen=True)
+_STRICT = ConfigDict(strict=True, frozen=True, extra="forbid")
+# A length TensorStore can index (its domains end below 2**62); negative ones are refused
+# with their own message.
+_Length = Annotated[int, Field(lt=2**62)]
 
 
 class _LeafModel(BaseModel):
     model_config = _STRICT
     path: str
     array: str
-    shape: list[int] = Field(max_length=MAX_RANK)
+    shape: list[_Length] = Field(max_length=MAX_RANK)
     dtype: str
     key_impl: str | None = None
     weak_type: bool = False
-    chunks: list[int] | None = Field(default=None, max_length=MAX_RANK)
+    chunks: list[_Length] | None = Field(default=None, max_length=MAX_RANK)
 
 
 class _IndexModel(BaseModel):
@@ -137,7 +147,7 @@ class _RootModel(BaseModel):
 class _Grid(BaseModel):
     model_config = _STRICT
     name: Literal["regular"]
-    configuration: dict[str, list[int]]
+    configuration: dict[str, list[_Length]]
 
 
 class _KeyEncoding(BaseModel):
@@ -159,7 +169,7 @@ class _ArrayModel(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
     zarr_format: Literal[3]
     node_type: Literal["array"]
-    shape: list[int] = Field(max_length=MAX_RANK)
+    shape: list[_Length] = Field(max_length=MAX_RANK)
     data_type: str
     chunk_grid: _Grid
     chunk_key_encoding: _KeyEncoding
@@ -185,6 +195,11 @@ def parse_document(raw: bytes, where: str) -> dict:
     naming it when it is not UTF-8 JSON holding an object."""
     try:
         document = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise CheckpointError(
+            f"{where} is damaged or was not written by mpmdc.checkpoint.save: its JSON is "
+            f"nested deeper than any checkpoint's."
+        ) from None
     except (UnicodeDecodeError, ValueError) as err:
         raise CheckpointError(
             f"{where} is damaged or was not written by mpmdc.checkpoint.save: it is not "
@@ -238,8 +253,15 @@ def _checked_leaf(leaf: _LeafModel, version: int, where: str) -> LeafEntry:
         return CheckpointError(f"{where} is damaged: leaf {leaf.path}: {what}.")
 
     parts = leaf.array.split("/")
-    if leaf.array.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        raise bad(f"its array name {leaf.array!r} is not a relative path inside the checkpoint")
+    if (
+        not _ARRAY_NAME.fullmatch(leaf.array)
+        or any(part in (".", "..") for part in parts)
+        or len(leaf.array) > 4096
+    ):
+        raise bad(
+            f"its array name {leaf.array[:200]!r} is not a relative path inside the checkpoint "
+            f"of the names a save writes (letters, digits and ._~%- between slashes)"
+        )
     if any(n < 0 for n in leaf.shape):
         raise bad(f"its shape {leaf.shape} has a negative length")
     if version >= 2 and leaf.chunks is None:
@@ -268,6 +290,8 @@ def _checked_leaf(leaf: _LeafModel, version: int, where: str) -> LeafEntry:
         jax.eval_shape(lambda: jax.random.key(0, impl=leaf.key_impl)).dtype
     ):
         raise bad(f"its dtype {leaf.dtype!r} is not the dtype of {leaf.key_impl} keys")
+    if leaf.key_impl is None and str(stored[1]) != leaf.dtype:
+        raise bad(f"its dtype {leaf.dtype!r} is not spelled as a save writes it ({stored[1]})")
     if entry.chunks is not None and len(entry.chunks) != len(stored[0]):
         raise bad(f"its chunk shape {leaf.chunks} does not fit its stored shape {list(stored[0])}")
     return entry
@@ -334,6 +358,15 @@ def _codec(codec: _Codec, itemsize: int) -> dict:
     if codec.configuration is None:
         return {"name": codec.name}
     return {"name": codec.name, "configuration": codec.configuration}
+
+
+def chunk_file_bytes(metadata: dict) -> int:
+    """The size of every chunk file of an array stored with ``metadata``
+    (:func:`array_metadata`): its chunk's bytes, then the checksum where there is one
+    (Zarr stores chunks at the grid's edge whole too)."""
+    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    checksum = any(c["name"] == "crc32c" for c in metadata["codecs"])
+    return nbytes(chunks, metadata["data_type"]) + (CHECKSUM_BYTES if checksum else 0)
 
 
 def nbytes(shape, dtype) -> int:

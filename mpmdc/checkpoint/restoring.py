@@ -28,6 +28,7 @@ from mpmdc.checkpoint.layout import (
     Index,
     LeafEntry,
     check_array,
+    chunk_file_bytes,
     nbytes,
     parse_index,
     path_text,
@@ -76,17 +77,28 @@ def _why_none(wanted: str) -> str:
     return "the directory does not exist"
 
 
-class _Inside:
-    """Checks that array folders of the checkpoint at ``root`` (its real path) lie inside
-    it once links are followed. Names are relative without ``..`` (checked with the index),
-    so only a link can lead out: each folder on the way is looked at once (``lstat``) and
-    a link among them resolved, rather than resolving every array's path whole."""
+class _Files:
+    """Checks the files of the checkpoint at ``root`` (its real path) before TensorStore
+    reads them. A save writes only folders and regular files, so anything else inside is
+    refused: a link (which could lead out of the checkpoint, or swap another array in), a
+    pipe or a device (which a read could wait on, or never finish). Each folder on the way
+    to an array is looked at once (``lstat``); each array's folder is listed, its chunk
+    files must have the size its metadata implies, and a file that is neither its
+    ``zarr.json`` nor a chunk is refused. A chunk whose bytes were swapped with another
+    chunk of the same size is not found here (its checksum is of its own bytes)."""
 
     def __init__(self, root: str):
         self.root = root
         self.seen: set[str] = set()
 
-    def check(self, entry: LeafEntry) -> None:
+    def _refuse(self, entry: LeafEntry, path: str, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"the checkpoint at {self.root} is damaged: leaf {entry.path}: "
+            f"{os.path.relpath(path, self.root)} {what}; a save writes only folders and files."
+        )
+
+    def check_folders(self, entry: LeafEntry) -> None:
+        """Every folder from the checkpoint's to ``entry``'s array is a folder, not a link."""
         path = self.root
         for part in entry.array.split("/"):
             path = os.path.join(path, part)
@@ -94,27 +106,71 @@ class _Inside:
                 continue
             self.seen.add(path)
             try:
-                is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+                mode = os.lstat(path).st_mode
             except OSError:
                 return  # not there: reading its metadata says so
-            if is_link:
-                real = os.path.realpath(path)
-                if os.path.commonpath([real, self.root]) != self.root or real == self.root:
+            if stat.S_ISLNK(mode):
+                raise self._refuse(entry, path, f"is a link to {os.path.realpath(path)}")
+            if not stat.S_ISDIR(mode):
+                raise self._refuse(entry, path, "is not a folder")
+
+    def check_chunks(self, entry: LeafEntry, metadata: dict) -> None:
+        """The entries of ``entry``'s array folder: its ``zarr.json`` and its chunks,
+        every chunk a regular file of :func:`chunk_file_bytes`."""
+        size = chunk_file_bytes(metadata)
+        folder = os.path.join(self.root, entry.array)
+        pending = [(folder, True)]
+        while pending:
+            path, top = pending.pop()
+            try:
+                listed = list(os.scandir(path))
+            except OSError as err:
+                raise CheckpointError(f"cannot read {path}: {storage.reason(err)}.") from None
+            for item in listed:
+                kind = item.stat(follow_symlinks=False).st_mode
+                if top and item.name == INDEX_FILE:
+                    continue  # (read and checked already)
+                if top and item.name != "c":
+                    raise self._refuse(entry, item.path, "is no part of a Zarr array")
+                if stat.S_ISDIR(kind):
+                    pending.append((item.path, False))
+                elif not stat.S_ISREG(kind):
+                    raise self._refuse(entry, item.path, f"is {_kind(kind)}")
+                elif item.stat(follow_symlinks=False).st_size != size:
                     raise CheckpointError(
-                        f"the checkpoint at {self.root} is damaged: leaf {entry.path}'s array "
-                        f"{entry.array!r} resolves to {real}, outside the checkpoint."
+                        f"the checkpoint at {self.root} is damaged: leaf {entry.path}, chunk "
+                        f"{os.path.relpath(item.path, self.root)} holds "
+                        f"{item.stat(follow_symlinks=False).st_size:,} bytes, not the "
+                        f"{size:,} of its chunk (cut short, or not written by mpmdc)."
                     )
 
 
+def _kind(mode: int) -> str:
+    """What a file that is neither a folder nor a regular file is, in words."""
+    if stat.S_ISLNK(mode):
+        return "a link"
+    if stat.S_ISFIFO(mode):
+        return "a pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
+
+
 def _opened(
-    root: str, entry: LeafEntry, version: int, context: ts.Context, inside: _Inside
+    root: str, entry: LeafEntry, version: int, context: ts.Context, files: _Files
 ) -> ts.TensorStore:
     """``entry``'s array, opened for reading with the metadata the index implies once its
-    folder is found inside ``root`` (``inside``) and its own ``zarr.json`` agrees."""
-    inside.check(entry)
+    own ``zarr.json`` agrees and its files are what a save writes (``files``)."""
+    files.check_folders(entry)
     where = os.path.join(root, entry.array, INDEX_FILE)
     metadata = check_array(storage.read_bytes(where), entry, version, where)
-    return storage.opened(storage.array_spec(root, entry.array, metadata), context, read=True)
+    files.check_chunks(entry, metadata)
+    try:
+        return storage.opened(storage.array_spec(root, entry.array, metadata), context, read=True)
+    except ValueError as err:  # TensorStore's: a shape or chunking it cannot hold
+        raise CheckpointError(
+            f"{where} cannot be read for leaf {entry.path}: {str(err).splitlines()[0]}"
+        ) from None
 
 
 def _read(root: str, entry: LeafEntry, future):
@@ -126,6 +182,10 @@ def _read(root: str, entry: LeafEntry, future):
         text = str(err).splitlines()[0]
         found = re.search(r'local file "([^"]+)"', text)
         chunk = f", chunk {os.path.relpath(found.group(1), root)}" if found else ""
+        if "PERMISSION_DENIED" in text:
+            raise CheckpointError(
+                f"cannot read the checkpoint at {root}: leaf {entry.path}{chunk}: permission denied."
+            ) from None
         if "mismatch" in text and "DATA_LOSS" in text:
             raise CheckpointError(
                 f"the checkpoint at {root} is damaged: leaf {entry.path}{chunk} does not match "
@@ -153,12 +213,11 @@ def restore(directory, target=None):
     Without ``target``: ``{path: numpy array}`` of every leaf, whole, on the host.
     """
     root, index, marker = resolve(directory)
-    context, inside = ts.Context(), _Inside(root)
+    context, files = ts.Context(), _Files(root)
     if target is None:  # every read started before any is waited for
         _check_memory(root, index)
         reads = {
-            leaf: _opened(root, leaf, index.version, context, inside).read()
-            for leaf in index.leaves
+            leaf: _opened(root, leaf, index.version, context, files).read() for leaf in index.leaves
         }
         restored = {leaf.path: _read(root, leaf, read) for leaf, read in reads.items()}
     else:
@@ -168,7 +227,7 @@ def restore(directory, target=None):
         _check_paths(root, list(saved), wanted)
         plans = [_Plan(root, saved[text], leaf) for text, (_, leaf) in zip(wanted, flat)]
         for plan in plans:
-            plan.start(_opened(root, plan.entry, index.version, context, inside))
+            plan.start(_opened(root, plan.entry, index.version, context, files))
         restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
     if storage.read_json(os.path.join(root, COMMITTED)) != marker:
         raise CheckpointError(

@@ -27,6 +27,7 @@ from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
     INDEX_FILE,
+    NAME_MAX,
     NUMBERS,
     Index,
     LeafEntry,
@@ -228,7 +229,16 @@ def save(directory, tree, *, overwrite: bool = False) -> None:
 def _check_replaceable(directory: str, overwrite: bool) -> None:
     """Refuse to save over anything but a complete checkpoint (with ``overwrite``) or an
     empty directory: a folder of other files is never replaced, whatever ``overwrite`` says.
-    Every existing folder above ``directory`` must be a folder."""
+    Every existing folder above ``directory`` must be a folder, and its name short enough
+    for the save's partial folder and an overwrite's aside folder to have names too."""
+    name = len(os.fsencode(os.path.basename(directory)))
+    added = len(os.fsencode(os.path.basename(partial_name(directory, "0" * 16)))) - name
+    if name + added > NAME_MAX:
+        raise CheckpointError(
+            f"cannot save to {directory}: its name ({name} bytes) is too long for the folder "
+            f"a save makes beside it, {added} bytes longer, as a file name has at most "
+            f"{NAME_MAX}; use a name of at most {NAME_MAX - added} bytes."
+        )
     above = storage.first_existing_above(directory)
     if not os.path.isdir(above):
         raise CheckpointError(f"cannot save to {directory}: {above} is a file, not a directory.")

@@ -10,12 +10,18 @@ import functools
 import json
 import os
 import shutil
+import stat
 import threading
 
 import numpy as np
 import tensorstore as ts
 
-from mpmdc.checkpoint.layout import COMMITTED, REPLACED_SUFFIX, parse_document
+from mpmdc.checkpoint.layout import (
+    COMMITTED,
+    MAX_DOCUMENT_BYTES,
+    REPLACED_SUFFIX,
+    parse_document,
+)
 from mpmdc.errors import CheckpointError
 
 LOCK_FILE = ".mpmdc-commit.lock"  # where folders cannot be locked (see commit_lock); kept
@@ -76,13 +82,34 @@ def write_json(path: str, document: dict, *, sync: bool = True) -> None:
 
 
 def read_bytes(path: str) -> bytes:
-    """The contents of file ``path``; a ``CheckpointError`` naming it and why when it
-    cannot be read (missing, a folder, no permission)."""
+    """The contents of file ``path``, which must be a regular file (not a link, a pipe or a
+    device: nothing in a checkpoint is) of at most ``MAX_DOCUMENT_BYTES``; a
+    ``CheckpointError`` naming it and why when it cannot be read or is anything else.
+    Opening never waits (a pipe with no writer) and nothing larger is read."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as err:
-        raise CheckpointError(f"cannot read {path}: {_reason(err)}.") from None
+        if err.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"{path} is a link; a checkpoint holds only its own files."
+            ) from None
+        raise CheckpointError(f"cannot read {path}: {reason(err)}.") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_DOCUMENT_BYTES:
+        os.close(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise CheckpointError(f"cannot read {path}: it is a folder, not a file.")
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is not a regular file; a checkpoint holds only files.")
+        raise CheckpointError(
+            f"{path} holds {info.st_size:,} bytes, more than any checkpoint's JSON "
+            f"({MAX_DOCUMENT_BYTES:,}): it is damaged or was not written by mpmdc."
+        )
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(MAX_DOCUMENT_BYTES + 1)
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path}: {reason(err)}.") from None
 
 
 def read_json(path: str) -> dict:
@@ -91,7 +118,8 @@ def read_json(path: str) -> dict:
     return parse_document(read_bytes(path), path)
 
 
-def _reason(err: OSError) -> str:
+def reason(err: OSError) -> str:
+    """Why an ``OSError`` happened, in words for a message."""
     if isinstance(err, PermissionError):
         return "permission denied"
     if isinstance(err, IsADirectoryError):
@@ -109,7 +137,7 @@ def located(directory: str) -> str | None:
     for place in (directory, directory + REPLACED_SUFFIX):
         marker = os.path.join(place, COMMITTED)
         try:
-            os.stat(marker)
+            mode = os.lstat(marker).st_mode
         except FileNotFoundError:
             continue
         except PermissionError:
@@ -117,9 +145,13 @@ def located(directory: str) -> str | None:
         except OSError as err:
             if err.errno == errno.ENOTDIR:
                 continue
-            raise CheckpointError(f"cannot read {place}: {_reason(err)}.") from None
-        if os.path.isfile(marker):
-            return place
+            raise CheckpointError(f"cannot read {place}: {reason(err)}.") from None
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{marker} is {'a link' if stat.S_ISLNK(mode) else 'not a regular file'}; a "
+                f"checkpoint's marker is a file of its own. The checkpoint at {place} is damaged."
+            )
+        return place
     return None
 
 
@@ -217,7 +249,7 @@ def publish(partial: str, final: str, expected: dict | None) -> None:
             if found == final:
                 os.rename(aside, final)
             raise CheckpointError(
-                f"cannot commit {final}: {_reason(err)} (something was put there while the "
+                f"cannot commit {final}: {reason(err)} (something was put there while the "
                 f"save was writing); this save is discarded."
             ) from None
         remove(aside)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -270,8 +271,73 @@ def test_an_array_outside_the_checkpoint_is_refused(tmp_path, saved):
     restore(saved)
     os.rename(saved / "w", saved / "w.real")
     os.symlink(tmp_path / "other" / "w", saved / "w")  # a link inside, pointing out
-    with pytest.raises(CheckpointError, match=r"resolves to .*other/w, outside the checkpoint"):
+    with pytest.raises(CheckpointError, match=r"damaged: leaf \['w'\]: w is a link to .*other/w"):
         restore(saved)
+
+
+def replace_with(path, make) -> None:
+    """Put what ``make(path)`` creates where file ``path`` is."""
+    os.remove(path)
+    make(path)
+
+
+FILE_SWAPS = {
+    "a chunk that links out": (
+        lambda saved: replace_with(
+            chunk_files(saved / "w")[0], lambda p: os.symlink("/dev/zero", p)
+        ),
+        r"leaf \['w'\]: w/c/0/0 is a link",
+    ),
+    "a chunk folder that links out": (
+        lambda saved: (
+            shutil.rmtree(saved / "w" / "c"),
+            os.symlink(saved.parent / "other" / "w" / "c", saved / "w" / "c"),
+        ),
+        r"leaf \['w'\]: w/c is a link",
+    ),
+    "a chunk that is a pipe": (
+        lambda saved: replace_with(chunk_files(saved / "w")[0], os.mkfifo),
+        r"leaf \['w'\]: w/c/0/0 is a pipe",
+    ),
+    "an array's metadata that links out": (
+        lambda saved: replace_with(
+            saved / "w" / "zarr.json",
+            lambda p: os.symlink(saved.parent / "other" / "w" / "zarr.json", p),
+        ),
+        r"c/w/zarr.json is a link",
+    ),
+    "an index that is a pipe": (
+        lambda saved: replace_with(saved / "zarr.json", os.mkfifo),
+        r"c/zarr.json is not a regular file",
+    ),
+    "a marker that links to a device": (
+        lambda saved: replace_with(saved / "COMMITTED", lambda p: os.symlink("/dev/zero", p)),
+        r"c/COMMITTED is a link",
+    ),
+    "a chunk that grew": (
+        lambda saved: open(chunk_files(saved / "w")[0], "ab").write(b"\0" * 8),
+        r"chunk w/c/0/0 holds 108 bytes, not the 100 of its chunk",
+    ),
+    "a file beside the chunks": (
+        lambda saved: (saved / "w" / "notes.txt").write_text("hi"),
+        r"leaf \['w'\]: w/notes.txt is no part of a Zarr array",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FILE_SWAPS))
+def test_links_pipes_and_files_of_the_wrong_size_are_refused_before_they_are_read(
+    tmp_path, saved, case
+):
+    """Nothing inside a checkpoint is a link, a pipe or a device, and every chunk has its
+    size: anything else is refused before a read could leave the checkpoint, wait on a
+    pipe or run on without end."""
+    save(tmp_path / "other", {"w": jnp.ones((4, 6)), "k": jax.random.key(0)})
+    change, says = FILE_SWAPS[case]
+    change(saved)
+    for target in (None, {"w": jnp.zeros((4, 6)), "k": jax.random.key(0)}):
+        with pytest.raises(CheckpointError, match=says):
+            restore(saved, target)
 
 
 ROOT_EDITS = {
@@ -310,6 +376,29 @@ ROOT_EDITS = {
         "format version 99; this mpmdc reads versions 1, 2",
     ),
     "not ours": (lambda d: d["attributes"].pop("mpmdc"), "Field required at attributes.mpmdc"),
+    "nested deep": (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, "nested deeper"),
+    "shape not a number": (b'{"a": NaN}', "at zarr_format"),
+    "shape beyond any index": (
+        lambda d: index_leaves(d)[1].update(shape=[2**62, 6]),
+        "less than 4611686018427387904 at leaves.1.shape.0",
+    ),
+    "an extra field": (lambda d: index_leaves(d)[1].update(offset=8), "leaves.1.offset"),
+    "a nul in a name": (
+        lambda d: index_leaves(d)[1].update(array="w\0x"),
+        "is not a relative path inside the checkpoint",
+    ),
+    "a space in a name": (
+        lambda d: index_leaves(d)[1].update(array="w x"),
+        "is not a relative path inside the checkpoint",
+    ),
+    "a name too long": (
+        lambda d: index_leaves(d)[1].update(array="w" * 300),
+        "is not a relative path inside the checkpoint",
+    ),
+    "a dtype spelled otherwise": (
+        lambda d: index_leaves(d)[1].update(dtype="<f4"),
+        "its dtype '<f4' is not spelled as a save writes it (float32)",
+    ),
     "a group no more": (lambda d: d.update(node_type="array"), "at node_type"),
 }
 
@@ -380,6 +469,24 @@ def test_files_this_process_may_not_read_say_permission_denied(tmp_path):
     said = as_unprivileged(tmp_path / "c")
     assert re.search(r"cannot read .*c: permission denied", said), said
     os.chmod(tmp_path / "c", 0o755)
+
+
+def test_a_chunk_this_process_may_not_read_says_permission_denied(tmp_path):
+    save(tmp_path / "c", tree_of(1))
+    [chunk] = chunk_files(tmp_path / "c" / "b")
+    os.chmod(chunk, 0o000)
+    said = as_unprivileged(tmp_path / "c")
+    assert re.search(r"cannot read .*: leaf \['b'\], chunk b/c/0: permission denied", said), said
+
+
+def test_a_name_too_long_for_the_partial_folder_is_refused_before_anything_is_written(tmp_path):
+    name = "n" * 250  # a file name may have 255 bytes; the partial folder's has 25 more
+    with pytest.raises(CheckpointError, match="use a name of at most 230 bytes"):
+        save(tmp_path / name, tree_of(1))
+    assert os.listdir(tmp_path) == []
+    save(tmp_path / name[:230], tree_of(1), overwrite=True)
+    save(tmp_path / name[:230], tree_of(2), overwrite=True)
+    assert value_of(tmp_path / name[:230]) == 2
 
 
 def test_a_target_sharding_of_another_rank_says_it_does_not_fit(saved):
