@@ -11,8 +11,10 @@ module follows each sharded dimension through the equations:
   keeps its axis;
 * a dimension an equation reduces or contracts loses it (XLA inserts the sum);
 * a ``shard_map``'s outputs have its ``out_specs``; calls (``pjit``, ``custom_jvp``,
-  ``custom_vjp``) are followed into their bodies; anything else gives an output the
-  spec of an operand of the same shape, if any.
+  ``custom_vjp``) are followed into their bodies, as are loops (``scan``, ``while``:
+  an iteration's slices and a carry that keeps its spec at every iteration) and the
+  branches of a ``cond``; anything else gives an output the spec of an operand of the
+  same shape, if any.
 
 Any spec is correct (XLA moves data to match it); a poor one only costs speed. ``split``
 then drops axes a value's mesh lacks or its size does not divide (``fit_spec``).
@@ -178,6 +180,59 @@ def _call(eqn, specs) -> list[Spec]:
     return [_spec_of(found, v) for v in body.outvars]
 
 
+def _body_specs(body: jcore.Jaxpr, specs: list[Spec]) -> list[Spec]:
+    """The specs of ``body``'s results given its inputs' ``specs``."""
+    found = _propagate(body, specs)
+    return [_spec_of(found, v) for v in body.outvars]
+
+
+def _loop_carry(body: jcore.Jaxpr, fixed: list[Spec], carry: list[Spec], results) -> list[Spec]:
+    """The carry's specs at a fixed point of a loop ``body`` whose inputs are ``fixed``
+    then the carry: an unsharded carry takes the spec the body gives it
+    (``results(outs)`` picks the carry's out of the body's results), as propagation into
+    a loop does. Specs only gain axes, so this ends within one round per carry value."""
+    for _ in range(len(carry) + 1):
+        outs = results(_body_specs(body, [*fixed, *carry]))
+        grown = [c if _is_sharded(c) else o for c, o in zip(carry, outs)]
+        if grown == carry:
+            break
+        carry = grown
+    return carry
+
+
+def _scan(eqn, specs) -> list[Spec]:
+    """Each iteration sees the scanned operands without their leading (loop) dimension;
+    the stacked results gain it back, unsharded. The carry keeps the spec that holds at
+    every iteration (:func:`_loop_carry`). So a stacked residual of a batch-sharded
+    activation stays batch-sharded."""
+    body = eqn.params["jaxpr"].jaxpr
+    consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    fixed = list(specs[:consts])
+    xs = [s[1:] for s in specs[consts + n_carry :]]
+    carry = _loop_carry(
+        body, fixed, list(specs[consts : consts + n_carry]), lambda outs: outs[:n_carry]
+    )
+    outs = _body_specs(body, [*fixed, *carry, *xs])
+    return [*carry, *((None, *s) for s in outs[n_carry:])]
+
+
+def _while(eqn, specs) -> list[Spec]:
+    """The carry keeps the spec that holds at every iteration (:func:`_loop_carry`)."""
+    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    fixed = list(specs[n_cond : n_cond + n_body])
+    carry = list(specs[n_cond + n_body :])
+    return _loop_carry(eqn.params["body_jaxpr"].jaxpr, fixed, carry, lambda outs: outs)
+
+
+def _cond(eqn, specs) -> list[Spec]:
+    """Each result: its spec in the first branch that shards it."""
+    per_branch = [_body_specs(branch.jaxpr, list(specs[1:])) for branch in eqn.params["branches"]]
+    return [
+        next((s for s in candidates if _is_sharded(s)), candidates[0])
+        for candidates in zip(*per_branch)
+    ]
+
+
 for _p in (
     jprims.reduce_sum_p,
     jprims.reduce_max_p,
@@ -208,6 +263,9 @@ register_spec_rule(jprims.squeeze_p, _squeeze)
 register_spec_rule(jprims.reshape_p, _reshape)
 register_spec_rule(jprims.gather_p, _gather)
 register_spec_rule(compat.shard_map_p, _shard_map)
+register_spec_rule(jprims.scan_p, _scan)
+register_spec_rule(jprims.while_p, _while)
+register_spec_rule(jprims.cond_p, _cond)
 
 
 # ----------------------------------------------------------------- propagation
