@@ -237,9 +237,9 @@ class Exported:
             return Compiled(lowered, signature, compiler=compiler)
 
     def _module(self, k: int) -> jax.export.Exported:
-        """Module ``k``, deserialized by ``jax.export`` (once)."""
+        """Entry ``modules/<k>``, deserialized by ``jax.export`` (once)."""
         if k not in self._modules:
-            blob = self._blobs[self._model.modules[k]]
+            blob = self._blobs[k]
             try:
                 self._modules[k] = jax.export.deserialize(bytearray(blob))
             except Exception as err:

@@ -32,6 +32,7 @@ from mpmdc.ir.program import (
     fragment_key,
     is_var,
     make_closed_jaxpr,
+    module_key,
 )
 from mpmdc.ir.sharding import program_spec_forms
 from mpmdc.lowering import export_fragment
@@ -218,8 +219,11 @@ def record(program: Program, signature, results, stage_texts: dict[str, str]):
         consts.append({"var": vars_.define(v, "a constant"), "array": len(arrays)})
         arrays.append(raw)
     modules: dict = {}  # fragment key -> module number
-    blobs: dict[bytes, int] = {}  # module bytes -> entry number (equal modules share one)
+    # Fragments that differ only in their mesh's devices (the same stage on meshes of one
+    # shape) share one entry, as they share one executable (``module_key``).
+    blobs: dict = {}  # module key -> entry number
     module_blobs: list[int] = []
+    entries: list[bytes] = []
     eqns = []
     for eqn in jaxpr.eqns:
         p = eqn.params
@@ -227,9 +231,12 @@ def record(program: Program, signature, results, stage_texts: dict[str, str]):
         if eqn.primitive is fragment_p:
             key = fragment_key(eqn)
             if key not in modules:
-                data = _exported_module(program, eqn, backend, forms)
+                shared = module_key(eqn, program.meshes[p["mesh"]])
+                if shared not in blobs:
+                    blobs[shared] = len(entries)
+                    entries.append(_exported_module(program, eqn, backend, forms))
                 modules[key] = len(module_blobs)
-                module_blobs.append(blobs.setdefault(data, len(blobs)))
+                module_blobs.append(blobs[shared])
             if not (p["microbatch"] is None or isinstance(p["microbatch"], int)):
                 raise ExportError(
                     f"fragment {p['name']} is a rolled loop's: export a program whose "
@@ -323,7 +330,7 @@ def record(program: Program, signature, results, stage_texts: dict[str, str]):
         "modules": module_blobs,
         "stages": list(stage_texts),
     }
-    return data, list(blobs), arrays, list(stage_texts.values())
+    return data, entries, arrays, list(stage_texts.values())
 
 
 def _backend(name: str):
@@ -364,7 +371,7 @@ def _pieces_data(pieces) -> list[dict] | None:
 def rebuild(model: ProgramModel, meshes: tuple[Mesh, ...], module_of, array_of) -> Program:
     """The program ``model`` records, on ``meshes`` (checked to have its shapes), each
     fragment's body a call of its module (``module_of(k)``: the deserialized
-    ``jax.export.Exported`` of module ``k``); ``array_of(k)`` is constant ``k``'s bytes.
+    ``jax.export.Exported`` of entry ``modules/<k>``); ``array_of(k)`` is constant ``k``'s bytes.
 
     Numbers out of range, or types that do not fit, are an ``ExportError``.
     """
@@ -416,9 +423,13 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
         if isinstance(e, FragmentModel):
             if not 0 <= e.mesh < len(meshes):
                 raise ValueError(f"fragment {e.name} on mesh {e.mesh} of {len(meshes)}")
-            if e.module not in bodies:
-                bodies[e.module] = _body(module_of(e.module), ins, outs, e.name)
-            body = bodies[e.module]
+            # One body per module entry and types, so fragments sharing an entry share an
+            # executable, as they did when exported.
+            shape = (model.modules[e.module], tuple(_type(a.aval) for a in ins))
+            shape += (tuple(v.aval.weak_type for v in outs),)
+            if shape not in bodies:
+                bodies[shape] = _body(module_of(model.modules[e.module]), ins, outs, e.name)
+            body = bodies[shape]
             if [_type(v.aval) for v in body.jaxpr.invars] != [_type(a.aval) for a in ins]:
                 raise ValueError(f"fragment {e.name}'s operands do not fit its module")
             params = dict(
