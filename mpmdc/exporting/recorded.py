@@ -393,17 +393,17 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
 
     def var(k: int):
         if k < 0 or k in used:
-            raise ValueError(f"variable {k} defined twice or negative")
+            raise _damaged(f"variable {k} defined twice or negative")
         used.add(k)
         return table[k]
 
     def operand(o: OperandModel):
         if o.var is not None:
             if o.var not in used:
-                raise ValueError(f"variable {o.var} read before it is defined")
+                raise _damaged(f"variable {o.var} read before it is defined")
             return table[o.var]
         if o.literal is None or o.bits is None:
-            raise ValueError("an operand that is neither a variable nor a literal")
+            raise _damaged("an operand that is neither a variable nor a literal")
         value = plain.value_from(o.literal.model_dump(), bytes.fromhex(o.bits), "a literal")
         return jcore.Literal(
             value[()] if value.ndim == 0 else value, plain.aval_from(o.literal.model_dump())
@@ -422,7 +422,7 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
         outs = [var(k) for k in e.outputs]
         if isinstance(e, FragmentModel):
             if not 0 <= e.mesh < len(meshes):
-                raise ValueError(f"fragment {e.name} on mesh {e.mesh} of {len(meshes)}")
+                raise _damaged(f"fragment {e.name} on mesh {e.mesh} of {len(meshes)}")
             # One body per module entry and types, so fragments sharing an entry share an
             # executable, as they did when exported.
             shape = (model.modules[e.module], tuple(_type(a.aval) for a in ins))
@@ -431,7 +431,7 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
                 bodies[shape] = _body(module_of(model.modules[e.module]), ins, outs, e.name)
             body = bodies[shape]
             if [_type(v.aval) for v in body.jaxpr.invars] != [_type(a.aval) for a in ins]:
-                raise ValueError(f"fragment {e.name}'s operands do not fit its module")
+                raise _damaged(f"fragment {e.name}'s operands do not fit its module")
             params = dict(
                 jaxpr=body,
                 mesh=e.mesh,
@@ -447,7 +447,7 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
             eqns.append(jcore.new_jaxpr_eqn(ins, outs, fragment_p, params, body.effects))
         else:
             if [_type(a.aval) for a in ins] != [_type(v.aval) for v in outs]:
-                raise ValueError("a transfer whose results' types differ from its values'")
+                raise _damaged("a transfer whose results' types differ from its values'")
             params = dict(
                 src=e.src,
                 dst=e.dst,
@@ -485,13 +485,20 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
     )
 
 
+def _damaged(what: str) -> ExportError:
+    return ExportError(
+        f"the exported program's plain data does not hold together ({what}); the bytes are "
+        f"damaged or were not written by Exported.serialize()."
+    )
+
+
 def _d(spec: SpecModel | None):
     return None if spec is None else spec.model_dump()
 
 
 def _mesh_index(k: int, meshes) -> int:
     if not 0 <= k < len(meshes):
-        raise ValueError(f"mesh {k} of {len(meshes)}")
+        raise _damaged(f"mesh {k} of {len(meshes)}")
     return k
 
 
