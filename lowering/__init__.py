@@ -8,6 +8,6 @@
 Layer 3: imports :mod:`mpmdc.ir` and below.
 """
 
-from mpmdc.lowering.stablehlo import lower_fragment
+from mpmdc.lowering.stablehlo import export_fragment, lower_fragment
 
-__all__ = ["lower_fragment"]
+__all__ = ["export_fragment", "lower_fragment"]

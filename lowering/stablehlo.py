@@ -79,6 +79,14 @@ def _fragment_jit(eqn, program: Program, forms: dict):
     return jitted, args
 
 
+def export_fragment(program: Program, eqn, backend, forms: dict) -> jax.export.Exported:
+    """Fragment ``eqn`` as ``jax.export`` exports it for ``backend``'s platform: the
+    same jitted function, shardings and donation as :func:`lower_fragment`, in JAX's
+    serializable form (a versioned StableHLO artifact)."""
+    jitted, args = _fragment_jit(eqn, program, forms)
+    return jax.export.export(jitted, platforms=(backend.platform,))(*args)
+
+
 def lower_fragment(program: Program, eqn, backend, forms: dict):
     """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``);
     ``forms`` (``program_spec_forms(program)``) writes its shardings as the caller did."""

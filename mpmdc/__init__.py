@@ -19,7 +19,8 @@ from mpmdc import (
 )
 from mpmdc.api import Lowered, Traced, Wrapped, compile
 from mpmdc.distributed import fetch
-from mpmdc.errors import MpmdcError
+from mpmdc.errors import ExportError, MpmdcError
+from mpmdc.exporting import Exported, deserialize, export
 from mpmdc.ir.primitives import stage
 from mpmdc.runtime.executable import Compiled
 from mpmdc.runtime.meshes import make_meshes
@@ -34,6 +35,8 @@ for _package in (_jax_compat, lowering, passes):
 
 __all__ = [
     "Compiled",
+    "ExportError",
+    "Exported",
     "Lowered",
     "MpmdcError",
     "Traced",
@@ -42,8 +45,10 @@ __all__ = [
     "backends",
     "checkpoint",
     "compile",
+    "deserialize",
     "distributed",
     "errors",
+    "export",
     "fetch",
     "make_meshes",
     "schedules",

@@ -91,6 +91,12 @@ class CheckpointError(MpmdcError):
     it or restored from it (named with the leaf's path and the checkpoint's directory)."""
 
 
+class ExportError(MpmdcError):
+    """An exported program cannot be made, read or run here: damaged or truncated bytes,
+    another format version, modules this JAX cannot load, or meshes of other shapes
+    (named with what differs and what to do)."""
+
+
 class PlacementWarning(UserWarning):
     """Work that mpmdc could not keep next to its values: it runs on one mesh and reads
     arrays that live on others every step (named with its source line)."""

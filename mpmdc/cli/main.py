@@ -16,6 +16,7 @@ import jax
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed, schedules
+from mpmdc import exporting as mpmdc_exporting
 from mpmdc.cli.demo import run as run_demo
 from mpmdc.cli.dump import dump_files, render_stages, stage_header, targets, write_dump_dir
 from mpmdc.cli.launch import launch
@@ -97,6 +98,7 @@ is emitted for, so TPU, CUDA and ROCm modules can be produced on any machine.
 _DUMP_EPILOG = """\
 examples:
   mpmdc dump tests/programs/mlp4_grad.py:lowered --list-stages
+  mpmdc dump step.mpmdc --stage after-split      (an exported program: Exported.serialize())
   mpmdc dump tests/programs/mlp4_grad.py:lowered --stage all
   mpmdc dump tests/programs/mlp4_grad.py:lowered --stage stablehlo --platform tpu
   mpmdc dump tests/programs/mlp4_grad.py:lowered --dump-dir /tmp/mlp4 --platform cpu --platform cuda
@@ -156,7 +158,49 @@ def _user_code(run, options):
         ) from err
 
 
+def _dump_exported(args) -> int:
+    """``mpmdc dump FILE.mpmdc``: the stages an exported program recorded (nothing is
+    traced, compiled or run)."""
+    given = [
+        name
+        for name, value in (
+            ("--platform", args.platform),
+            ("--backend", args.backend),
+            ("--dump-dir", args.dump_dir),
+            ("--transfers", args.transfers),
+            ("--args", args.args),
+            ("--meshes", args.meshes),
+            ("--passes", args.passes),
+        )
+        if value
+    ]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} cannot be used with an exported program, which holds the "
+            f"text of its stages only; use --stage or --list-stages"
+        )
+    path = Path(args.target)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
+    exported = mpmdc_exporting.deserialize(data)
+    if args.list_stages:
+        print("\n".join(exported.stages))
+        return EXIT_OK
+    if args.stage != "all" and args.stage not in exported.stages:
+        raise UsageError(f"unknown stage {args.stage!r}; stages: all, {', '.join(exported.stages)}")
+    if args.stage != "all":
+        sys.stdout.write(exported.as_text(args.stage))
+        return EXIT_OK
+    for name in exported.stages:
+        sys.stdout.write(f"{stage_header(name)}\n{exported.as_text(name)}")
+    return EXIT_OK
+
+
 def _dump(args) -> int:
+    if args.target.endswith(".mpmdc"):
+        return _dump_exported(args)
     options = DumpOptions.from_cli(
         target=args.target,
         stage=args.stage,
@@ -378,7 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_DUMP_EPILOG + _passes_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    dump.add_argument("target", metavar="FILE.py:TARGET", help="the program to dump")
+    dump.add_argument(
+        "target",
+        metavar="FILE.py:TARGET",
+        help="the program to dump, or FILE.mpmdc: an exported program's recorded stages",
+    )
     dump.add_argument(
         "--stage",
         default="after-split",

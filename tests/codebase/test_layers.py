@@ -31,6 +31,7 @@ LAYERS = [
     ("mpmdc.estimates", 6),
     ("mpmdc.api", 6),
     ("mpmdc.checkpoint", 6),
+    ("mpmdc.exporting", 6),
     ("mpmdc.cli", 7),
     ("mpmdc.__main__", 8),
     ("mpmdc", 8),  # the package's own __init__: the public API

@@ -623,6 +623,13 @@ MISTAKES = [
         r"leaf \['note'\] saved to .*new is a str, not an array",
         lambda w: mpmdc.checkpoint.save(w.tmp / "new", {"w": w.w, "note": "step 1"}),
     ),
+    # exported programs
+    Mistake(
+        "loading truncated bytes as an exported program",
+        errors.ExportError,
+        r"these 4 bytes are no exported mpmdc program, or they are truncated or damaged",
+        lambda w: mpmdc.deserialize(b"PK\x03\x04"),
+    ),
 ]
 
 

@@ -1,0 +1,275 @@
+"""``mpmdc.export``: a training step (4 meshes, 1F1B, AdamW from Optax) exported, its bytes
+loaded again, and run bitwise equal to the compiled function; every way the bytes, the
+arguments or the meshes can be wrong is an ``MpmdcError`` naming it.
+
+The program is exported once for the module. In another process that never imports
+this file (``tests/multiprocess/run_exported.py``) it runs bitwise equal too (slow
+tier, with ``mpmdc launch -n 4`` in ``tests/multiprocess/test_export_launch.py``).
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import mpmdc
+from mpmdc.errors import ArgumentError, ExportError
+
+RUNNER = Path(__file__).parents[1] / "multiprocess" / "run_exported.py"
+OPTIMIZER = optax.adamw(1e-2, weight_decay=1e-3)
+
+
+def loss_fn(params, x, y):
+    for i, w in enumerate(params):
+        x = mpmdc.stage(x, i)
+        x = jnp.tanh(x @ w)
+    return jnp.mean((x - y) ** 2)
+
+
+def train_step(params, opt_state, x, y):
+    loss, grads = mpmdc.accumulate(
+        lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
+        (x, y),
+        microbatches=4,
+        schedule="1f1b",
+        reduce="mean",
+    )
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return loss, optax.apply_updates(params, updates), opt_state
+
+
+def inputs():
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = [jax.random.normal(k, (8, 8)) / 3 for k in keys[:4]]
+    x = jax.random.normal(keys[4], (16, 8))
+    y = jax.random.normal(keys[5], (16, 8))
+    return params, OPTIMIZER.init(params), x, y
+
+
+@pytest.fixture(scope="module")
+def step(meshes4):
+    return mpmdc.compile(train_step, meshes4)
+
+
+@pytest.fixture(scope="module")
+def data(step):
+    return mpmdc.export(step)(*inputs()).serialize()
+
+
+@pytest.fixture(scope="module")
+def exported(data):
+    return mpmdc.deserialize(data)
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def assert_bitwise(got, want):
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.dtype == w.dtype and g.weak_type == w.weak_type and g.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_two_steps_run_bitwise_equal_to_the_compiled_function(step, exported):
+    args = inputs()
+    got, want = exported.call(*args), step(*args)
+    assert_bitwise(got, want)
+    got, want = exported.call(*got[1:], *args[2:]), step(*want[1:], *args[2:])
+    assert_bitwise(got, want)
+
+
+def test_it_says_what_it_is(exported, step):
+    args = inputs()
+    lowered = step.lower(*args)
+    assert exported.in_tree == jax.tree_util.tree_structure((args, {}))
+    assert exported.in_avals == tuple(jax.typeof(x) for x in jax.tree_util.tree_leaves(args))
+    assert exported.out_avals == tuple(
+        jax.typeof(x) for x in jax.tree_util.tree_leaves(jax.eval_shape(train_step, *args))
+    )
+    assert exported.mesh_shapes == ({"data": 2},) * 4
+    assert exported.schedule.actions == lowered.program("input").schedule.actions
+    assert exported.microbatches == 4
+    assert exported.stages == lowered.stages
+    assert exported.as_text("after-split") == lowered.as_text("after-split")
+    params_places = exported.in_shardings[0][0]
+    assert [p.mesh for p in params_places] == [0, 1, 2, 3]
+    assert exported.fun_name.endswith("train_step")
+    assert exported.written_by["jax"] == jax.__version__
+    with pytest.raises(ExportError, match="unknown stage 'after-nothing'"):
+        exported.as_text("after-nothing")
+
+
+def test_serializing_again_gives_the_same_bytes(data, exported):
+    assert exported.serialize() == data
+
+
+def test_mpmdc_dump_prints_a_recorded_stage(tmp_path, data, exported):
+    path = tmp_path / "step.mpmdc"
+    path.write_bytes(data)
+    result = subprocess.run(
+        [sys.executable, "-m", "mpmdc", "dump", str(path), "--stage", "after-split"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == exported.as_text("after-split")
+
+
+# ------------------------------------------------------------------- damaged bytes
+
+
+def rewritten(data: bytes, change) -> bytes:
+    """``data`` with each entry's bytes replaced by ``change(name, bytes)``."""
+    source = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name in source.namelist():
+            archive.writestr(name, change(name, source.read(name)))
+    return out.getvalue()
+
+
+def test_truncated_bytes_are_an_export_error(data):
+    with pytest.raises(ExportError, match="truncated or damaged"):
+        mpmdc.deserialize(data[: len(data) // 2])
+
+
+def test_a_damaged_module_is_an_export_error(data):
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    info = archive.getinfo("modules/0")
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    damaged = bytearray(data)
+    damaged[start + info.compress_size // 2] ^= 0xFF
+    with pytest.raises(ExportError, match=r"'modules/0' .* damaged"):
+        mpmdc.deserialize(bytes(damaged))
+
+
+def test_no_bytes_and_other_archives_are_export_errors():
+    with pytest.raises(ExportError, match="takes the bytes"):
+        mpmdc.deserialize("step.mpmdc")
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.writestr("header.json", "{}")
+    with pytest.raises(ExportError, match="no exported mpmdc program"):
+        mpmdc.deserialize(out.getvalue())
+
+
+def test_another_format_version_is_an_export_error(data):
+    def newer(name, raw):
+        if name != "header.json":
+            return raw
+        return json.dumps({**json.loads(raw), "version": 99}).encode()
+
+    with pytest.raises(ExportError, match=r"format version 99.*reads version 1"):
+        mpmdc.deserialize(rewritten(data, newer))
+
+
+def test_malformed_plain_data_is_an_export_error(data):
+    def broken(name, raw):
+        if name != "program.json":
+            return raw
+        program = json.loads(raw)
+        program["eqns"][0]["mesh"] = "zero"
+        return json.dumps(program).encode()
+
+    with pytest.raises(ExportError, match=r"malformed at eqns\.0"):
+        mpmdc.deserialize(rewritten(data, broken))
+
+
+def test_modules_this_jax_cannot_load_are_an_export_error(data):
+    def unloadable(name, raw):
+        if name == "header.json":
+            return json.dumps({**json.loads(raw), "jax": "0.0.1"}).encode()
+        return b"not a jax.export artifact" if name.startswith("modules/") else raw
+
+    exported = mpmdc.deserialize(rewritten(data, unloadable))
+    with pytest.raises(ExportError, match=r"cannot be loaded here.*exported by jax 0.0.1"):
+        exported.call(*inputs())
+
+
+# ------------------------------------------------------------------- wrong arguments
+
+
+def test_arguments_of_another_tree_shape_or_dtype_are_argument_errors(exported):
+    params, opt_state, x, y = inputs()
+    with pytest.raises(ArgumentError, match=r"args\[0\]"):
+        exported.call(params[:3], opt_state, x, y)
+    with pytest.raises(ArgumentError, match=r"args\[2\] is float32\[8, 8\].*float32\[16, 8\]"):
+        exported.call(params, opt_state, x[:8], y)
+    with pytest.raises(ArgumentError, match=r"args\[3\] is int32"):
+        exported.call(params, opt_state, x, y.astype(jnp.int32))
+
+
+def test_an_argument_committed_elsewhere_is_an_argument_error(exported, meshes4):
+    params, opt_state, x, y = inputs()
+    params[1] = jax.device_put(params[1], NamedSharding(meshes4[0], PartitionSpec()))
+    with pytest.raises(ArgumentError, match=r"args\[0\]\[1\] is committed"):
+        exported.call(params, opt_state, x, y)
+
+
+def test_meshes_of_another_shape_or_count_are_export_errors(exported, meshes4):
+    with pytest.raises(ExportError, match=r"2 meshes given.*4"):
+        exported.call(*inputs(), meshes=meshes4[:2])
+    other = mpmdc.make_meshes(4, {"model": 2})
+    with pytest.raises(ExportError, match=r"meshes\[0\] is \{'model': 2\}"):
+        exported.call(*inputs(), meshes=other)
+
+
+def test_export_takes_compiled_functions_only():
+    with pytest.raises(ExportError, match=r"takes a function from mpmdc.compile"):
+        mpmdc.export(train_step)
+
+
+def test_a_host_callback_cannot_be_exported(meshes4):
+    def fn(x):
+        x = mpmdc.stage(x, 0)
+        jax.debug.callback(lambda v: None, x)
+        return mpmdc.stage(x * 2, 1)
+
+    with pytest.raises(ExportError, match=r"cannot be exported by jax.export.*callbacks"):
+        mpmdc.export(mpmdc.compile(fn, meshes4[:2]))(jnp.ones(4))
+
+
+# ------------------------------------------------------------------- another process
+
+
+@pytest.mark.slow
+def test_another_process_runs_it_bitwise_without_the_function(tmp_path, data, step):
+    (tmp_path / "step.mpmdc").write_bytes(data)
+    np.savez(tmp_path / "inputs.npz", *leaves(inputs()))
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(RUNNER),
+            str(tmp_path / "step.mpmdc"),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "out.npz"),
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok 1 process(es)" in result.stdout
+    saved = np.load(tmp_path / "out.npz")
+    args = inputs()
+    for k in range(2):
+        out = step(*args)
+        for i, want in enumerate(leaves(out)):
+            np.testing.assert_array_equal(saved[f"{k}/{i}"], want, err_msg=f"step {k} leaf {i}")
+        args = (out[1], out[2], *args[2:])
