@@ -338,17 +338,49 @@ def test_a_lost_chunk_is_an_error_not_zeros(tmp_path):
         restore(tmp_path / "c", {"w": jnp.zeros((4, 4))})
 
 
-def test_a_checkpoint_replaced_while_read_is_an_error(tmp_path, monkeypatch):
+def test_a_checkpoint_replaced_while_read_is_read_again_whole(tmp_path, monkeypatch):
+    """An ``overwrite=True`` save that commits while a restore reads (its old folder moved
+    aside and removed, the new one renamed in): the restore reads again where the
+    checkpoint is now and returns the new one whole, never a mix of the two, whether the
+    trees have the same leaves or not."""
+    opened = storage.opened
+    for new_tree, target in (
+        ({"w": jnp.full(3, 2.0), "b": jnp.full(2, 2.0)}, {"w": jnp.ones(3), "b": jnp.ones(2)}),
+        ({"w": jnp.full((4, 4), 2.0)}, None),  # another tree: its metadata differs mid-read
+    ):
+        directory = tmp_path / str(len(new_tree))
+        save(directory, {"w": jnp.ones(3), "b": jnp.ones(2)})
+        saves = [new_tree]
+
+        def replacing(spec, context, saves=saves, directory=directory, **mode):
+            if saves:
+                save(directory, saves.pop(), overwrite=True)
+            return opened(spec, context, **mode)
+
+        monkeypatch.setattr(storage, "opened", replacing)
+        restored = restore(directory, target)
+        monkeypatch.setattr(storage, "opened", opened)
+        assert not saves  # the overwrite did land mid-read
+        values = jax.tree.leaves(restored)
+        assert len(values) == len(new_tree)
+        for value in values:
+            np.testing.assert_array_equal(value, np.full(np.shape(value), 2.0))
+
+
+def test_a_checkpoint_replaced_while_read_twice_is_an_error(tmp_path, monkeypatch):
     save(tmp_path / "c", {"w": jnp.ones(3)})
     opened = storage.opened
+    commits = iter(range(1000))
 
-    def replacing(spec, context, **mode):  # another process's overwrite lands mid-read
+    def replacing(spec, context, **mode):  # another save's commit lands at every read
         root = os.path.dirname(spec["kvstore"]["path"].rstrip("/"))
-        storage.write_json(os.path.join(root, "COMMITTED"), {"time": 0})
+        storage.write_json(os.path.join(root, "COMMITTED"), {"save": next(commits)})
         return opened(spec, context, **mode)
 
     monkeypatch.setattr(storage, "opened", replacing)
-    with pytest.raises(CheckpointError, match="was replaced while it was read; restore it again"):
+    with pytest.raises(
+        CheckpointError, match="was replaced while it was read, and again while it was read a"
+    ):
         restore(tmp_path / "c", {"w": jnp.ones(3)})
 
 
