@@ -9,12 +9,14 @@ run bit for bit. Where the resumed run is another program (``jax.jit`` against t
 pipeline), the bound is ``ATOL`` below.
 """
 
+import gc
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import jax
@@ -395,11 +397,104 @@ def test_manager_mistakes_name_what_to_do(tmp_path):
         CheckpointError, match=r"step 3 is already saved in .*run/3; save another step"
     ):
         manager.save(3, {"w": jnp.ones(2)})
-    with pytest.raises(CheckpointError, match="a step is a non-negative integer, got -1"):
+    with pytest.raises(CheckpointError, match="step must be a non-negative integer, got -1"):
         manager.save(-1, {"w": jnp.ones(2)})
     manager.close()
     with pytest.raises(CheckpointError, match="is closed; make a new one"):
         manager.save(4, {"w": jnp.ones(2)})
+
+
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda m: m.restore(step="x"), "step must be a non-negative integer, got 'x'"),
+        (lambda m: m.restore(step=True), "step must be a non-negative integer, got True"),
+        (lambda m: m.restore(step=-2), "step must be a non-negative integer, got -2"),
+        (lambda m: m.save(2.0, {"w": jnp.ones(2)}), "step must be a non-negative integer"),
+        (lambda m: m.save(2, {"w": jnp.ones(2)}, force="yes"), "force must be True or False"),
+        (lambda m: CheckpointManager(m.directory, asynchronous="yes"), "asynchronous must be"),
+        (lambda m: CheckpointManager(m.directory, max_to_keep=0), "max_to_keep must be"),
+        (lambda m: CheckpointManager(m.directory, save_interval_steps=True), "save_interval_st"),
+        (lambda m: CheckpointManager(7), "directory must be a path"),
+    ],
+)
+def test_a_manager_refuses_arguments_of_the_wrong_kind_naming_them(tmp_path, call, named):
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        call(manager)
+    manager.close()
+
+
+def test_a_step_max_to_keep_would_remove_at_once_is_refused(tmp_path):
+    with CheckpointManager(tmp_path, max_to_keep=2, asynchronous=False) as manager:
+        for step in (4, 6):
+            manager.save(step, {"w": jnp.ones(2)})
+        assert manager.save(5, {"w": jnp.ones(2)})  # among the 2 newest: kept
+        assert manager.all_steps() == [5, 6]
+        with pytest.raises(
+            CheckpointError,
+            match=r"step 3 is older than the 2 newest steps in .* \(5, 6\), which max_to_keep=2 "
+            r"keeps: it would be removed as soon as it is saved",
+        ):
+            manager.save(3, {"w": jnp.ones(2)})
+        assert manager.all_steps() == [5, 6]
+
+
+def failing_writes(monkeypatch):
+    """Make every save's writes fail as on a full disk."""
+    opened = storage.opened
+
+    def failing(spec, context, **mode):
+        if mode.get("write"):
+            raise OSError(28, "No space left on device")
+        return opened(spec, context, **mode)
+
+    monkeypatch.setattr(storage, "opened", failing)
+    return lambda: monkeypatch.setattr(storage, "opened", opened)
+
+
+def finished(manager) -> None:
+    """Wait until ``manager``'s save in the background ended, without asking how."""
+    while not manager._pending.done():
+        time.sleep(0.01)
+
+
+def test_a_failed_background_save_is_raised_by_the_next_call_naming_its_step(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    healed = failing_writes(monkeypatch)
+    assert manager.save(1, {"w": jnp.ones(2)})  # fails in the background
+    finished(manager)
+    healed()
+    with pytest.raises(
+        CheckpointError,
+        match=r"step 1 was NOT saved: its save to .*/1 failed in the background: .*No space left"
+        r".* This call saved nothing: save step 2 again",
+    ):
+        manager.save(2, {"w": jnp.ones(2)})
+    assert manager.all_steps() == []
+    manager.save(2, {"w": jnp.ones(2)})  # told once; saving goes on
+    manager.wait_until_finished()
+    failing_writes(monkeypatch)
+    manager.save(3, {"w": jnp.ones(2)})
+    with pytest.raises(CheckpointError, match="step 3 was NOT saved"):
+        manager.wait_until_finished()
+    manager.wait_until_finished()  # told once
+    assert manager.all_steps() == [2]
+    manager.close()
+
+
+def test_a_failed_background_save_nobody_was_told_of_warns(tmp_path, monkeypatch):
+    failing_writes(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="step 1 was NOT saved"):  # an error leaves the block
+        with pytest.raises(KeyError), CheckpointManager(tmp_path / "a") as manager:
+            manager.save(1, {"w": jnp.ones(2)})
+            raise KeyError("the training step failed")
+    manager = CheckpointManager(tmp_path / "b")
+    manager.save(7, {"w": jnp.ones(2)})
+    finished(manager)
+    with pytest.warns(RuntimeWarning, match="dropped without being told that step 7 was NOT"):
+        del manager
+        gc.collect()
 
 
 def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
