@@ -280,15 +280,15 @@ def _failure(step: int, where: str, err: BaseException) -> str:
     return f"step {step} was NOT saved: its save to {where} failed in the background: {why}."
 
 
-def _step_number(step, name: str = "step") -> int:
+def _step_number(step) -> int:
     """``step`` as a non-negative ``int`` (a numpy or JAX integer too); a
-    ``CheckpointError`` naming argument ``name`` otherwise."""
+    ``CheckpointError`` naming the argument otherwise."""
     try:
         number = operator.index(step)
     except TypeError:
         number = -1
     if number < 0 or isinstance(step, bool):
-        raise CheckpointError(f"{name} must be a non-negative integer, got {step!r}.")
+        raise CheckpointError(f"step must be a non-negative integer, got {step!r}.")
     return number
 
 
