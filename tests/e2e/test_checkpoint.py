@@ -12,6 +12,7 @@ pipeline), the bound is ``ATOL`` below.
 import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -423,6 +424,21 @@ def test_a_manager_refuses_arguments_of_the_wrong_kind_naming_them(tmp_path, cal
     with pytest.raises(CheckpointError, match=re.escape(named)):
         call(manager)
     manager.close()
+
+
+def test_a_replaced_folder_is_its_step_for_a_moment_never_a_step_of_its_own(tmp_path):
+    """``7.replaced`` is step 7 while an ``overwrite=True`` save swaps it (or after one died
+    doing so): listed once, as 7, restored from there, and removed with step 7."""
+    save(tmp_path / "7", {"w": jnp.full(2, 7.0)})
+    os.replace(tmp_path / "7", tmp_path / "7.replaced")  # where a save that died left it
+    save(tmp_path / "8", {"w": jnp.full(2, 8.0)})
+    shutil.copytree(tmp_path / "8", tmp_path / "8.replaced")  # beside its step: the same step
+    with CheckpointManager(tmp_path, max_to_keep=2) as manager:
+        assert manager.all_steps() == [7, 8]
+        np.testing.assert_array_equal(manager.restore(step=7)["['w']"], np.full(2, 7.0))
+        manager.save(9, {"w": jnp.full(2, 9.0)})
+    assert manager.all_steps() == [8, 9]
+    assert "7.replaced" not in os.listdir(tmp_path)
 
 
 def test_a_step_max_to_keep_would_remove_at_once_is_refused(tmp_path):
