@@ -415,21 +415,28 @@ def offer_agreement(topic: str, entries: list[tuple[str, str]]) -> None:
     )
 
 
-def check_agreement(topic: str, entries: list[tuple[str, str]], what: str) -> None:
+def check_agreement(
+    topic: str, entries: list[tuple[str, str]], what: str, *, exchange: str = ""
+) -> None:
     """Raise ``ProgramMismatchError`` unless every process holds the same ``entries``.
 
     ``entries`` are ``(name, digest)`` pairs in order; the error names the first name
     whose digest differs between this process and another, or the first one missing.
     ``what`` says what the entries are ("the program compiled at the first call").
     Every process must call this with the same ``topic``; it waits for the others'
-    entries (offered here, or earlier by :func:`offer_agreement`).
+    entries (offered here, or earlier by :func:`offer_agreement`), and stops waiting when
+    a process announces a failure of ``exchange`` (:func:`announce_exchange_failure`).
     """
     here = jax.process_index()
     offer_agreement(topic, entries)
     for peer in range(jax.process_count()):
         if peer == here:
             continue
-        theirs = json.loads(_wait_for(f"{_PREFIX}agree/{topic}/{peer}", peer, f"{what} ({topic})"))
+        theirs = json.loads(
+            _wait_for(
+                f"{_PREFIX}agree/{topic}/{peer}", peer, f"{what} ({topic})", exchange=exchange
+            )
+        )
         mine = [tuple(e) for e in entries]
         theirs = [tuple(e) for e in theirs]
         if mine == theirs:

@@ -211,8 +211,71 @@ def restore(directory, target=None):
     path; a path, shape or dtype that differs is a ``CheckpointError`` naming it.
 
     Without ``target``: ``{path: numpy array}`` of every leaf, whole, on the host.
+
+    A checkpoint replaced (``overwrite=True``) while it is read is read again, once,
+    where it is then: what comes back is one whole checkpoint, the old or the new, never
+    a mix; replaced during that reading too, it is a ``CheckpointError``.
     """
-    root, index, marker = resolve(directory)
+    return restore_committed(directory, target)[0]
+
+
+class _Replaced(Exception):
+    """The checkpoint being read was moved or replaced meanwhile."""
+
+
+def restore_committed(directory, target=None):
+    """:func:`restore`'s value and the commit marker of the checkpoint it read."""
+    wanted = os.path.realpath(os.fspath(directory))
+    try:
+        return _restore_once(wanted, target, last=False)
+    except _Replaced:
+        pass
+    try:
+        return _restore_once(wanted, target, last=True)
+    except _Replaced:
+        raise CheckpointError(
+            f"the checkpoint at {wanted} was replaced while it was read, and again while it was "
+            f"read a second time; restore it again."
+        ) from None
+
+
+def _restore_once(wanted: str, target, last: bool):
+    """:func:`restore_committed`, raising ``_Replaced`` where the checkpoint found first
+    is, once read (or failing to be), not where it was or not the same commit; or, unless
+    this is the ``last`` try, where it could not be found whole but is there now."""
+    try:
+        root, index, marker = resolve(wanted)
+    except CheckpointError:
+        if not last and storage.located(wanted) is not None:
+            raise _Replaced from None  # moved between finding it and reading its index?
+        raise
+    try:
+        restored = _read_all(root, index, target)
+    except (CheckpointError, OSError) as err:
+        if _moved(wanted, root, marker):
+            raise _Replaced from None
+        if isinstance(err, OSError):
+            raise CheckpointError(f"cannot read the checkpoint at {root}: {err}") from None
+        raise
+    if _moved(wanted, root, marker):
+        raise _Replaced
+    return restored, marker
+
+
+def _moved(wanted: str, root: str, marker: dict) -> bool:
+    """Whether the complete checkpoint saved to ``wanted`` is no longer the one read at
+    ``root`` with commit ``marker``."""
+    place = storage.located(wanted)
+    if place is None or os.path.realpath(place) != root:
+        return True
+    try:
+        return storage.read_json(os.path.join(root, COMMITTED)) != marker
+    except CheckpointError:
+        return True
+
+
+def _read_all(root: str, index: Index, target):
+    """Every leaf of the checkpoint at ``root`` with ``index``, put where ``target`` says."""
     context, files = ts.Context(), _Files(root)
     if target is None:  # every read started before any is waited for
         _check_memory(root, index)
@@ -229,10 +292,6 @@ def restore(directory, target=None):
         for plan in plans:
             plan.start(_opened(root, plan.entry, index.version, context, files))
         restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
-    if storage.read_json(os.path.join(root, COMMITTED)) != marker:
-        raise CheckpointError(
-            f"the checkpoint at {root} was replaced while it was read; restore it again."
-        )
     return restored
 
 

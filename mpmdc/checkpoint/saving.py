@@ -84,22 +84,33 @@ class Save:
         self.after_commit = after_commit
         self.many = distributed.is_multiprocess()
         self.first = jax.process_index() == 0
-        _check_replaceable(self.directory, overwrite)
-        # What the commit may replace: the checkpoint there now, or none.
-        self.expected = storage.marker(storage.located(self.directory)) if overwrite else None
+        self.topic = distributed.topic("checkpoint", self.directory) if self.many else ""
+        self.expected = None  # what the commit may replace: the checkpoint there now, or none
+        if self.first:
+            # Process 0 alone looks at what is there (it alone commits), so that processes
+            # seeing a shared filesystem at different moments cannot decide differently;
+            # its refusal ends the others' wait for the tree below.
+            self._attempt(lambda: self._check_target(overwrite))
         self.save_id = uuid.uuid4().hex[:16]
         self.partial: str | None = None  # made by process 0 when the save starts
         self.index, writes = _planned(tree, self.directory)
-        self.topic = distributed.topic("checkpoint", self.directory) if self.many else ""
         if self.many:
             distributed.check_agreement(
                 f"{self.topic}/tree",
                 [(leaf.path, f"{leaf.dtype}{list(leaf.shape)}") for leaf in self.index.leaves],
                 f"the save to {self.directory} (every process saves the same tree to the "
                 f"same directory)",
+                exchange=self.topic,
             )
         self.writes = _on_host(writes, copy)
         self.bytes_written = sum(v.nbytes for w in self.writes for _, v in w.shards)
+
+    def _check_target(self, overwrite: bool) -> None:
+        """Refuse what may not be saved over (:func:`_check_replaceable`); with
+        ``overwrite``, note which checkpoint the commit may replace."""
+        _check_replaceable(self.directory, overwrite)
+        if overwrite:
+            self.expected = storage.marker(storage.located(self.directory))
 
     def _start(self) -> None:
         """Process 0 makes the save's partial folder with every group's and array's

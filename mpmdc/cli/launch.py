@@ -282,18 +282,19 @@ def _supervise(
         now = time.monotonic()
         if deadline is not None and now > deadline:
             _stop(processes)
-            ids = ", ".join(str(p.index) for p in running)
             print(
-                f"mpmdc launch: timed out after {timeout:g} s; stopped process(es) {ids}", file=err
+                f"mpmdc launch: timed out after {_seconds(timeout)}; stopped "
+                f"{_processes([p.index for p in running])}",
+                file=err,
             )
             raise _Ended(EXIT_TIMEOUT)
         if stop_at is not None and now > stop_at:
             culprit, what = _first_failure(processes, (first_seen, first), failure_dir)
             _stop(processes)
-            ids = ", ".join(str(p.index) for p in running)
             print(
-                f"mpmdc launch: process {culprit.index} failed first: {what}; "
-                f"stopped process(es) {ids} {grace:g} s later",
+                f"mpmdc launch: process {culprit.index} failed first: {what}; stopped "
+                f"{_processes([p.index for p in running])} ({_seconds(grace)} after process "
+                f"{first.index} failed)",
                 file=err,
             )
             return first.popen.returncode if first.popen.returncode > 0 else 1
@@ -301,8 +302,21 @@ def _supervise(
     if first is not None:
         culprit, what = _first_failure(processes, (first_seen, first), failure_dir)
         others = [p.index for p in processes if p is not culprit and p.popen.returncode != 0]
-        also = f"; process(es) {', '.join(map(str, others))} failed too" if others else ""
+        also = f"; {_processes(others)} failed too" if others else ""
         print(f"mpmdc launch: process {culprit.index} failed first: {what}{also}", file=err)
         status = culprit.popen.returncode
         return status if status and status > 0 else 1
     return 0
+
+
+def _processes(indices: list[int]) -> str:
+    """``process 0``, ``processes 0 and 2``, ``processes 0, 2 and 3``."""
+    names = [str(i) for i in indices]
+    if len(names) == 1:
+        return f"process {names[0]}"
+    return f"processes {', '.join(names[:-1])} and {names[-1]}"
+
+
+def _seconds(seconds: float) -> str:
+    """``1 second``, ``5 seconds``, ``0.5 seconds``."""
+    return f"{seconds:g} second" + ("" if seconds == 1 else "s")

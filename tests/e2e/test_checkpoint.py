@@ -9,12 +9,15 @@ run bit for bit. Where the resumed run is another program (``jax.jit`` against t
 pipeline), the bound is ``ATOL`` below.
 """
 
+import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import jax
@@ -338,17 +341,49 @@ def test_a_lost_chunk_is_an_error_not_zeros(tmp_path):
         restore(tmp_path / "c", {"w": jnp.zeros((4, 4))})
 
 
-def test_a_checkpoint_replaced_while_read_is_an_error(tmp_path, monkeypatch):
+def test_a_checkpoint_replaced_while_read_is_read_again_whole(tmp_path, monkeypatch):
+    """An ``overwrite=True`` save that commits while a restore reads (its old folder moved
+    aside and removed, the new one renamed in): the restore reads again where the
+    checkpoint is now and returns the new one whole, never a mix of the two, whether the
+    trees have the same leaves or not."""
+    opened = storage.opened
+    for new_tree, target in (
+        ({"w": jnp.full(3, 2.0), "b": jnp.full(2, 2.0)}, {"w": jnp.ones(3), "b": jnp.ones(2)}),
+        ({"w": jnp.full((4, 4), 2.0)}, None),  # another tree: its metadata differs mid-read
+    ):
+        directory = tmp_path / str(len(new_tree))
+        save(directory, {"w": jnp.ones(3), "b": jnp.ones(2)})
+        saves = [new_tree]
+
+        def replacing(spec, context, saves=saves, directory=directory, **mode):
+            if saves:
+                save(directory, saves.pop(), overwrite=True)
+            return opened(spec, context, **mode)
+
+        monkeypatch.setattr(storage, "opened", replacing)
+        restored = restore(directory, target)
+        monkeypatch.setattr(storage, "opened", opened)
+        assert not saves  # the overwrite did land mid-read
+        values = jax.tree.leaves(restored)
+        assert len(values) == len(new_tree)
+        for value in values:
+            np.testing.assert_array_equal(value, np.full(np.shape(value), 2.0))
+
+
+def test_a_checkpoint_replaced_while_read_twice_is_an_error(tmp_path, monkeypatch):
     save(tmp_path / "c", {"w": jnp.ones(3)})
     opened = storage.opened
+    commits = iter(range(1000))
 
-    def replacing(spec, context, **mode):  # another process's overwrite lands mid-read
+    def replacing(spec, context, **mode):  # another save's commit lands at every read
         root = os.path.dirname(spec["kvstore"]["path"].rstrip("/"))
-        storage.write_json(os.path.join(root, "COMMITTED"), {"time": 0})
+        storage.write_json(os.path.join(root, "COMMITTED"), {"save": next(commits)})
         return opened(spec, context, **mode)
 
     monkeypatch.setattr(storage, "opened", replacing)
-    with pytest.raises(CheckpointError, match="was replaced while it was read; restore it again"):
+    with pytest.raises(
+        CheckpointError, match="was replaced while it was read, and again while it was read a"
+    ):
         restore(tmp_path / "c", {"w": jnp.ones(3)})
 
 
@@ -363,11 +398,119 @@ def test_manager_mistakes_name_what_to_do(tmp_path):
         CheckpointError, match=r"step 3 is already saved in .*run/3; save another step"
     ):
         manager.save(3, {"w": jnp.ones(2)})
-    with pytest.raises(CheckpointError, match="a step is a non-negative integer, got -1"):
+    with pytest.raises(CheckpointError, match="step must be a non-negative integer, got -1"):
         manager.save(-1, {"w": jnp.ones(2)})
     manager.close()
     with pytest.raises(CheckpointError, match="is closed; make a new one"):
         manager.save(4, {"w": jnp.ones(2)})
+
+
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda m: m.restore(step="x"), "step must be a non-negative integer, got 'x'"),
+        (lambda m: m.restore(step=True), "step must be a non-negative integer, got True"),
+        (lambda m: m.restore(step=-2), "step must be a non-negative integer, got -2"),
+        (lambda m: m.save(2.0, {"w": jnp.ones(2)}), "step must be a non-negative integer"),
+        (lambda m: m.save(2, {"w": jnp.ones(2)}, force="yes"), "force must be True or False"),
+        (lambda m: CheckpointManager(m.directory, asynchronous="yes"), "asynchronous must be"),
+        (lambda m: CheckpointManager(m.directory, max_to_keep=0), "max_to_keep must be"),
+        (lambda m: CheckpointManager(m.directory, save_interval_steps=True), "save_interval_st"),
+        (lambda m: CheckpointManager(7), "directory must be a path"),
+    ],
+)
+def test_a_manager_refuses_arguments_of_the_wrong_kind_naming_them(tmp_path, call, named):
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        call(manager)
+    manager.close()
+
+
+def test_a_replaced_folder_is_its_step_for_a_moment_never_a_step_of_its_own(tmp_path):
+    """``7.replaced`` is step 7 while an ``overwrite=True`` save swaps it (or after one died
+    doing so): listed once, as 7, restored from there, and removed with step 7."""
+    save(tmp_path / "7", {"w": jnp.full(2, 7.0)})
+    os.replace(tmp_path / "7", tmp_path / "7.replaced")  # where a save that died left it
+    save(tmp_path / "8", {"w": jnp.full(2, 8.0)})
+    shutil.copytree(tmp_path / "8", tmp_path / "8.replaced")  # beside its step: the same step
+    with CheckpointManager(tmp_path, max_to_keep=2) as manager:
+        assert manager.all_steps() == [7, 8]
+        np.testing.assert_array_equal(manager.restore(step=7)["['w']"], np.full(2, 7.0))
+        manager.save(9, {"w": jnp.full(2, 9.0)})
+    assert manager.all_steps() == [8, 9]
+    assert "7.replaced" not in os.listdir(tmp_path)
+
+
+def test_a_step_max_to_keep_would_remove_at_once_is_refused(tmp_path):
+    with CheckpointManager(tmp_path, max_to_keep=2, asynchronous=False) as manager:
+        for step in (4, 6):
+            manager.save(step, {"w": jnp.ones(2)})
+        assert manager.save(5, {"w": jnp.ones(2)})  # among the 2 newest: kept
+        assert manager.all_steps() == [5, 6]
+        with pytest.raises(
+            CheckpointError,
+            match=r"step 3 is older than the 2 newest steps in .* \(5, 6\), which max_to_keep=2 "
+            r"keeps: it would be removed as soon as it is saved",
+        ):
+            manager.save(3, {"w": jnp.ones(2)})
+        assert manager.all_steps() == [5, 6]
+
+
+def failing_writes(monkeypatch):
+    """Make every save's writes fail as on a full disk."""
+    opened = storage.opened
+
+    def failing(spec, context, **mode):
+        if mode.get("write"):
+            raise OSError(28, "No space left on device")
+        return opened(spec, context, **mode)
+
+    monkeypatch.setattr(storage, "opened", failing)
+    return lambda: monkeypatch.setattr(storage, "opened", opened)
+
+
+def finished(manager) -> None:
+    """Wait until ``manager``'s save in the background ended, without asking how."""
+    while not manager._pending.done():
+        time.sleep(0.01)
+
+
+def test_a_failed_background_save_is_raised_by_the_next_call_naming_its_step(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    healed = failing_writes(monkeypatch)
+    assert manager.save(1, {"w": jnp.ones(2)})  # fails in the background
+    finished(manager)
+    healed()
+    with pytest.raises(
+        CheckpointError,
+        match=r"step 1 was NOT saved: its save to .*/1 failed in the background: .*No space left"
+        r".* This call saved nothing: save step 2 again",
+    ):
+        manager.save(2, {"w": jnp.ones(2)})
+    assert manager.all_steps() == []
+    manager.save(2, {"w": jnp.ones(2)})  # told once; saving goes on
+    manager.wait_until_finished()
+    failing_writes(monkeypatch)
+    manager.save(3, {"w": jnp.ones(2)})
+    with pytest.raises(CheckpointError, match="step 3 was NOT saved"):
+        manager.wait_until_finished()
+    manager.wait_until_finished()  # told once
+    assert manager.all_steps() == [2]
+    manager.close()
+
+
+def test_a_failed_background_save_nobody_was_told_of_warns(tmp_path, monkeypatch):
+    failing_writes(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="step 1 was NOT saved"):  # an error leaves the block
+        with pytest.raises(KeyError), CheckpointManager(tmp_path / "a") as manager:
+            manager.save(1, {"w": jnp.ones(2)})
+            raise KeyError("the training step failed")
+    manager = CheckpointManager(tmp_path / "b")
+    manager.save(7, {"w": jnp.ones(2)})
+    finished(manager)
+    with pytest.warns(RuntimeWarning, match="dropped without being told that step 7 was NOT"):
+        del manager
+        gc.collect()
 
 
 def test_overwrite_replaces_a_checkpoint_whole(tmp_path):

@@ -582,3 +582,24 @@ def test_chunks_are_whole_in_every_shard_and_no_larger_than_the_shards_allow(cas
     assert math.prod(chunks) * itemsize <= limit
     cut = [d for d, (b, c) in enumerate(zip(blocks, chunks)) if c < b]
     assert not cut or all(c == b for b, c in zip(blocks[cut[-1] + 1 :], chunks[cut[-1] + 1 :]))
+
+
+def test_a_damaged_latest_step_is_listed_and_an_earlier_one_restores(tmp_path):
+    """The guide's idiom: the latest step's marker replaced by a link fails its restore,
+    naming the file, and the step before it restores."""
+    manager = CheckpointManager(tmp_path / "run", asynchronous=False)
+    for step in (1, 2):
+        manager.save(step, tree_of(step))
+    marker = tmp_path / "run" / "2" / "COMMITTED"
+    os.remove(marker)
+    os.symlink("/dev/zero", marker)
+    assert manager.all_steps() == [1, 2]
+    restored = None
+    for step in reversed(manager.all_steps()):
+        try:
+            restored = manager.restore(step=step)
+            break
+        except CheckpointError as err:
+            assert "2/COMMITTED is a link" in str(err)
+    assert step == 1 and float(restored["['w']"][0, 0]) == 1.0
+    manager.close()

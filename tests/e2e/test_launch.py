@@ -56,5 +56,5 @@ def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
     status = launch([sys.executable, "-c", code], 2, grace=0.1, timeout=2, max_restarts=1000)
     err = capsys.readouterr().err
     assert status == 124
-    assert "mpmdc launch: timed out after 2 s" in err
+    assert "mpmdc launch: timed out after 2 seconds" in err
     assert 1 <= err.count("starting every process again") < 20, err

@@ -136,3 +136,31 @@ def test_a_save_failing_on_one_process_fails_that_save_everywhere_and_removes_it
     ), output[-3000:]
     assert entries(tmp_path) == ["second"]
     np.testing.assert_array_equal(restore(tmp_path / "second")["['w']"], np.ones((8, 4)))
+
+
+def test_a_managers_processes_agree_on_its_steps_when_they_see_them_differently(tmp_path):
+    """Process 1 sees the manager's directory late (only step 1, then not step 2): the
+    steps, the latest step, the step restored and the refusal to save step 2 again are
+    process 0's on both; a restore process 1 cannot read fails on both, and the run goes
+    on. A plain save is judged by process 0 alone: one process 1 wrongly refuses goes
+    ahead, and one process 0 refuses fails on both (process 1 names process 0)."""
+    script = [sys.executable, str(HERE / "agreed_steps.py"), str(tmp_path)]
+    status, output = run_launch("-n", "2", "--fault-timeout", "10", "--", *script)
+    assert status == 0, output[-3000:]
+    for index in (0, 1):
+        lines = process_lines(output, index)
+        assert "steps [1, 2] latest 2" in lines, output[-3000:]
+        assert "restored 2.0" in lines, output[-3000:]
+        caught = [
+            line
+            for line in lines
+            if line.startswith("caught CheckpointError") and "plain" not in line
+        ]
+        assert len(caught) == 2, output[-3000:]
+        assert "step 2 is already saved" in caught[0]
+        assert "no checkpoint at" in caught[1] and "process 1" in caught[1]
+        assert "done [1, 2, 3]" in lines, output[-3000:]
+        assert "saved plain 1" in lines and "saved plain 2" not in lines, output[-3000:]
+    refused = [line for line in process_lines(output, 1) if "a checkpoint is already at" in line]
+    assert len(refused) == 1 and refused[0].startswith("caught MpmdRuntimeError"), output[-3000:]
+    assert "process 0 failed to save" in refused[0]

@@ -50,7 +50,7 @@ def test_a_stuck_process_ends_the_run_naming_it_and_where_the_others_waited(tmp_
     line = launcher_line(output)
     assert re.fullmatch(
         rf"mpmdc launch: process 0 failed first: it made no progress for {FAULT_TIMEOUT} s while "
-        r"process \d waited for transfer .*; it exited with status 1; process\(es\) 1, 2 failed too",
+        r"process \d waited for transfer .*; it exited with status 1; processes 1 and 2 failed too",
         line,
     ), output[-3000:]
     stuck = (
