@@ -33,7 +33,7 @@ import networkx as nx
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from jax.interpreters import partial_eval as pe
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.program import (
     Program,
@@ -187,7 +187,11 @@ def _fissioned(eqn, consts: dict) -> list:
     return out
 
 
-@register("cond-fission", "cut conditionals into independent ones, one per group of results")
+@register(
+    "cond-fission",
+    "cut conditionals into independent ones, one per group of results",
+    invalidates={Property.PLACED},  # the conditionals it writes have no placement
+)
 def cond_fission(program: Program) -> Program:
     """Replace each top-level ``cond`` by one conditional per group of results that share
     no non-scalar work (see the module docstring)."""

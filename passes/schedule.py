@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 
 import networkx as nx
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.loop import stamp
@@ -75,7 +75,10 @@ def _ordered(eqns, start: dict[Action, float]):
 
 
 @register(
-    "schedule", "split backwards for zero-bubble schedules and order fragments by the schedule"
+    "schedule",
+    "split backwards for zero-bubble schedules and order fragments by the schedule",
+    requires={Property.SPLIT},
+    produces={Property.SCHEDULED},
 )
 def schedule(program: Program) -> Program:
     """Order the fragments of ``program``'s microbatch loop by its schedule."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.primitives import (
     LOOP,
@@ -341,7 +341,13 @@ class _Emitter:
         ]
 
 
-@register("split", "cut the placed program into fragments and transfers")
+@register(
+    "split",
+    "cut the placed program into fragments and transfers",
+    requires={Property.PLACED},
+    produces={Property.SPLIT},
+    invalidates={Property.PLACED},  # fragment bodies carry no placements
+)
 def split(program: Program) -> Program:
     """Turn a placed program into ``fragment`` and ``transfer`` equations."""
     closed = program.jaxpr
