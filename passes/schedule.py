@@ -77,7 +77,7 @@ def _ordered(eqns, start: dict[Action, float]):
 
 @register(
     "schedule",
-    "split backwards for zero-bubble schedules and order fragments by the schedule",
+    "stamp the microbatch loop out and order fragment calls by the schedule",
     requires={Property.SPLIT},
     produces={Property.SCHEDULED},
 )

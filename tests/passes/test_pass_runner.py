@@ -168,13 +168,13 @@ def test_pass_options_are_set_by_name(meshes2):
     assert lower.options == (("backend", "tpu"),) and str(lower) == "lower{backend=tpu}"
     assert [p.name for p in resolve(" inline, partition ,dce")] == ["inline", "partition", "dce"]
     lowered = mpmdc.compile(
-        two_stage, meshes2, passes="inline,partition,dce,split,lower{backend=tpu}"
+        two_stage, meshes2, passes="inline,dce,partition,split,lower{backend=tpu}"
     ).lower(X)
     assert lowered.stages == (
         "input",
         "after-inline",
-        "after-partition",
         "after-dce",
+        "after-partition",
         "after-split",
         "stablehlo",
     )
