@@ -42,7 +42,8 @@ class BackendError(MpmdcError):
 
 
 class PassError(MpmdcError):
-    """An unknown pass or stage name was requested."""
+    """An unknown pass, stage name or pass option was requested, or a pipeline in which a
+    pass would not get a program with what its contract requires."""
 
 
 class InternalError(MpmdcError):

@@ -1,7 +1,8 @@
 """The pass registry, the default pipeline and the runner that applies it.
 
 Stage names are ``input`` (the traced program) and ``after-<pass>`` for each pass;
-the ``lower`` pass's result is called ``stablehlo``.
+the ``lower`` pass's result is called ``stablehlo``. Before running a pipeline the
+runner checks every pass's contract (:class:`~mpmdc.passes.base.Property`) over it.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from typing import Protocol
 from mpmdc._text import split_top_level
 from mpmdc.errors import InternalError, MpmdcError, PassError
 from mpmdc.ir.program import Program
-from mpmdc.passes import pass_from_text
+from mpmdc.passes import PASSES, Property, pass_from_text
 from mpmdc.passes.vma_typecheck import verify as verify_program
 
 
 class Pass(Protocol):
-    """What the runner needs of a pass (a registered ``FunctionPass`` or a user's own)."""
+    """What the runner needs of a pass (a registered ``FunctionPass`` or a user's own).
+
+    A pass may also declare its contract as ``requires``, ``produces`` and
+    ``invalidates``, collections of :class:`~mpmdc.passes.base.Property`; one that declares
+    none requires nothing and changes no property.
+    """
 
     name: str
     summary: str
@@ -103,11 +109,15 @@ def run_pipeline(
 ) -> Program:
     """Apply ``passes`` in order, calling ``callback(stage_name, program)`` after each.
 
+    First :func:`check_contracts`: a pipeline whose passes would not get what they require
+    is a ``PassError`` before any of it runs.
     With ``verify`` (default: :func:`verification_requested`) every pass's output is
     also checked by :func:`verify_program`, JAX's ``check_jaxpr`` included. A pass that raises
     something other than an ``MpmdcError``, or whose output fails verification, is
     an ``InternalError`` naming the pass and the stage of the program it got.
     """
+    passes = list(passes)
+    check_contracts(program, passes)
     if verify is None:
         verify = verification_requested()
     if callback is not None:
@@ -132,6 +142,71 @@ def run_pipeline(
             if callback is not None:
                 callback(stage, program)
     return program
+
+
+def properties_of(program: Program) -> frozenset[Property]:
+    """The properties ``program`` is known to have, read off its fields (a traced program
+    has none but ``scheduled`` when it has no schedule to apply)."""
+    have = set()
+    if program.schedule is None or program.module_keys is not None:
+        have.add(Property.SCHEDULED)
+    if program.is_split:
+        have.update((Property.INLINED, Property.SPLIT))
+    elif program.placements is not None:
+        have.update((Property.INLINED, Property.PLACED))
+    if program.module_keys is not None:
+        have.add(Property.LOWERED)
+    return frozenset(have)
+
+
+def _contract(p: Pass, field: str) -> frozenset[Property]:
+    return frozenset(getattr(p, field, ()))
+
+
+def check_contracts(program: Program, passes: list[Pass]) -> None:
+    """Raise a ``PassError`` for the first of ``passes`` that would get ``program`` (as the
+    passes before it leave it) without a property it requires; run nothing."""
+    have = set(properties_of(program))
+    made_by: dict[Property, int] = {}  # property -> index of the pass that last made it
+    undone_by: dict[Property, int] = {}  # property -> index of the pass that last undid it
+    for i, p in enumerate(passes):
+        missing = [prop for prop in Property if prop in _contract(p, "requires") - have]
+        if missing:  # the first in pipeline order, so the fix named is the first to make
+            prop = missing[0]
+            raise _unmet(passes, i, prop, made_by.get(prop), undone_by.get(prop))
+        for prop in _contract(p, "invalidates"):
+            have.discard(prop)
+            undone_by[prop] = i
+        for prop in _contract(p, "produces"):
+            have.add(prop)
+            made_by[prop] = i
+            undone_by.pop(prop, None)
+
+
+def _unmet(passes, i: int, prop: Property, made: int | None, undone: int | None) -> PassError:
+    """The error for pass ``i`` of ``passes`` missing ``prop``, which pass ``made`` (if any)
+    made and pass ``undone`` (if any) undid."""
+    name = passes[i].name
+    providers = " or ".join(f"`{n}`" for n, q in PASSES.items() if prop in q.produces)
+    head = f"pass `{name}` (number {i + 1} in the pipeline) requires `{prop}`: {prop.meaning}. "
+    if undone is not None:
+        maker = f"`{passes[made].name}`" if made is not None else providers
+        undoer = passes[undone].name
+        if undoer == name:
+            fix = f"run `{name}` once"
+        else:
+            fix = f"run `{undoer}` before {maker}, or leave it out"
+        return PassError(
+            f"{head}{maker} provides it, but pass number {undone + 1}, `{undoer}`, undoes it: "
+            f"{fix}."
+        )
+    if not providers:
+        return PassError(f"{head}No registered pass provides it; leave `{name}` out.")
+    first = providers.split(" or ")[0]
+    return PassError(
+        f"{head}{providers} provides it, and no pass before `{name}` does: put {first} before "
+        f"it (the default pipeline is {', '.join(DEFAULT_PIPELINE)})."
+    )
 
 
 @contextlib.contextmanager

@@ -1,14 +1,15 @@
 """mpmdc's passes, one per module, importable as ``mpmdc.passes``.
 
 Each module holds one pure function ``program -> program`` registered under its
-kebab-case name with :func:`~mpmdc.passes.base.register`; :data:`PASSES` maps every
-name to its :class:`~mpmdc.passes.base.FunctionPass`. ``mpmdc.pipeline`` orders them.
+kebab-case name with :func:`~mpmdc.passes.base.register`, with its contract over
+:class:`~mpmdc.passes.base.Property`; :data:`PASSES` maps every name to its
+:class:`~mpmdc.passes.base.FunctionPass`. ``mpmdc.pipeline`` orders them.
 
 Layer 4: imports :mod:`mpmdc.ir`, :mod:`mpmdc.schedules`, :mod:`mpmdc.lowering`,
 :mod:`mpmdc.backends` and below; never the runtime, the API or the command line.
 """
 
-from mpmdc.passes.base import PASSES, FunctionPass, pass_from_text, register
+from mpmdc.passes.base import PASSES, FunctionPass, Property, pass_from_text, register
 from mpmdc.passes.cond_fission import cond_fission
 from mpmdc.passes.dce import dce
 from mpmdc.passes.donate import donate
@@ -26,6 +27,7 @@ from mpmdc.passes.vma_typecheck import vma_typecheck
 __all__ = [
     "PASSES",
     "FunctionPass",
+    "Property",
     "cond_fission",
     "dce",
     "donate",

@@ -4,15 +4,22 @@ A pass is a :class:`FunctionPass`: a kebab-case name, a one-line summary and a p
 function ``body(program, **options) -> program`` that tests call directly. Each pass
 module registers its function with :func:`register`; options are the function's
 keyword-only parameters, set by name (``lower{backend=tpu}`` in a pipeline text).
+
+A pass also states its contract over the closed set of :class:`Property`: what it
+``requires`` of the program it gets, what it ``produces`` and what it ``invalidates``
+(leaves no longer true). ``mpmdc.pipeline.run_pipeline`` checks a pipeline's contracts
+before running any of it.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import enum
 import inspect
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +32,58 @@ from mpmdc.ir.program import Program
 _PASS_TEXT = re.compile(r"^\s*([a-z][a-z0-9-]*)\s*(?:\{(.*)\})?\s*$")
 
 
+class Property(enum.StrEnum):
+    """What a program is known to be between two passes: the terms of pass contracts."""
+
+    INLINED = "inlined"
+    SCANS_SPLIT = "scans-split"
+    PLACED = "placed"
+    SPLIT = "split"
+    SCHEDULED = "scheduled"
+    DONATED = "donated"
+    LOWERED = "lowered"
+
+    @property
+    def meaning(self) -> str:
+        """The property in words, as error messages and the docs say it."""
+        return _MEANINGS[self]
+
+
+_MEANINGS = {
+    Property.INLINED: "every stage marker and loop edge at the top level, none in a nested call",
+    Property.SCANS_SPLIT: "every scan marked with stage(every=...) cut into one scan per stage",
+    Property.PLACED: "every top-level equation placed on a stage, every input and output on a mesh",
+    Property.SPLIT: "top-level equations that are fragments and transfers",
+    Property.SCHEDULED: (
+        "fragment calls in the order they run, the microbatch loop stamped out and ordered by "
+        "its schedule"
+    ),
+    Property.DONATED: "each fragment's donate_argnums decided",
+    Property.LOWERED: "a StableHLO module attached per fragment",
+}
+
+
 @dataclass(frozen=True)
 class FunctionPass:
-    """A pass whose work is the plain function ``body``, called with ``options``."""
+    """A pass whose work is the plain function ``body``, called with ``options``.
+
+    Its contract: the program it gets must have every property in ``requires``; its
+    result has those in ``produces`` and loses those in ``invalidates``. A pass that
+    declares none requires nothing and changes no property.
+    """
 
     name: str
     summary: str
     body: Callable[..., Program]
     options: tuple[tuple[str, Any], ...] = ()
+    requires: frozenset[Property] = frozenset()
+    produces: frozenset[Property] = frozenset()
+    invalidates: frozenset[Property] = frozenset()
+
+    def __post_init__(self):
+        # Any iterable of properties is accepted; equality and hashing need frozensets.
+        for field in ("requires", "produces", "invalidates"):
+            object.__setattr__(self, field, frozenset(map(Property, getattr(self, field))))
 
     def run(self, program: Program) -> Program:
         """Apply the pass."""
@@ -64,11 +115,8 @@ class FunctionPass:
                     f"option {key}={value!r} of pass `{self.name}` is not a "
                     f"{_type_text(kind)}; e.g. {self.name}{{{key}={_example(kind)}}}."
                 ) from None
-        return FunctionPass(
-            self.name,
-            self.summary,
-            self.body,
-            tuple(sorted({**dict(self.options), **converted}.items())),
+        return dataclasses.replace(
+            self, options=tuple(sorted({**dict(self.options), **converted}.items()))
         )
 
     def __str__(self) -> str:
@@ -95,15 +143,30 @@ def _example(kind) -> str:
 PASSES: dict[str, FunctionPass] = {}
 
 
-def register(name: str, summary: str):
-    """Decorator: register ``body`` as the pass ``name`` (the function is returned as is)."""
+def register(
+    name: str,
+    summary: str,
+    *,
+    requires: Iterable[Property] = (),
+    produces: Iterable[Property] = (),
+    invalidates: Iterable[Property] = (),
+):
+    """Decorator: register ``body`` as the pass ``name`` with its contract (the function is
+    returned as is)."""
 
     def add(body: Callable[..., Program]) -> Callable[..., Program]:
         if name in PASSES:
             raise PassError(
                 f"a pass named `{name}` is already registered ({PASSES[name].body.__module__})."
             )
-        PASSES[name] = FunctionPass(name, summary, body)
+        PASSES[name] = FunctionPass(
+            name,
+            summary,
+            body,
+            requires=frozenset(requires),
+            produces=frozenset(produces),
+            invalidates=frozenset(invalidates),
+        )
         return body
 
     return add

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import itertools
 
-import networkx as nx
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from jax.interpreters import partial_eval as pe
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.program import (
     Program,
@@ -60,6 +59,8 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
     With ``scalars_shared``, a reduction to a scalar (a partial norm) does not join the
     results that read its value: it is a group of its own, as if its scalar could be
     handed to them. Results apart then but not otherwise share only such scalars."""
+    import networkx as nx  # (here, not at the top: it is a tenth of `import mpmdc`)
+
     n = len(branches[0].jaxpr.outvars)
     groups = nx.utils.UnionFind(range(n))
     reductions = itertools.count(n)  # (ids of reductions' own groups, after the results)
@@ -187,7 +188,11 @@ def _fissioned(eqn, consts: dict) -> list:
     return out
 
 
-@register("cond-fission", "cut conditionals into independent ones, one per group of results")
+@register(
+    "cond-fission",
+    "cut conditionals into independent ones, one per group of results",
+    invalidates={Property.PLACED},  # the conditionals it writes have no placement
+)
 def cond_fission(program: Program) -> Program:
     """Replace each top-level ``cond`` by one conditional per group of results that share
     no non-scalar work (see the module docstring)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.errors import PassError
 from mpmdc.ir.graph import release_plan
@@ -41,7 +41,12 @@ def _reusable(eqn, candidates: list[int]) -> tuple[int, ...]:
     return tuple(chosen)
 
 
-@register("donate", "donate each donated input's buffer to the fragment reading it last")
+@register(
+    "donate",
+    "donate each donated input's buffer to the fragment reading it last",
+    requires={Property.SPLIT, Property.SCHEDULED},  # the last reader in the final order
+    produces={Property.DONATED},
+)
 def donate(program: Program) -> Program:
     """``program`` with each fragment's ``donate_argnums``: the operands that are donated
     program inputs read for the last time there, and only once by that fragment, where

@@ -22,7 +22,7 @@ from mpmdc.lowering.send_recv import (
     recv_p,
     send_p,
 )
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 from mpmdc.passes.dce import dce
 
 from mpmdc.ir.graph import def_use
@@ -80,6 +80,7 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
 @register(
     "in-program-transfers",
     "replace fragment-to-fragment transfers by send/recv pairs with channel ids",
+    requires={Property.SPLIT, Property.SCHEDULED},  # a value is received by its first reader
 )
 def in_program_transfers(program: Program) -> Program:
     """Replace every fragment-to-fragment transfer of a split program by send/recv pairs."""

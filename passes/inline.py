@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementError
@@ -90,7 +90,12 @@ def _marker_inside(eqn, marker) -> PlacementError:
     return PlacementError(message)
 
 
-@register("inline", "inline nested calls that contain stage markers")
+@register(
+    "inline",
+    "inline nested calls that contain stage markers",
+    produces={Property.INLINED},
+    invalidates={Property.PLACED},  # inlined bodies' equations have no placement
+)
 def inline(program: Program) -> Program:
     """Inline every call site whose body contains a stage marker (recursively)."""
     closed = program.jaxpr

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mpmdc.lowering import lower_fragment
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 from mpmdc.passes.in_program_transfers import in_program_transfers
 
 from mpmdc import backends
@@ -36,7 +36,12 @@ from mpmdc.ir.program import Program, fragment_key
 from mpmdc.ir.sharding import program_spec_forms
 
 
-@register("lower", "emit StableHLO per fragment for the backend's platform")
+@register(
+    "lower",
+    "emit StableHLO per fragment for the backend's platform",
+    requires={Property.SPLIT, Property.SCHEDULED},
+    produces={Property.LOWERED},
+)
 def lower(
     program: Program,
     *,

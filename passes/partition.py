@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 from jax.sharding import Mesh
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
@@ -785,7 +785,12 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> Non
         mesh_of.update((v, mesh) for v in eqn.outvars)
 
 
-@register("partition", "place every equation on a stage and mesh")
+@register(
+    "partition",
+    "place every equation on a stage and mesh",
+    requires={Property.INLINED},
+    produces={Property.PLACED},
+)
 def partition(program: Program) -> Program:
     """Place every equation; clone cheap ones per user; choose input and output meshes.
 

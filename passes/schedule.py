@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import math
 
-import networkx as nx
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.loop import stamp
@@ -48,6 +47,8 @@ def _ordered(eqns, start: dict[Action, float]):
     mesh's own schedule needs them, so a mesh holds a microbatch's values from the
     work that needs them on, as the schedule counts); for the rest (work after the
     loop), as soon as its operands are."""
+    import networkx as nx  # (here, not at the top: it is a tenth of `import mpmdc`)
+
     producer, readers, reads = def_use(eqns)
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(eqns)))
@@ -75,7 +76,10 @@ def _ordered(eqns, start: dict[Action, float]):
 
 
 @register(
-    "schedule", "split backwards for zero-bubble schedules and order fragments by the schedule"
+    "schedule",
+    "stamp the microbatch loop out and order fragment calls by the schedule",
+    requires={Property.SPLIT},
+    produces={Property.SCHEDULED},
 )
 def schedule(program: Program) -> Program:
     """Order the fragments of ``program``'s microbatch loop by its schedule."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 
 from jax.extend.core import primitives as jprims
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
@@ -118,7 +118,12 @@ def _rows_text(path: str, axis: int, lo: int, hi: int) -> str:
     return f"{path}[{', '.join([':'] * axis + [f'{lo}:{hi}'])}]"
 
 
-@register("slice-stacks", "hold stacked arrays cut over stages as one piece per stage")
+@register(
+    "slice-stacks",
+    "hold stacked arrays cut over stages as one piece per stage",
+    requires={Property.SCANS_SPLIT},  # the pieces are the rows of the per-stage scans
+    invalidates={Property.PLACED},  # the per-piece work it writes has no placement
+)
 def slice_stacks(program: Program) -> Program:
     """Take stacked inputs in pieces, run work on stacked values per piece, return pieces."""
     jaxpr = program.jaxpr.jaxpr

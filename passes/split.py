@@ -24,10 +24,9 @@ exactly what runs.
 
 from __future__ import annotations
 
-import networkx as nx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.primitives import (
     LOOP,
@@ -61,6 +60,8 @@ def _parts(eqns, reads, placements):
     placements, level)``; the parts are acyclic, one per placement where possible, and a
     loop edge or an equation marked :func:`~mpmdc.ir.program.alone` is a part of its own.
     ``reads[i]``: the variables equation ``i`` reads."""
+    import networkx as nx  # (here, not at the top: it is a tenth of `import mpmdc`)
+
     ids: dict = {}
     distinct: list = []
     # (Small ints hash and compare much faster than placements.)
@@ -114,6 +115,8 @@ def _parts(eqns, reads, placements):
 
 def _can_merge(graph, a, b) -> bool:
     """Merging ``a`` and ``b`` keeps the graph acyclic: no path joins them via a third part."""
+    import networkx as nx
+
     for src, dst in ((a, b), (b, a)):
         if any(nx.has_path(graph, c, dst) for c in graph.successors(src) if c != dst):
             return False
@@ -163,6 +166,8 @@ def _ordered_parts(eqns, reads, placements, outvars):
     """``(parts in a topological order, the equation indices of each, the values a part
     defines and something outside it reads)``: a part is ``(placement, level)``, the
     values are the fragments' results."""
+    import networkx as nx
+
     part_of, graph, crossing, distinct = _parts(eqns, reads, placements)
     members: dict = {}
     for i, part in enumerate(part_of):
@@ -341,7 +346,13 @@ class _Emitter:
         ]
 
 
-@register("split", "cut the placed program into fragments and transfers")
+@register(
+    "split",
+    "cut the placed program into fragments and transfers",
+    requires={Property.PLACED},
+    produces={Property.SPLIT},
+    invalidates={Property.PLACED},  # fragment bodies carry no placements
+)
 def split(program: Program) -> Program:
     """Turn a placed program into ``fragment`` and ``transfer`` equations."""
     closed = program.jaxpr

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.graph import def_use
@@ -150,6 +150,7 @@ def _split_stages(program: Program) -> dict[int, set]:
 @register(
     "split-backward",
     "cut backward fragments into input- and weight-gradient parts where the schedule splits them",
+    requires={Property.SPLIT},
 )
 def split_backward(program: Program) -> Program:
     """Cut every backward fragment of ``program`` that its schedule runs as ``I`` and ``W``."""

@@ -26,7 +26,7 @@ import warnings
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
-from mpmdc.passes.base import register
+from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning, StageError
@@ -154,7 +154,13 @@ def _check_no_layer_markers(eqn, own) -> None:
             )
 
 
-@register("split-scans", "cut scans marked with stage(every=...) into one scan per stage")
+@register(
+    "split-scans",
+    "cut scans marked with stage(every=...) into one scan per stage",
+    requires={Property.INLINED},  # a scan in a nested call is cut only at the top level
+    produces={Property.SCANS_SPLIT},
+    invalidates={Property.PLACED},  # the slices and concatenations it writes have no placement
+)
 def split_scans(program: Program) -> Program:
     """Replace every top-level scan holding ``every=`` markers by one scan per stage."""
     closed = program.jaxpr

@@ -103,7 +103,7 @@ examples:
   mpmdc dump tests/programs/mlp4_grad.py:lowered --stage stablehlo --platform tpu
   mpmdc dump tests/programs/mlp4_grad.py:lowered --dump-dir /tmp/mlp4 --platform cpu --platform cuda
   mpmdc dump model.py:loss --args "f32[8,16], f32[16,4]" --meshes "4x(data=2)"
-  mpmdc dump tests/programs/mlp4_grad.py:lowered --passes "inline,partition,dce,split,lower{backend=tpu}" --stage all
+  mpmdc dump tests/programs/mlp4_grad.py:lowered --passes "inline,dce,partition,split,lower{backend=tpu}" --stage all
 
 --dump-dir writes NN.<stage>.txt for every stage and <fragment>.<platform>.mlir
 for every fragment and --platform or --backend (default: the program's backend), all
@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--passes",
         metavar="PIPELINE",
         help="run these passes on the traced program instead, with options by name, e.g. "
-        '"inline,partition,dce,split,lower{backend=tpu}" (the passes are listed below)',
+        '"inline,dce,partition,split,lower{backend=tpu}" (the passes are listed below)',
     )
     dump.set_defaults(handler=_dump)
 

@@ -1,13 +1,23 @@
-"""mpmdc's primitives: the ``stage`` and ``microbatch`` markers, ``fragment`` and ``transfer``.
+"""mpmdc's primitives: the ``stage``, ``layer_stage`` and ``microbatch`` markers,
+``loop_edge``, ``fragment`` and ``transfer``.
 
 ``stage`` is what users write. It is an identity on a pytree whose JVP marks the
 tangent with the same stage and whose transpose marks the cotangent with the
 transpose count incremented, so the backward work of stage ``s`` can be found and
 placed on the mesh of stage ``s``.
 
+``layer_stage`` is what ``mpmdc.stage(h, every=k)`` binds in the body of a scan over a
+layer stack: an identity saying which group of the scan's iterations runs in which
+stage, which ``split-scans`` reads and removes when it cuts the scan per stage.
+
 ``microbatch`` is what ``mpmdc.accumulate`` puts on each microbatch's slice of the
 batch while ``mpmdc.compile`` traces: an identity whose index ``partition`` follows
 through the data flow, so each microbatch's work becomes its own fragments.
+
+``loop_edge`` is where a value crosses the boundary of an ``accumulate`` loop kept
+rolled (one iteration standing for every microbatch): the batch sliced per microbatch, a
+running sum's start and last value, results stacked per microbatch, until ``schedule``
+stamps the loop out per microbatch.
 
 ``fragment`` and ``transfer`` only appear after the ``split`` pass: a fragment is a
 sub-jaxpr that runs on one mesh, a transfer moves values between two meshes. A
@@ -124,11 +134,6 @@ def stage(x, index=None, *, every=None, first=0):
 def is_marker(eqn) -> bool:
     """True for a ``stage`` marker equation."""
     return eqn.primitive is stage_p
-
-
-def is_forward_marker(eqn) -> bool:
-    """A marker whose outputs enter its stage (even transpose count)."""
-    return eqn.primitive is stage_p and eqn.params["transpose"] % 2 == 0
 
 
 def is_transposed_marker(eqn) -> bool:

@@ -309,14 +309,14 @@ def test_dump_with_passes_and_options(capsys, mlp2):
         "tests/programs/mlp2_grad.py:lowered",
         "--list-stages",
         "--passes",
-        "inline,partition,dce,split,lower{backend=tpu}",
+        "inline,dce,partition,split,lower{backend=tpu}",
     )
     assert status == 0, err
     assert out.split() == [
         "input",
         "after-inline",
-        "after-partition",
         "after-dce",
+        "after-partition",
         "after-split",
         "stablehlo",
     ]

@@ -129,9 +129,14 @@ def test_dump_verifies_every_pass(tmp_path, capsys, monkeypatch):
     )
 
 
+def _refuse(program):
+    raise errors.PlacementError("this pass refuses every program")
+
+
 def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
-    with pytest.raises(errors.PassError, match="needs a split program"):
-        mpmdc.compile(two_stage, meshes2, passes=["inline", "lower"]).lower(jnp.ones(4))
+    refuses = FunctionPass("refuses", "raises a PlacementError", _refuse)
+    with pytest.raises(errors.PlacementError, match="refuses every program"):
+        mpmdc.compile(two_stage, meshes2, passes=["inline", refuses]).lower(jnp.ones(4))
 
 
 def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
@@ -163,13 +168,13 @@ def test_pass_options_are_set_by_name(meshes2):
     assert lower.options == (("backend", "tpu"),) and str(lower) == "lower{backend=tpu}"
     assert [p.name for p in resolve(" inline, partition ,dce")] == ["inline", "partition", "dce"]
     lowered = mpmdc.compile(
-        two_stage, meshes2, passes="inline,partition,dce,split,lower{backend=tpu}"
+        two_stage, meshes2, passes="inline,dce,partition,split,lower{backend=tpu}"
     ).lower(X)
     assert lowered.stages == (
         "input",
         "after-inline",
-        "after-partition",
         "after-dce",
+        "after-partition",
         "after-split",
         "stablehlo",
     )
