@@ -113,10 +113,13 @@ class ArgumentMoves:
             target = self.arg_shardings[k]
             if not isinstance(x, jax.Array) or not x.committed or placed_as(x, target):
                 continue
-            if not isinstance(x.sharding, NamedSharding) or _processes(x.sharding) == _processes(
-                target
-            ):
-                continue  # moved by the processes reading it, as within one process
+            # Only a NamedSharding is surely one global sharding, the same on every process
+            # (a single device's may be each process's own); an argument on the processes
+            # that read it is moved by them alone, as within one process.
+            if not isinstance(x.sharding, NamedSharding):
+                continue
+            if _processes(x.sharding) == _processes(target):
+                continue
             moves.append((k, self._route(k, x, target)))
         for _, route in moves:  # every process fails alike before anything is issued
             if isinstance(route, ArgumentError):
