@@ -89,6 +89,11 @@ def export_fragment(program: Program, eqn, backend, forms: dict) -> jax.export.E
 
 def lower_fragment(program: Program, eqn, backend, forms: dict):
     """Fragment ``eqn`` traced and lowered by ``backend`` (a ``jax.stages.Lowered``);
-    ``forms`` (``program_spec_forms(program)``) writes its shardings as the caller did."""
+    ``forms`` (``program_spec_forms(program)``) writes its shardings as the caller did.
+
+    It is traced and lowered under its own mesh (``jax.set_mesh``), whatever mesh the
+    caller set: a fragment runs on its mesh's devices only, and JAX refuses arguments
+    on devices other than the context mesh's."""
     jitted, args = _fragment_jit(eqn, program, forms)
-    return backend.lower_fragment(jitted.trace(*args))
+    with jax.set_mesh(program.meshes[eqn.params["mesh"]]):
+        return backend.lower_fragment(jitted.trace(*args))

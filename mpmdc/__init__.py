@@ -5,6 +5,7 @@ meshes (:func:`make_meshes`), and get per-mesh programs joined by explicit
 transfers that run with the same numbers as ``jax.jit``.
 """
 
+import importlib.util as _importlib_util
 import os as _os
 
 from mpmdc import (
@@ -32,6 +33,12 @@ for _package in (_jax_compat, lowering, passes):
     _jax_compat.exclude_from_source_lines(
         _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
     )
+# Nor a library's line that calls JAX for the user (``nnx.scan`` calls ``lax.scan``):
+# the model's line is. Found without importing them.
+for _library in ("flax", "optax"):
+    _spec = _importlib_util.find_spec(_library)
+    for _location in (_spec.submodule_search_locations or []) if _spec else []:
+        _jax_compat.exclude_from_source_lines(_os.path.abspath(_location) + _os.sep)
 
 __all__ = [
     "Compiled",

@@ -43,6 +43,7 @@ from mpmdc.ir.sharding import STAGES_AXIS, canonical_spec, spec_problem, within_
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.passes import FunctionPass
 from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
+from mpmdc.runtime.arguments import committed_mesh
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled, Signature, leaf_type
 from mpmdc.runtime.executable_cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
@@ -730,6 +731,7 @@ class Wrapped:
         started = time.perf_counter()
         closed, loop, out_tree, out_paths = self._trace(in_tree, call, in_types)
         out_specs, wanted_out_meshes = self._output_specs(out_tree, out_paths)
+        arg_meshes = tuple(committed_mesh(leaf, self.meshes) for leaf in leaves)
         program = Program(
             jaxpr=closed,
             meshes=self.meshes,
@@ -742,6 +744,7 @@ class Wrapped:
             donated=call.donated(),
             backend=self.backend,
             microbatches=loop.microbatches if loop else None,
+            arg_meshes=arg_meshes if any(m is not None for m in arg_meshes) else None,
         )
         schedule = (self.schedule or loop.schedule) if loop else None
         choosing = isinstance(schedule, schedules.Chooser)

@@ -255,6 +255,9 @@ class Program:
     in_pieces: tuple[Piece, ...] | None = None
     out_pieces: tuple[Piece, ...] | None = None
     stage_plan: StagePlan | None = None  # how ``partition="balanced"`` grouped the segments
+    # per caller argument leaf, the mesh it was committed to when traced (``None``: not
+    # committed, or not within one mesh): one read elsewhere moves before every call
+    arg_meshes: tuple[int | None, ...] | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 

@@ -14,6 +14,10 @@ Every ``transfer`` records, per value, what it carries (``split`` decides):
 
 The counts are per step: a scheduled program has every microbatch's transfers, and a
 rolled loop's (before ``schedule``) count once per microbatch.
+
+An argument committed to another mesh than the one that reads it (``Program.arg_meshes``:
+where each was when the program was traced) is moved by the runtime before every call;
+the report counts it as ``state`` on its link and names it.
 """
 
 from __future__ import annotations
@@ -45,12 +49,23 @@ class Link:
 
 
 @dataclass(frozen=True)
+class ArgumentMove:
+    """An argument the runtime moves from mesh ``src`` to mesh ``dst`` before each call."""
+
+    path: str
+    src: int
+    dst: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class TransferReport:
     """Per (source, destination) mesh pair, what one step moves; per mesh, what it holds."""
 
     links: tuple[Link, ...]
     inputs_held: tuple[int, ...]  # bytes of program inputs per mesh
     outputs_held: tuple[int, ...]  # bytes of program outputs per mesh
+    arguments: tuple[ArgumentMove, ...] = ()  # also counted in ``links``
 
     def total(self, category: str | None = None) -> int:
         """Bytes moved per step (in ``category``, one of :data:`CATEGORIES`, if given)."""
@@ -87,6 +102,13 @@ class TransferReport:
         )
         for m, (i, o) in enumerate(zip(self.inputs_held, self.outputs_held)):
             lines.append(f"  mesh{m}: {i} in / {o} out")
+        if self.arguments:
+            lines.append(
+                "arguments moved before each call (committed to another mesh than the one "
+                "that reads them):"
+            )
+            for move in self.arguments:
+                lines.append(f"  {move.path}: mesh{move.src} -> mesh{move.dst}, {move.bytes} B")
         return "\n".join(lines) + "\n"
 
 
@@ -108,6 +130,17 @@ def transfer_report(program: Program) -> TransferReport:
             c = CATEGORIES.index(_CATEGORY_OF[carried])
             values[c] += times
             moved[c] += times * nbytes(v.aval)
+    arguments = []
+    state = CATEGORIES.index(_CATEGORY_OF[Carries.STATE])
+    for k, (v, dst) in enumerate(zip(jaxpr.invars, program.in_meshes)):
+        leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
+        src = program.arg_meshes[leaf] if program.arg_meshes else None
+        if src is None or src == dst:
+            continue
+        arguments.append(ArgumentMove(program.in_paths[k], src, dst, nbytes(v.aval)))
+        values, moved = links.setdefault((src, dst), ([0] * 3, [0] * 3))
+        values[state] += 1
+        moved[state] += nbytes(v.aval)
     inputs_held = [0] * len(program.meshes)
     for v, m in zip(jaxpr.invars, program.in_meshes):
         inputs_held[m] += nbytes(v.aval)
@@ -118,4 +151,5 @@ def transfer_report(program: Program) -> TransferReport:
         links=tuple(Link(s, d, tuple(n), tuple(b)) for (s, d), (n, b) in sorted(links.items())),
         inputs_held=tuple(inputs_held),
         outputs_held=tuple(outputs_held),
+        arguments=tuple(arguments),
     )

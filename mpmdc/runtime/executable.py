@@ -38,6 +38,7 @@ from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Program, fragment_key, is_var
 from mpmdc.ir.pytrees import first_difference, skeleton
 from mpmdc.ir.sharding import named, program_spec_forms
+from mpmdc.runtime.arguments import ArgumentMoves, placed_as
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.memory import MeshMemory, memory_profile
 from mpmdc.runtime.peers import Progress, program_entries
@@ -229,9 +230,9 @@ class Compiled:
             slots(v, c)
         # Arguments for meshes elsewhere are not read (their processes place them).
         self._inputs = [
-            (slots(v), sharding)
-            for v, sharding, m in zip(
-                program.jaxpr.jaxpr.invars, self._in_shardings, program.in_meshes
+            (slots(v), sharding, path)
+            for v, sharding, m, path in zip(
+                program.jaxpr.jaxpr.invars, self._in_shardings, program.in_meshes, program.in_paths
             )
             if here[m]
         ]
@@ -257,6 +258,9 @@ class Compiled:
             self._out_shardings,
             len(signature.in_types),
             signature.out_tree.num_leaves,
+        )
+        self._moves = ArgumentMoves(
+            program.meshes, backend, self._pieces.arg_shardings, signature.in_paths
         )
         # Among several processes, what all must agree on before the first call: offered
         # now, checked at the first call (a collective anyway), so processes may compile
@@ -483,10 +487,15 @@ class Compiled:
 
     def _start(self, leaves) -> list:
         self._check_agreed()
+        if self.multiprocess:  # what only another process can send, every process moves
+            leaves = self._moves.across_processes(leaves)
         env = list(self._initial)
         leaves = self._pieces.arguments(leaves, self._input_here)
-        for (i, sharding), x in zip(self._inputs, self._local_leaves(leaves)):
-            env[i] = _placed(x, sharding)
+        for (i, sharding, path), x in zip(self._inputs, self._local_leaves(leaves)):
+            placed = _placed(x, sharding)
+            if placed is not x:
+                self._moves.warn(path, x, sharding)
+            env[i] = placed
         return env
 
     def _local_leaves(self, leaves):
@@ -607,9 +616,7 @@ def _placed(x, sharding):
     A mesh with devices on other processes too gets a global array of which this
     process makes only its own shards, from a host value equal on all processes.
     """
-    if isinstance(x, jax.Array) and (
-        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
-    ):
+    if placed_as(x, sharding):
         return x
     if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)

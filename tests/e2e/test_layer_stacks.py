@@ -68,7 +68,8 @@ class NnxBlock(nnx.Module):
 
 
 class NnxModel(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, every=2):
+        self.every = every
         self.embed = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
         @nnx.split_rngs(splits=LAYERS)
@@ -82,10 +83,10 @@ class NnxModel(nnx.Module):
     def __call__(self, x):
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def run(layer, h):
-            h = mpmdc.stage(h, every=2)
+            h = mpmdc.stage(h, every=self.every)
             return layer(h)
 
-        return self.head(run(self.blocks, self.embed(x)))
+        return self.head(run(self.blocks, self.embed(x)))  # the scan's line
 
 
 class LinenBlock(nn.Module):
@@ -293,6 +294,25 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     assert largest_difference(got, want) < ATOL
     w1 = got[0][1]["layers"]["w1"]
     assert len(rows_by_mesh(w1, meshes)) == 1  # whole, on one mesh
+
+
+def test_a_warning_about_an_nnx_scan_names_the_models_line_not_flaxs(meshes4):
+    # Shapes alone: making the model's values would take most of the test's time.
+    model = nnx.eval_shape(lambda: NnxModel(nnx.Rngs(0), every=(3, 2, 2, 1)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    x = jax.ShapeDtypeStruct((4, WIDTH), jnp.float32)
+    loss = lambda p, x: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)  # noqa: E731
+    # The passes up to the one that warns: the rest would only take time.
+    step = mpmdc.compile(loss, meshes4, passes="inline,split-scans,slice-stacks")
+    with pytest.warns(PlacementWarning, match="a layer stack") as caught:
+        step.lower(params, x)
+    (message,) = [str(w.message) for w in caught if "a layer stack" in str(w.message)]
+    scan_line = next(
+        i for i, line in enumerate(open(__file__), 1) if line.rstrip().endswith("# the scan's line")
+    )
+    assert f"test_layer_stacks.py:{scan_line}:" in message, message
+    assert "(NnxModel.__call__)" in message
+    assert "flax" not in message
 
 
 def test_remat_dropout_keys_and_tensor_parallel_specs_inside_the_body():

@@ -10,11 +10,15 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
-from helpers import assert_same_array, mesh_index
+from helpers import assert_same_array, mesh_index, mlp_loss
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.errors import PlacementWarning
 from mpmdc.ir.primitives import transfer_p
 
 STAGES = 4
@@ -159,6 +163,46 @@ def test_the_transfer_report_counts_each_kind_of_value(meshes4):
     assert report.inputs_held == (embedding + weight + token_ids, weight, 0, 0)
     text = report.as_text()
     assert "mesh0 -> mesh1" in text and "parameters/optimizer state B" in text
+
+
+def _sgd_step(ws, x):
+    grads = jax.grad(mlp_loss)(ws, x)
+    return [w - 0.1 * g for w, g in zip(ws, grads)]
+
+
+def test_an_argument_on_another_mesh_is_counted_in_the_report_and_named_once(meshes4):
+    """A parameter committed to another mesh than the one that reads it is moved before
+    every call: the transfer report counts it, a warning names it once, the numbers
+    stay ``jax.jit``'s; fed back where the step returned it, it moves nothing."""
+    step = mpmdc.compile(_sgd_step, meshes4)
+    ws = [jnp.eye(WIDTH) / 2] * STAGES
+    x = jnp.ones((8, WIDTH))
+    ws = step(ws, x)
+    elsewhere = list(ws)
+    elsewhere[2] = jax.device_put(ws[2], NamedSharding(meshes4[1], P()))
+    report = step.lower(elsewhere, x).transfer_report()
+    size = WIDTH * WIDTH * 4
+    (move,) = report.arguments
+    assert (move.path, move.src, move.dst, move.bytes) == ("args[0][2]", 1, 2, size)
+    link = next(link for link in report.links if (link.src, link.dst) == (1, 2))
+    assert link.bytes[1] == size  # parameters/optimizer state
+    assert "args[0][2]: mesh1 -> mesh2" in report.as_text()
+    assert step.lower(ws, x).transfer_report().arguments == ()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = step(elsewhere, x)
+        step(elsewhere, x)
+        step(ws, x)
+    moved = [w for w in caught if issubclass(w.category, PlacementWarning)]
+    assert len(moved) == 1, [str(w.message) for w in moved]
+    message = str(moved[0].message)
+    assert "argument args[0][2] is on mesh1, but the program reads it on mesh2" in message
+    assert "input_shardings" in message and "pass what the step returned" in message
+    assert moved[0].filename == __file__
+    assert mesh_index(got[2], meshes4) == 2
+    host = [np.asarray(w) for w in ws]  # jax.jit takes arrays of one device set
+    for g, want in zip(got, jax.jit(_sgd_step)(host, x)):
+        assert_same_array(g, want)
 
 
 def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():

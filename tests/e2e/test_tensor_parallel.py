@@ -211,3 +211,35 @@ def test_gradients_accumulated_over_microbatches_keep_their_specs(tp_meshes):
     # order), margin 10x.
     for g, w in zip(jax.tree.leaves((loss, new_params, new_state)), jax.tree.leaves(want)):
         assert_same_array(g, w, atol=3e-7)
+
+
+def _explicit_loss(ws, x):
+    for i, w in enumerate(ws):
+        x = mpmdc.stage(x, i)
+        x = jnp.tanh(jnp.einsum("bd,de->be", x, w, out_sharding=P("x", None)))
+    return jnp.mean(x**2)
+
+
+def test_explicit_axes_under_the_callers_set_mesh_lower_each_fragment_on_its_own_mesh():
+    # jax.make_mesh's axes are Explicit: `out_sharding=P(...)` needs a mesh in context,
+    # and each fragment still lowers and runs on its own mesh's devices.
+    devices = jax.devices()
+    explicit = (jax.sharding.AxisType.Explicit,)
+    meshes = [
+        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[2 * i : 2 * i + 2])
+        for i in range(4)
+    ]
+    keys = jax.random.split(jax.random.key(1), 5)
+    ws = [jax.random.normal(k, (D, D)) * 0.3 for k in keys[:4]]
+    x = jax.random.normal(keys[4], (B, D))
+    placed_ws = [jax.device_put(w, NamedSharding(m, P(None, "x"))) for w, m in zip(ws, meshes)]
+    placed_x = jax.device_put(x, NamedSharding(meshes[0], P("x")))
+    step = mpmdc.compile(jax.value_and_grad(_explicit_loss), meshes)
+    with jax.set_mesh(meshes[0]):
+        loss, grads = step(placed_ws, placed_x)
+        want_loss, want_grads = jax.jit(jax.value_and_grad(_explicit_loss))(ws, x)
+    # The default bound of a compiled function against jax.jit (docs/design.md).
+    assert_same_array(loss, want_loss, rtol=2e-5, atol=1e-6)
+    for g, want, mesh in zip(grads, want_grads, meshes):
+        assert g.sharding.device_set == set(mesh.devices.flat)
+        assert_same_array(g, want, rtol=2e-5, atol=1e-6)

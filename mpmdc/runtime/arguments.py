@@ -1,0 +1,159 @@
+"""Arguments committed to devices other than those the program reads them on.
+
+A parameter fed back from a step that returned it on another mesh, or put on another
+mesh's devices by hand, is moved before every call. The move is named once per
+compiled program and argument in a ``PlacementWarning`` (``Lowered.transfer_report``
+counts it too). Among several processes the owning process must send it: every process
+issues such a move, in argument order, as it issues the program's own cross-process
+transfers (:mod:`mpmdc.runtime.transfers`), and a move no route can make is an
+``ArgumentError`` raised by every process before anything is issued. Each process
+decides from the argument's sharding alone, which is the same on all processes (a
+global array), so they all decide alike without meeting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import jax
+from jax.sharding import NamedSharding
+
+from mpmdc.errors import ArgumentError, MeshError, PlacementWarning
+from mpmdc.runtime.transfers import MeshTransfer
+
+
+def mesh_holding(devices, meshes) -> int | None:
+    """The index of the mesh among ``meshes`` holding every one of ``devices``, if any."""
+    devices = set(devices)
+    return next((i for i, m in enumerate(meshes) if devices <= set(m.devices.flat)), None)
+
+
+def committed_mesh(leaf, meshes) -> int | None:
+    """The mesh holding a committed ``jax.Array`` (or a ``ShapeDtypeStruct`` with a
+    sharding), ``None`` for any other leaf or one spread over several meshes."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
+        return None
+    return mesh_holding(sharding.device_set, meshes)
+
+
+def placed_as(x, sharding) -> bool:
+    """Whether ``x`` is an array laid out as ``sharding`` already (nothing to move)."""
+    return isinstance(x, jax.Array) and (
+        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+    )
+
+
+def _where(sharding, meshes) -> str:
+    """Where an array of ``sharding`` is, in the user's words."""
+    devices = sharding.device_set
+    found = mesh_holding(devices, meshes)
+    ids = sorted(d.id for d in devices)
+    if found is not None and devices == set(meshes[found].devices.flat):
+        return f"mesh{found}"
+    return f"devices {ids}" + (f" (of mesh{found})" if found is not None else "")
+
+
+def _processes(sharding) -> frozenset[int]:
+    return frozenset(d.process_index for d in sharding.device_set)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost frame outside mpmdc, counted from the caller:
+    a warning names the user's call of the step, however mpmdc reached it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class ArgumentMoves:
+    """Where a compiled program reads each argument, and what a call placed elsewhere
+    costs: ``warn`` names a moved argument once; ``across_processes`` moves the
+    arguments that only another process can send."""
+
+    def __init__(self, meshes, backend, arg_shardings, arg_paths):
+        self.meshes = tuple(meshes)
+        self.backend = backend
+        self.arg_shardings = list(arg_shardings)  # per caller leaf, where the program reads it
+        self.arg_paths = list(arg_paths)
+        self._warned: set[str] = set()
+        self._routes: dict = {}  # (leaf, its sharding) -> MeshTransfer, or the ArgumentError
+
+    def warn(self, path: str, x, sharding) -> None:
+        """A ``PlacementWarning`` for argument ``path`` (``x``, committed), moved onto
+        ``sharding`` before the call: once per argument of this program."""
+        if path in self._warned or not isinstance(x, jax.Array) or not x.committed:
+            return
+        if x.sharding.device_set == sharding.device_set:
+            return  # laid out anew on its own devices: nothing crosses between meshes
+        self._warned.add(path)
+        read = _where(sharding, self.meshes)
+        warnings.warn(
+            f"argument {path} is on {_where(x.sharding, self.meshes)}, but the program reads "
+            f"it on {read}: every call moves it there first ({x.nbytes} bytes). Put it there "
+            f"once (jax.device_put(args, step.input_shardings(*args)[0]) places them all), or "
+            f"pass what the step returned for it (a result fed back is where the next call "
+            f"reads it).",
+            PlacementWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+    def across_processes(self, leaves) -> list:
+        """``leaves`` with every argument another process must send moved where the
+        program reads it (a placeholder where that is not here). Every process calls
+        this with the same arrays, so all issue the same moves in the same order."""
+        moves = []
+        for k, x in enumerate(leaves):
+            target = self.arg_shardings[k]
+            if not isinstance(x, jax.Array) or not x.committed or placed_as(x, target):
+                continue
+            # Only a NamedSharding is surely one global sharding, the same on every process
+            # (a single device's may be each process's own); an argument on the processes
+            # that read it is moved by them alone, as within one process.
+            if not isinstance(x.sharding, NamedSharding):
+                continue
+            if _processes(x.sharding) == _processes(target):
+                continue
+            moves.append((k, self._route(k, x, target)))
+        for _, route in moves:  # every process fails alike before anything is issued
+            if isinstance(route, ArgumentError):
+                raise route
+        if not moves:
+            return leaves
+        leaves = list(leaves)
+        for k, transfer in moves:
+            x = leaves[k]
+            self.warn(self.arg_paths[k], x, self.arg_shardings[k])
+            (leaves[k],) = transfer(x if transfer.sends else None)
+        return leaves
+
+    def _route(self, k: int, x, target):
+        key = (k, x.sharding)
+        if key not in self._routes:
+            path, where = self.arg_paths[k], _where(x.sharding, self.meshes)
+            read = _where(target, self.meshes)
+            try:
+                self._routes[key] = MeshTransfer(
+                    self.backend,
+                    x.sharding.mesh,
+                    target.mesh,
+                    [target],
+                    [x.aval],
+                    f"argument {path}",
+                )
+            except (MeshError, ValueError) as err:
+                self._routes[key] = ArgumentError(
+                    f"argument {path} is on {where} (processes {sorted(_processes(x.sharding))}), "
+                    f"but the program reads it on {read} (processes "
+                    f"{sorted(_processes(target))}), and it cannot be moved there between "
+                    f"processes ({err}). Put it where the program reads it (jax.device_put("
+                    f"args, step.input_shardings(*args)[0]) places them all), or pass what the "
+                    f"step returned for it."
+                )
+        return self._routes[key]
