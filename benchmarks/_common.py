@@ -23,7 +23,9 @@ from mpmdc.cli.models import (
     transformer_step,
 )
 
-if not jax.distributed.is_initialized():  # a process of `mpmdc launch` has its own devices
+# A process of `mpmdc launch` has its own devices; a script run with
+# MPMDC_BENCHMARK_PLATFORM=gpu uses the GPUs there are.
+if not jax.distributed.is_initialized() and os.environ.get("MPMDC_BENCHMARK_PLATFORM") != "gpu":
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 
