@@ -122,9 +122,11 @@ def interleaved(fns, *, repeat: int) -> list[float]:
 
 def machine() -> str:
     """One line naming this machine."""
+    first = jax.devices()[0]
+    devices = "virtual CPU devices" if first.platform == "cpu" else f"{first.device_kind} devices"
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{sys.version.split()[0]}, jax {jax.__version__}, {jax.device_count()} virtual CPU devices"
+        f"{sys.version.split()[0]}, jax {jax.__version__}, {jax.device_count()} {devices}"
     )
 
 

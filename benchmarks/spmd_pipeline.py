@@ -50,10 +50,17 @@ PARSER.add_argument("--width", type=int, default=256)
 PARSER.add_argument("--microbatch-rows", type=int, default=16)
 PARSER.add_argument("--steps", type=int, default=5, help="steps timed per program (median)")
 PARSER.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto")
+PARSER.add_argument(
+    "--profile",
+    action="store_true",
+    help="only where the time goes, at the first of --L and --M: each mpmdc module's XLA "
+    "seconds, and per step the dispatch, CPU and per-mesh busy time of mpmdc (1F1B) and SPMD",
+)
 OPTIONS = PARSER.parse_args() if __name__ == "__main__" else PARSER.parse_args([])
 if OPTIONS.platform == "gpu" or (OPTIONS.platform == "auto" and shutil.which("nvidia-smi")):
     os.environ["MPMDC_BENCHMARK_PLATFORM"] = "gpu"
 
+import statistics
 import time
 
 import _common
@@ -64,6 +71,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.ir.program import fragment_key
 from mpmdc.runtime.compiling import XlaCompiles
 
 STAGES = 4
@@ -370,7 +378,7 @@ def measure(layers: int, microbatches: int, options) -> list[dict]:
     for run in runs.values():  # warm: each once more before timing
         run["call"]()
     steps = _common.interleaved([r["call"] for r in runs.values()], repeat=options.steps)
-    loss_tol, param_tol = TOLERANCE[platform()]
+    loss_tol, param_tol = TOLERANCE.get(platform(), TOLERANCE["gpu"])
     spmd = runs["SPMD pipeline (GPipe)"]
     spmd_step_s = steps[list(runs).index("SPMD pipeline (GPipe)")]
     out_rows = []
@@ -401,6 +409,118 @@ def measure(layers: int, microbatches: int, options) -> list[dict]:
     return out_rows
 
 
+def profile(layers: int, microbatches: int, options) -> None:
+    """Where mpmdc's time goes against the SPMD pipeline's, at one (L, M)."""
+    spmd_mesh, meshes = layout()
+    params = init(layers, options.width)
+    kx, ky = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (options.microbatch_rows * microbatches, options.width))
+    y = jax.random.normal(ky, (options.microbatch_rows * microbatches, options.width))
+    batch = P("data")
+    step = mpmdc.compile(
+        pipelined_step(layers, microbatches, "1f1b"), meshes, in_specs=(None, batch, batch)
+    )
+    lowered = step.lower(params, x, y)
+    program = lowered.program("stablehlo")
+    calls: dict = {}
+    for eqn in program.jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "fragment":
+            key = fragment_key(eqn)
+            calls.setdefault(key, [eqn, 0])[1] += 1
+    modules = []
+    for name, key in program.module_keys:  # one after another: XLA's seconds alone
+        eqn, count = calls[key]
+        start = time.perf_counter()
+        program.lowerings[key].compile()
+        modules.append(
+            {
+                "module": name,
+                "mesh": eqn.params["mesh"],
+                "calls per step": count,
+                "equations": len(eqn.params["jaxpr"].jaxpr.eqns),
+                "XLA compile s": time.perf_counter() - start,
+            }
+        )
+    compiled = lowered.compile()
+    placed = jax.device_put((params, x, y), compiled.input_shardings[0])
+
+    param_sharding = NamedSharding(spmd_mesh, P("stage"))
+    batch_sharding = NamedSharding(spmd_mesh, batch)
+    spmd_args = (
+        jax.device_put(spmd_params(params), param_sharding),
+        jax.device_put(x, batch_sharding),
+        jax.device_put(y, batch_sharding),
+    )
+    spmd_lowered = jax.jit(
+        spmd_step(spmd_mesh, microbatches),
+        out_shardings=(NamedSharding(spmd_mesh, P()), param_sharding),
+    ).lower(*spmd_args)
+    start = time.perf_counter()
+    spmd_compiled = spmd_lowered.compile()
+    modules.append(
+        {
+            "module": "SPMD pipeline (the whole step)",
+            "mesh": "all",
+            "calls per step": 1,
+            "equations": len(jax.make_jaxpr(spmd_step(spmd_mesh, microbatches))(*spmd_args).eqns),
+            "XLA compile s": time.perf_counter() - start,
+        }
+    )
+    _common.report(
+        f"spmd_pipeline_profile_modules_L{layers}_M{microbatches}", modules, list(modules[0])
+    )
+
+    def split_times(fn, args):
+        """(seconds until the call returns, having dispatched everything; seconds until
+        the results are ready; process CPU seconds) of one step."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = fn(*args)
+        dispatched = time.perf_counter() - wall
+        jax.block_until_ready(out)
+        return dispatched, time.perf_counter() - wall, time.process_time() - cpu
+
+    rows = []
+    for name, fn, args in (
+        ("mpmdc 1f1b", compiled, placed),
+        ("SPMD pipeline (GPipe)", spmd_compiled, spmd_args),
+    ):
+        jax.block_until_ready(fn(*args))
+        samples = [split_times(fn, args) for _ in range(options.steps)]
+        dispatched, wall, cpu = (statistics.median(s[i] for s in samples) for i in range(3))
+        rows.append(
+            {
+                "program": name,
+                "step ms": wall * 1e3,
+                "dispatch ms": dispatched * 1e3,
+                "dispatch ms per microbatch": dispatched * 1e3 / microbatches,
+                "process CPU ms": cpu * 1e3,
+                "CPU ms per microbatch": cpu * 1e3 / microbatches,
+            }
+        )
+    _common.report(f"spmd_pipeline_profile_step_L{layers}_M{microbatches}", rows, list(rows[0]))
+
+    # One mesh thread each, every slot waited for: per mesh, the busy time per microbatch.
+    timelines = [compiled.run_timed(*placed)[1] for _ in range(options.steps)]
+    timeline = min(timelines, key=lambda t: t.makespan)
+    mesh_rows = []
+    for m, slots in enumerate(timeline.meshes):
+        mesh_rows.append(
+            {
+                "mesh": m,
+                "slots": len(slots),
+                "busy ms per microbatch": sum(s.end - s.start for s in slots) / microbatches,
+                "in the loop ms per microbatch": sum(
+                    s.end - s.start for s in slots if s.action is not None
+                )
+                / microbatches,
+                "makespan ms": timeline.makespan,
+            }
+        )
+    _common.report(
+        f"spmd_pipeline_profile_meshes_L{layers}_M{microbatches}", mesh_rows, list(mesh_rows[0])
+    )
+
+
 def warm_up(options) -> None:
     """First-use costs of JAX and mpmdc (rules, caches) paid before anything is timed."""
     small = argparse.Namespace(**{**vars(options), "width": 16, "steps": 1})
@@ -424,6 +544,8 @@ def main():
         file=sys.stderr,
     )
     warm_up(options)
+    if options.profile:
+        return profile(options.L[0], options.M[0], options)
     rows = []
     for layers in options.L:
         for microbatches in options.M:
