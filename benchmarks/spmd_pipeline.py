@@ -30,6 +30,13 @@ parameters after one step against ``jax.jit``'s.
 
     python benchmarks/spmd_pipeline.py [--quick] [--L 8 32] [--M 4 8 16 32 64]
 
+With ``--profile``, only where the time goes at the first of ``--L`` and ``--M``: each of
+mpmdc's distinct modules compiled alone (XLA seconds) against the SPMD step's one
+module, and per step the time until the call returns (dispatch), the process CPU time
+and each mesh's busy time (``run_timed``):
+
+    python benchmarks/spmd_pipeline.py --profile --L 8 --M 32
+
 On a machine with GPUs (``--platform gpu``, or ``auto``, the default, when
 ``nvidia-smi`` is there) it runs on the GPUs instead of 8 virtual CPU devices, with
 ``data`` = devices / 4 (at least 4 devices).
