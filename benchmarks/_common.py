@@ -23,7 +23,9 @@ from mpmdc.cli.models import (
     transformer_step,
 )
 
-if not jax.distributed.is_initialized():  # a process of `mpmdc launch` has its own devices
+# A process of `mpmdc launch` has its own devices; a script run with
+# MPMDC_BENCHMARK_PLATFORM=gpu uses the GPUs there are.
+if not jax.distributed.is_initialized() and os.environ.get("MPMDC_BENCHMARK_PLATFORM") != "gpu":
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 
@@ -120,9 +122,11 @@ def interleaved(fns, *, repeat: int) -> list[float]:
 
 def machine() -> str:
     """One line naming this machine."""
+    first = jax.devices()[0]
+    devices = "virtual CPU devices" if first.platform == "cpu" else f"{first.device_kind} devices"
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{sys.version.split()[0]}, jax {jax.__version__}, {jax.device_count()} virtual CPU devices"
+        f"{sys.version.split()[0]}, jax {jax.__version__}, {jax.device_count()} {devices}"
     )
 
 

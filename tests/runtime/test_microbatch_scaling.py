@@ -1,0 +1,88 @@
+"""What a step costs per microbatch count, counted rather than timed: the XLA modules a
+step compiles do not grow with the microbatch count, and each microbatch adds the same
+number of fragment calls and transfers.
+
+The model is ``benchmarks/spmd_pipeline.py``'s, small: a residual MLP stack run by one
+scan with ``mpmdc.stage(h, every=...)`` in its body, its gradient accumulated over the
+microbatches with ``mpmdc.accumulate``, then SGD, the batch sharded on each mesh.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import mpmdc
+from tests.helpers import XlaCompiles
+
+LAYERS, WIDTH, ROWS = 4, 8, 4  # rows per microbatch
+
+
+def train_step(microbatches: int, schedule: str):
+    """A new step function (so no cache serves it) over ``microbatches``."""
+
+    def loss_fn(params, x, y):
+        def layer(h, wb):
+            h = mpmdc.stage(h, every=LAYERS // 4)
+            return h + jnp.tanh(h @ wb[0] + wb[1]), None
+
+        h, _ = jax.lax.scan(layer, x, (params["w"], params["b"]))
+        return jnp.mean((h - y) ** 2)
+
+    def step(params, x, y):
+        loss, grads = mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
+            (x, y),
+            microbatches=microbatches,
+            schedule=schedule,
+            reduce="mean",
+        )
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return step
+
+
+def arguments(microbatches: int):
+    kw, kb, kx = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w": jax.random.normal(kw, (LAYERS, WIDTH, WIDTH)) / WIDTH,
+        "b": jax.random.normal(kb, (LAYERS, WIDTH)),
+    }
+    x = jax.random.normal(kx, (ROWS * microbatches, WIDTH))
+    return params, x, jnp.sin(x)
+
+
+def lowered_step(meshes, microbatches: int, schedule: str):
+    step = mpmdc.compile(
+        train_step(microbatches, schedule), meshes, in_specs=(None, P("data"), P("data"))
+    )
+    return step.lower(*arguments(microbatches))
+
+
+def compiled_step(meshes, microbatches: int, schedule: str, *, compile: bool = True) -> dict:
+    """What compiling the step over ``microbatches`` costs and what a call of it makes."""
+    lowered = lowered_step(meshes, microbatches, schedule)
+    names = [e.primitive.name for e in lowered.program("stablehlo").jaxpr.jaxpr.eqns]
+    found = {"fragment calls": names.count("fragment"), "transfers": names.count("transfer")}
+    if compile:
+        with XlaCompiles() as compiles:
+            found["executables"] = lowered.compile().num_executables
+        found["XLA compiles"] = compiles.count
+    return found
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_compiles_do_not_grow_and_calls_grow_linearly_with_microbatches(meshes4, schedule):
+    found = {m: compiled_step(meshes4, m, schedule, compile=m != 3) for m in (2, 8, 3)}
+    assert found[8]["executables"] == found[2]["executables"], found
+    # At most: the first compile in a process may also pay for JAX's first-use compiles.
+    assert found[8]["XLA compiles"] <= found[2]["XLA compiles"], found
+    for what in ("fragment calls", "transfers"):
+        per_mb = found[3][what] - found[2][what]  # once per step: the rest
+        assert found[8][what] == found[2][what] + 6 * per_mb, found
+    # Each microbatch's fragments on the 4 meshes: each stage's forward and backward,
+    # split where a stage's scan runs as a fragment of its own, and the microbatch's
+    # rows of the batch taken on the meshes that read them: 15 calls.
+    assert found[3]["fragment calls"] - found[2]["fragment calls"] <= 15, found
+    # An activation forward and a cotangent backward across each of the 3 boundaries.
+    assert found[3]["transfers"] - found[2]["transfers"] <= 6, found
