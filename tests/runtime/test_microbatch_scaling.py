@@ -10,10 +10,10 @@ microbatches with ``mpmdc.accumulate``, then SGD, the batch sharded on each mesh
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import XlaCompiles
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
-from tests.helpers import XlaCompiles
 
 LAYERS, WIDTH, ROWS = 4, 8, 4  # rows per microbatch
 
