@@ -37,7 +37,7 @@ from mpmdc.errors import (
 from mpmdc.estimates import pipeline_of
 from mpmdc.ir.layers import layer_stages
 from mpmdc.ir.primitives import BALANCED, fragment_p, is_marker
-from mpmdc.ir.program import Program, find_eqns
+from mpmdc.ir.program import Phase, Program, find_eqns
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import STAGES_AXIS, canonical_spec, spec_problem, within_stage
 from mpmdc.ir.traffic import TransferReport, transfer_report
@@ -296,7 +296,10 @@ def _through_passes(program: Program, passes, signature, trace_seconds: float) -
 def _warn_of_idle_meshes(lowered: Lowered) -> None:
     """An ``IdleMeshWarning`` for each mesh that runs no fragment of the split program
     (nothing to say about a pipeline that never splits)."""
-    split = next((p for p in map(lowered.program, reversed(lowered.stages)) if p.is_split), None)
+    split = next(
+        (p for p in map(lowered.program, reversed(lowered.stages)) if p.phase >= Phase.SPLIT),
+        None,
+    )
     if split is None:
         return
     stages = {}
@@ -380,7 +383,7 @@ class Lowered:
     def _last_split(self, unlowered: bool = False) -> Program:
         for name in reversed(self._order):
             program = self._dumps[name]
-            if program.is_split and not (unlowered and program.module_keys is not None):
+            if program.phase >= Phase.SPLIT and not (unlowered and program.phase is Phase.LOWERED):
                 return program
         raise PassError(
             f"this pipeline never split the program (stages: {', '.join(self._order)}); "
@@ -393,7 +396,7 @@ class Lowered:
 
         last = self._last_split()
         key = backends.choose(platform, backend, default=last.backend)
-        if last.module_keys is not None and last.backend == key:
+        if last.phase is Phase.LOWERED and last.backend == key:
             return last
         if key not in self._by_backend:
             self._by_backend[key] = lower(self._last_split(unlowered=True), backend=key)

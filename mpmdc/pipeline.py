@@ -16,7 +16,7 @@ from typing import Protocol
 
 from mpmdc._text import split_top_level
 from mpmdc.errors import InternalError, MpmdcError, PassError
-from mpmdc.ir.program import Program
+from mpmdc.ir.program import Phase, Program
 from mpmdc.passes import PASSES, Property, pass_from_text
 from mpmdc.passes.vma_typecheck import verify as verify_program
 
@@ -144,19 +144,25 @@ def run_pipeline(
     return program
 
 
+# The properties a program of each phase has (``scheduled`` also without a schedule).
+_PHASE_PROPERTIES: dict[Phase, frozenset[Property]] = {
+    Phase.TRACED: frozenset(),
+    Phase.PLACED: frozenset({Property.INLINED, Property.PLACED}),
+    Phase.SPLIT: frozenset({Property.INLINED, Property.SPLIT}),
+    Phase.SCHEDULED: frozenset({Property.INLINED, Property.SPLIT, Property.SCHEDULED}),
+    Phase.LOWERED: frozenset(
+        {Property.INLINED, Property.SPLIT, Property.SCHEDULED, Property.LOWERED}
+    ),
+}
+
+
 def properties_of(program: Program) -> frozenset[Property]:
-    """The properties ``program`` is known to have, read off its fields (a traced program
+    """The properties ``program`` is known to have, from its phase (a traced program
     has none but ``scheduled`` when it has no schedule to apply)."""
-    have = set()
-    if program.schedule is None or program.module_keys is not None:
-        have.add(Property.SCHEDULED)
-    if program.is_split:
-        have.update((Property.INLINED, Property.SPLIT))
-    elif program.placements is not None:
-        have.update((Property.INLINED, Property.PLACED))
-    if program.module_keys is not None:
-        have.add(Property.LOWERED)
-    return frozenset(have)
+    have = _PHASE_PROPERTIES[program.phase]
+    if program.schedule is None:
+        have |= {Property.SCHEDULED}
+    return have
 
 
 def _contract(p: Pass, field: str) -> frozenset[Property]:

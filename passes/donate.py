@@ -17,7 +17,7 @@ from mpmdc.passes.base import Property, register
 from mpmdc.errors import PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Program, make_closed_jaxpr
+from mpmdc.ir.program import Phase, Program, make_closed_jaxpr
 from mpmdc.ir.sharding import canonical_spec
 
 
@@ -51,7 +51,7 @@ def donate(program: Program) -> Program:
     """``program`` with each fragment's ``donate_argnums``: the operands that are donated
     program inputs read for the last time there, and only once by that fragment, where
     a result of the fragment can take over their buffer."""
-    if not program.is_split:
+    if program.phase < Phase.SPLIT:
         raise PassError("the `donate` pass needs a split program; run `split` before it.")
     jaxpr = program.jaxpr.jaxpr
     donated = {v for v, d in zip(jaxpr.invars, program.donated) if d}

@@ -32,7 +32,7 @@ from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir.loop import rolled_loop
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Program, fragment_key
+from mpmdc.ir.program import Phase, Program, fragment_key
 from mpmdc.ir.sharding import program_spec_forms
 
 
@@ -56,7 +56,7 @@ def lower(
     distinct module right after it is lowered (``key`` its fragment key, ``eqn`` the
     first fragment with it, ``mesh`` that fragment's mesh): the call path's compiler
     starts XLA on it while this pass lowers the next. The result does not depend on it."""
-    if not program.is_split:
+    if program.phase < Phase.SPLIT:
         raise PassError("the `lower` pass needs a split program; run `split` before it.")
     if rolled_loop(program.jaxpr.jaxpr.eqns) is not None:
         raise PassError(
@@ -75,4 +75,9 @@ def lower(
                 if on_module is not None:
                     on_module(key, eqn, program.meshes[eqn.params["mesh"]], chosen, lowerings[key])
                 module_keys.append((eqn.params["name"], key))
-    return program.replace(module_keys=tuple(module_keys), backend=chosen.name, lowerings=lowerings)
+    return program.replace(
+        phase=Phase.LOWERED,
+        module_keys=tuple(module_keys),
+        backend=chosen.name,
+        lowerings=lowerings,
+    )

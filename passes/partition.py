@@ -83,6 +83,7 @@ from mpmdc.ir.primitives import (
     is_transposed_marker,
 )
 from mpmdc.ir.program import (
+    Phase,
     Placement,
     Program,
     copy_eqn,
@@ -816,4 +817,6 @@ def partition(program: Program) -> Program:
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
     )
-    return program.replace(jaxpr=closed, in_meshes=tuple(in_meshes), out_meshes=tuple(out_meshes))
+    return program.replace(
+        jaxpr=closed, phase=Phase.PLACED, in_meshes=tuple(in_meshes), out_meshes=tuple(out_meshes)
+    )

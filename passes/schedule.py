@@ -36,7 +36,7 @@ from mpmdc.passes.base import Property, register
 
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.loop import stamp
-from mpmdc.ir.program import Program
+from mpmdc.ir.program import Phase, Program
 from mpmdc.schedules import Action, action_of, actions_of, layout_of, simulate
 
 
@@ -83,10 +83,11 @@ def _ordered(eqns, start: dict[Action, float]):
 )
 def schedule(program: Program) -> Program:
     """Order the fragments of ``program``'s microbatch loop by its schedule."""
-    if program.schedule is None:
-        return program
+    if program.schedule is None:  # (its calls are in the order they run already)
+        return program.replace(phase=Phase.SCHEDULED)
     layout = layout_of(program)
     timeline = simulate(actions_of(program), layout)
     start = {slot.action: slot.start for row in timeline.meshes for slot in row}
     program = program.replace(jaxpr=stamp(program.jaxpr, layout.microbatches))
-    return program.with_eqns(_ordered(list(program.jaxpr.jaxpr.eqns), start))
+    ordered = program.with_eqns(_ordered(list(program.jaxpr.jaxpr.eqns), start))
+    return ordered.replace(phase=Phase.SCHEDULED)

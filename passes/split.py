@@ -40,6 +40,7 @@ from mpmdc.ir.primitives import (
     transfer_p,
 )
 from mpmdc.ir.program import (
+    Phase,
     Placement,
     Program,
     fresh_like,
@@ -385,4 +386,4 @@ def split(program: Program) -> Program:
         else named_spec(emitter.spec_of.get(v) if is_var(v) else None, v.aval.ndim, forms)
         for v, given in zip(final, program.out_specs)
     )
-    return program.replace(jaxpr=new, in_specs=in_specs, out_specs=out_specs, is_split=True)
+    return program.replace(jaxpr=new, in_specs=in_specs, out_specs=out_specs, phase=Phase.SPLIT)

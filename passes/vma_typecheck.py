@@ -10,8 +10,11 @@
 * A ``shard_map`` runs on the mesh of the stage it sits in.
 * An ordered effect (``debug.print(..., ordered=True)``) runs on a one-device mesh.
 * Between ``partition`` and ``split``, every equation has a placement.
+* The program has the fields its phase promises, and none of a later phase
+  (:meth:`~mpmdc.ir.program.Program.phase_problems`); before ``split`` no fragment or
+  transfer is at the top level, from ``schedule`` on no loop edge.
 
-The first, the placements and the locations are invariants every pass keeps
+The first, the placements, the phase and the locations are invariants every pass keeps
 (:func:`verify`, which the pipeline runs after every pass when asked to verify); the
 specs, ``shard_map`` meshes and effects are the user's choices, checked by the pass,
 which leaves the costly ``check_jaxpr`` to verification.
@@ -26,7 +29,7 @@ from mpmdc.passes.base import register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
 from mpmdc.ir.primitives import fragment_p, loop_edge_p, transfer_p
-from mpmdc.ir.program import Program, find_eqns, is_var
+from mpmdc.ir.program import Phase, Program, find_eqns, is_var
 from mpmdc.ir.sharding import check_spec
 
 
@@ -138,9 +141,28 @@ def verify(program: Program) -> Program:
     return program
 
 
+def _check_phase(program: Program) -> None:
+    """The fields and top-level equations are those ``program.phase`` promises."""
+    problems = program.phase_problems()
+    eqns = program.jaxpr.jaxpr.eqns
+    if program.phase < Phase.SPLIT:
+        cut = next((e for e in eqns if e.primitive in (fragment_p, transfer_p)), None)
+        if cut is not None:
+            problems.append(f"a `{cut.primitive.name}` is at the top level before `split`")
+    elif program.phase >= Phase.SCHEDULED and any(e.primitive is loop_edge_p for e in eqns):
+        problems.append("a loop edge is at the top level: the loop is not stamped out")
+    if problems:
+        raise TypeCheckError(
+            f"the {program.phase} program does not have what its phase promises: "
+            f"{'; '.join(problems)}."
+        )
+
+
 def _check_structure(program: Program) -> None:
-    """Every equation of a placed program has a placement, and after ``split`` every
-    value is read where it lives (one walk over the top-level equations)."""
+    """The program has what its phase promises, every equation of a placed program has
+    a placement, and after ``split`` every value is read where it lives (one walk over
+    the top-level equations)."""
+    _check_phase(program)
     placements = program.placements
     if placements is not None:
         for eqn, p in zip(program.jaxpr.jaxpr.eqns, placements):
@@ -149,7 +171,7 @@ def _check_structure(program: Program) -> None:
                     f"`{eqn.primitive.name}` at {compat.source_line(eqn)} has no placement; "
                     f"every equation of a partitioned program must have one."
                 )
-    elif program.is_split:
+    elif program.phase >= Phase.SPLIT:
         _check_locations(program)
 
 
@@ -187,6 +209,6 @@ def vma_typecheck(program: Program) -> Program:
     program as it traced it, and only a bug in a pass could make it ill-typed.
     """
     _check_structure(program)
-    if program.in_meshes is not None:
+    if program.phase >= Phase.PLACED:
         _check_user_choices(program)
     return program

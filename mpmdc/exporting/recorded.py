@@ -27,6 +27,7 @@ from mpmdc.exporting import plain
 from mpmdc.ir.primitives import ActionKind, Carries, fragment_p, transfer_p
 from mpmdc.ir.program import (
     LoopSchedule,
+    Phase,
     Piece,
     Program,
     fragment_key,
@@ -471,7 +472,7 @@ def _rebuild(model: ProgramModel, meshes, module_of, array_of) -> Program:
         out_paths=tuple(o.path for o in model.outputs),
         donated=tuple(i.donated for i in model.inputs),
         backend=model.backend,
-        is_split=True,
+        phase=Phase.SCHEDULED,
         in_meshes=tuple(_mesh_index(i.mesh, meshes) for i in model.inputs),
         out_meshes=tuple(_mesh_index(o.mesh, meshes) for o in model.outputs),
         schedule=None

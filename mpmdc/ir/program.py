@@ -1,15 +1,18 @@
 """The IR every pass reads and writes: a ``ClosedJaxpr`` plus a little side data.
 
-Before ``split`` the jaxpr is the traced program; after ``partition`` each equation
-carries its placement (stage, transpose count, microbatch) in its own context
-metadata, so it travels with the equation through every rewrite (JAX's DCE rules
-rebuild equations and keep their context). After ``split`` the top-level equations
-are only ``fragment`` and ``transfer``.
+A program says which :class:`Phase` it is in, and has the fields of that phase and
+the phases before it, never those of a later one (:data:`MADE_BY`). Before ``split``
+the jaxpr is the traced program; after ``partition`` each equation carries its
+placement (stage, transpose count, microbatch) in its own context metadata, so it
+travels with the equation through every rewrite (JAX's DCE rules rebuild equations
+and keep their context). After ``split`` the top-level equations are only
+``fragment`` and ``transfer`` (and a rolled loop's edges, until ``schedule``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import weakref
@@ -222,13 +225,48 @@ class Piece:
     rows: tuple[int, int, int] | None = None
 
 
+class Phase(enum.IntEnum):
+    """How far through compilation a program is, set by the pass that takes it there.
+
+    Phases are ordered (``program.phase >= Phase.SPLIT``); each promises what the one
+    before it did and more. ``TRACED``: the traced program (passes before ``partition``
+    keep it traced). ``PLACED`` (``partition``): every top-level equation placed, every
+    input and output on a mesh. ``SPLIT`` (``split``): top-level equations are fragments,
+    transfers and a rolled loop's edges, every input and output has its spec.
+    ``SCHEDULED`` (``schedule``): the loop stamped out, the calls in the order they run.
+    ``LOWERED`` (``lower``): a StableHLO module per distinct fragment.
+    """
+
+    TRACED = 0
+    PLACED = 1
+    SPLIT = 2
+    SCHEDULED = 3
+    LOWERED = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+# The optional fields that exist only from a phase on: ``None`` before it, set from it.
+MADE_BY: dict[str, Phase] = {
+    "in_meshes": Phase.PLACED,
+    "out_meshes": Phase.PLACED,
+    "module_keys": Phase.LOWERED,
+    "lowerings": Phase.LOWERED,
+}
+
+
 @dataclass(frozen=True)
 class Program:
     """A program between two passes.
 
-    ``in_specs``/``out_specs`` are flat, one ``PartitionSpec`` (or ``None`` for
-    replicated) per jaxpr input/output, the sharding *inside* whichever mesh holds the
-    value. ``in_paths``/``out_paths`` name each flat input/output for error messages.
+    ``phase`` says how far through compilation it is (:class:`Phase`); the fields in
+    :data:`MADE_BY` are ``None`` before the phase that makes them.
+    ``in_specs``/``out_specs`` are flat, one per jaxpr input/output: the
+    ``PartitionSpec`` *inside* whichever mesh holds the value (``P()`` replicated), or
+    ``None`` where none is chosen yet (neither the caller nor a committed argument gave
+    one); ``split`` chooses every one, so from ``Phase.SPLIT`` on none is ``None``.
+    ``in_paths``/``out_paths`` name each flat input/output for error messages.
     ``in_pieces``/``out_pieces`` say which argument (result) each input (output) is, or
     which rows of it (``slice-stacks`` holds stacked arrays in pieces); ``None``: input
     (output) ``i`` is argument (result) ``i``.
@@ -243,7 +281,7 @@ class Program:
     out_paths: tuple[str, ...]
     donated: tuple[bool, ...]
     backend: str
-    is_split: bool = False  # set by ``split``: top-level equations are fragments and transfers
+    phase: Phase = Phase.TRACED
     in_meshes: tuple[int, ...] | None = None
     out_meshes: tuple[int, ...] | None = None
     # per output, the mesh the caller asked for (``compile(out_shardings=...)``) or None
@@ -267,7 +305,7 @@ class Program:
 
         Printed when asked, not by ``lower``: the call path never reads the text.
         """
-        if self.module_keys is None:
+        if self.phase is not Phase.LOWERED:
             return None
         return tuple((name, self.lowerings[key].as_text()) for name, key in self.module_keys)
 
@@ -302,11 +340,35 @@ class Program:
 
     @property
     def placements(self) -> tuple[Placement | None, ...] | None:
-        """Each top-level equation's placement, read off the equations; ``None`` before
-        ``partition`` and after ``split``."""
-        if self.in_meshes is None or self.is_split:
+        """Each top-level equation's placement, read off the equations; ``None`` except
+        in ``Phase.PLACED``."""
+        if self.phase is not Phase.PLACED:
             return None
         return tuple(placement_of(eqn) for eqn in self.jaxpr.jaxpr.eqns)
+
+    def phase_problems(self) -> list[str]:
+        """What does not hold of the fields its phase promises: a field of
+        :data:`MADE_BY` set before its phase or missing from it on, per-input and
+        per-output fields of the wrong length, a spec not chosen from ``split`` on."""
+        problems = []
+        for field, made_by in MADE_BY.items():
+            value = getattr(self, field)
+            if self.phase < made_by and value is not None:
+                problems.append(f"`{field}` is set, but a {self.phase} program has none yet")
+            elif self.phase >= made_by and value is None:
+                problems.append(f"`{field}` is missing, though a {self.phase} program has it")
+        jaxpr = self.jaxpr.jaxpr
+        for side, count in (("in", len(jaxpr.invars)), ("out", len(jaxpr.outvars))):
+            for field in (f"{side}_specs", f"{side}_paths", f"{side}_meshes"):
+                value = getattr(self, field)
+                if value is not None and len(value) != count:
+                    problems.append(
+                        f"`{field}` has {len(value)} entries for a jaxpr of {count} {side}put(s)"
+                    )
+            specs = getattr(self, f"{side}_specs")
+            if self.phase >= Phase.SPLIT and any(s is None for s in specs):
+                problems.append(f"`{side}_specs` has an entry not chosen, after `split`")
+        return problems
 
     def as_text(self) -> str:
         """Deterministic text: meshes, inputs, equations (with placements), outputs."""
@@ -558,7 +620,7 @@ def _mesh_text(mesh: Mesh) -> str:
 
 
 def _spec_text(spec) -> str:
-    # No spec: before `split`, propagation has yet to choose one.
+    # No spec (only before `split`): propagation has yet to choose one.
     return "P(auto)" if spec is None else str(spec)
 
 
@@ -567,7 +629,7 @@ def format_program(program: Program) -> str:
     ctx = compat.JaxprPpContext()
     settings = compat.JaxprPpSettings()
     jaxpr = program.jaxpr.jaxpr
-    lines = ["meshes:"]
+    lines = [f"phase: {program.phase}", "meshes:"]
     lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
     if program.schedule is not None:
         lines.append(f"schedule: {program.schedule.name} over {program.microbatches} microbatches")
@@ -595,7 +657,7 @@ def format_program(program: Program) -> str:
         if placements is not None:
             p = placements[i]
         else:
-            p = placement_of(eqn) if program.in_meshes is None else None
+            p = placement_of(eqn) if program.phase is Phase.TRACED else None
         if p is not None:
             prefix = f"  [{p.label} @mesh{program.mesh_of_stage(p.stage)}] "
         else:
@@ -608,7 +670,7 @@ def format_program(program: Program) -> str:
         lines.append(
             f"  {name}{where} {_spec_text(program.out_specs[i])}  # {program.out_paths[i]}"
         )
-    if program.module_keys is not None:
+    if program.phase is Phase.LOWERED:
         lines.append(format_modules(program).rstrip("\n"))
     # Equations without operands print with a trailing blank; golden files should not.
     return "\n".join(line.rstrip() for line in "\n".join(lines).split("\n")) + "\n"

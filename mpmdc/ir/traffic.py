@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from mpmdc.errors import PassError
 from mpmdc.ir.loop import rolled_loop
 from mpmdc.ir.primitives import Carries, transfer_p
-from mpmdc.ir.program import Program, nbytes
+from mpmdc.ir.program import Phase, Program, nbytes
 
 CATEGORIES = ("activations/cotangents", "parameters/optimizer state", "other")
 _CATEGORY_OF = {
@@ -114,7 +114,7 @@ class TransferReport:
 
 def transfer_report(program: Program) -> TransferReport:
     """The traffic of a split (or scheduled) program; see the module docstring."""
-    if not program.is_split:
+    if program.phase < Phase.SPLIT:
         raise PassError("transfer_report needs a split program; run `split` before it.")
     jaxpr = program.jaxpr.jaxpr
     # A rolled loop's iteration runs once per microbatch.

@@ -35,7 +35,7 @@ from mpmdc import backends, distributed
 from mpmdc.errors import ArgumentError, MpmdRuntimeError, PassError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Program, fragment_key, is_var
+from mpmdc.ir.program import Phase, Program, fragment_key, is_var
 from mpmdc.ir.pytrees import first_difference, skeleton
 from mpmdc.ir.sharding import named, program_spec_forms
 from mpmdc.runtime.arguments import ArgumentMoves, placed_as
@@ -212,7 +212,7 @@ class Compiled:
         # The program it runs, without its modules: once compiled, each module (an MLIR
         # module in a context of its own) is not needed, and held it would be most of
         # what a compiled program costs in memory (docs/performance.md).
-        self.program = program.replace(module_keys=None, lowerings=None)
+        self.program = program.replace(phase=Phase.SCHEDULED, module_keys=None, lowerings=None)
         self.signature = signature
         backend = backends.get(program.backend)
         backend.check_can_run(program.meshes)

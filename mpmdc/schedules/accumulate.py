@@ -14,7 +14,9 @@ Where anything but ``mpmdc.compile``'s own trace traces the call (``jax.grad`` o
 function that calls ``accumulate``, a ``jax.jit`` or ``checkify`` around it), the loop
 is unrolled instead, each microbatch's slice marked with its index: a transformation
 would see one iteration where there are many (differentiating it would sum the gradient
-of a loop-invariant value over one microbatch, not all of them).
+of a loop-invariant value over one microbatch, not all of them). A ``jax.jit`` of the
+call that JAX traced before ``mpmdc.compile`` traced the function keeps that trace, the
+plain ``scan``, which no schedule pipelines (docs/design.md, "The microbatch loop").
 
 Every form reduces in the same order (microbatch 0 first) from the same start, so
 they compute the same numbers.

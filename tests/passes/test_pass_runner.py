@@ -150,7 +150,10 @@ def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
     status = cli.main(["dump", f"{target}:lowered", "--stage", "all"])
     out, err = capsys.readouterr()
     assert status == 1
-    assert out.startswith("// ----- after-partition\nmeshes:") and "[s1_fwd @mesh1]" in out
+    assert (
+        out.startswith("// ----- after-partition\nphase: placed\nmeshes:")
+        and "[s1_fwd @mesh1]" in out
+    )
     assert err.count("\n") == 1 and "InternalError: internal error in pass `crashing`" in err
 
 

@@ -24,6 +24,7 @@ from mpmdc.passes import dce, inline, partition, schedule, split, split_backward
 import mpmdc
 from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import fragment_p, transfer_p
+from mpmdc.ir.program import Phase
 from mpmdc.schedules import ActionLists, action_of, actions_of, layout_of, loop_schedule
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
@@ -202,10 +203,11 @@ def test_a_schedule_breaking_a_dependency_is_a_schedule_error(meshes2):
     ]
 
 
-def test_a_program_without_a_loop_passes_through_unchanged(meshes2):
+def test_a_program_without_a_loop_keeps_its_calls_and_is_scheduled(meshes2):
     _, program = split_program(jax.grad(mlp_loss), meshes2, [W, W], X)
-    assert program.schedule is None
-    assert schedule(program) is program
+    assert program.schedule is None and program.phase is Phase.SPLIT
+    scheduled = schedule(program)
+    assert scheduled.jaxpr is program.jaxpr and scheduled.phase is Phase.SCHEDULED
 
 
 def test_a_rolled_loop_cuts_a_stages_backward_for_every_microbatch_or_none(meshes2):
