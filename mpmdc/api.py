@@ -28,7 +28,13 @@ from mpmdc.ir.program import Program, find_eqns
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.options import CompileOptions
 from mpmdc.passes import FunctionPass
-from mpmdc.pipeline import cycles_collected_after, resolve, run_pipeline
+from mpmdc.pipeline import (
+    cycles_collected_after,
+    default_pipeline,
+    resolve,
+    run_pipeline,
+    stage_name,
+)
 from mpmdc.runtime.arguments import committed_mesh
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled
@@ -169,13 +175,19 @@ class Lowered:
         """The traced program (stage ``input``) taken through ``passes`` instead: names,
         ``name{option=value}`` texts, one comma-separated text, or pass objects."""
         return _through_passes(
-            self.program("input"), resolve(passes), self.signature, self.seconds.get("input", 0.0)
+            self.program("input"),
+            resolve(passes, self.program("input").backend),
+            self.signature,
+            self.seconds.get("input", 0.0),
         )
 
     def _last_split(self, unlowered: bool = False) -> Program:
+        """The last split program; with ``unlowered``, the last one no backend has
+        changed yet (neither lowered nor with its transfers made send/recv pairs)."""
+        backend_stages = (stage_name("in-program-transfers"), stage_name("lower"))
         for name in reversed(self._order):
             program = self._dumps[name]
-            if program.is_split and not (unlowered and program.module_keys is not None):
+            if program.is_split and not (unlowered and name in backend_stages):
                 return program
         raise PassError(
             f"this pipeline never split the program (stages: {', '.join(self._order)}); "
@@ -183,15 +195,18 @@ class Lowered:
         )
 
     def _lowered(self, platform: str | None = None, backend: str | None = None) -> Program:
-        """The split program lowered for ``platform`` or ``backend`` (see :meth:`stablehlo`)."""
-        from mpmdc.passes.lower import lower
-
+        """The split program lowered for ``platform`` or ``backend`` (see :meth:`stablehlo`):
+        this pipeline's own, else the passes the default pipeline ends with for that
+        backend (``in-program-transfers`` where it needs it, then ``lower``) run on the
+        last unlowered split program by the pass runner."""
         last = self._last_split()
         key = backends.choose(platform, backend, default=last.backend)
         if last.module_keys is not None and last.backend == key:
             return last
         if key not in self._by_backend:
-            self._by_backend[key] = lower(self._last_split(unlowered=True), backend=key)
+            tail = default_pipeline(key)[default_pipeline(key).index("donate") + 1 :]
+            passes = resolve([p if p != "lower" else f"lower{{backend={key}}}" for p in tail])
+            self._by_backend[key] = run_pipeline(self._last_split(unlowered=True), passes)
         return self._by_backend[key]
 
     def stablehlo(

@@ -99,6 +99,9 @@ class CompileOptions:
         if partition not in (None, BALANCED):
             raise StageError(f"partition must be None or {BALANCED!r}, got {partition!r}.")
         first = meshes[0].devices.flat[0]
+        backend = backends.get(
+            backend or backends.for_platform(first.platform, first.client.platform_version)
+        ).name
         return cls(
             meshes=meshes,
             in_specs=in_specs,
@@ -111,10 +114,8 @@ class CompileOptions:
             stage_to_mesh=stage_to_mesh,
             schedule=schedule,
             partition=partition,
-            backend=backends.get(
-                backend or backends.for_platform(first.platform, first.client.platform_version)
-            ).name,
-            passes=tuple(resolve(passes)),
+            backend=backend,
+            passes=tuple(resolve(passes, backend)),
             cache_size=_checked_cache_size(cache_size),
             positional=tuple(_positional_names(params)),
             static_by_name=static_by_name,
