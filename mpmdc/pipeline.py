@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from mpmdc import backends
 from mpmdc._text import split_top_level
 from mpmdc.errors import InternalError, MpmdcError, PassError
 from mpmdc.ir.program import Phase, Program
@@ -51,6 +52,15 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 )
 
 
+def default_pipeline(backend: str | None = None) -> tuple[str, ...]:
+    """The default pipeline for programs lowered by ``backend``: for a backend whose
+    transfers are in-program, ``in-program-transfers`` comes right before ``lower`` (it
+    needs the final order of calls, and ``lower`` emits the send/recv pairs it makes)."""
+    if backend is None or backends.get(backend).transfers is not backends.TransferMode.IN_PROGRAM:
+        return DEFAULT_PIPELINE
+    return (*DEFAULT_PIPELINE[:-1], "in-program-transfers", DEFAULT_PIPELINE[-1])
+
+
 def stage_name(pass_name: str) -> str:
     """The dump-stage name of the program after ``pass_name``."""
     return "stablehlo" if pass_name == "lower" else f"after-{pass_name}"
@@ -62,11 +72,12 @@ def stage_names(passes: Iterable[str | Pass] | str | None) -> tuple[str, ...]:
     return ("input", *(stage_name(p.name) for p in resolve(passes)))
 
 
-def resolve(passes: Iterable[str | Pass] | str | None) -> list[Pass]:
+def resolve(passes: Iterable[str | Pass] | str | None, backend: str | None = None) -> list[Pass]:
     """Pass objects for pass objects or texts (``name`` or ``name{option=value}``), or for
-    one comma-separated text of them; ``None`` is the default pipeline."""
+    one comma-separated text of them; ``None`` is the default pipeline for ``backend``
+    (:func:`default_pipeline`)."""
     if passes is None:
-        passes = DEFAULT_PIPELINE
+        passes = default_pipeline(backend)
     elif isinstance(passes, str):
         passes = _split_pipeline_text(passes)
     return [pass_from_text(p) if isinstance(p, str) else p for p in passes]

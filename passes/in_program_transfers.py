@@ -1,7 +1,7 @@
 """``in-program-transfers``: turn fragment-to-fragment transfers into send/recv pairs.
 
-For backends with ``transfers="in-program"`` (``cuda``, ``rocm``) the ``lower`` pass
-runs this first: a value moving between meshes is sent at the end of the fragment
+For a backend with ``transfers="in-program"`` (on ``cuda`` or ``rocm``) the default
+pipeline runs this right before ``lower``: a value moving between meshes is sent at the end of the fragment
 that produces it and received at the start of the first fragment that reads it,
 with the same channel id on both sides. Each value crosses once: later readers on
 the destination mesh get it from the first one as an extra result. Channel ids are

@@ -1,13 +1,11 @@
 """``lower``: StableHLO for every fragment, through the backend registry.
 
 Needs a split program, in its final order of calls, its donation decided (the
-``donate`` pass). Two phases:
-
-1. for a backend with ``transfers="in-program"``, fragment-to-fragment transfers
-   become send/recv pairs;
-2. fragments with the same body, mesh, specs and donation (every microbatch's
-   forward of a stage, say) are lowered once and share a module, named after the
-   first of them.
+``donate`` pass) and, for a backend with ``transfers="in-program"``, its
+fragment-to-fragment transfers made send/recv pairs (the ``in-program-transfers`` pass,
+which the default pipeline runs before this one for such a backend). Fragments with
+the same body, mesh, specs and donation (every microbatch's forward of a stage, say)
+are lowered once and share a module, named after the first of them.
 
 The ``jax.stages.Lowered`` objects are attached to the program, in fragment order
 and with the backend they were lowered for: the runtime compiles exactly these, and
@@ -26,7 +24,6 @@ from collections.abc import Callable
 
 from mpmdc.lowering import lower_fragment
 from mpmdc.passes.base import Property, register
-from mpmdc.passes.in_program_transfers import in_program_transfers
 
 from mpmdc import backends
 from mpmdc.errors import PassError
@@ -63,8 +60,6 @@ def lower(
             "the `lower` pass needs the microbatch loop stamped out; run `schedule` before it."
         )
     chosen = backends.get(backend or program.backend)
-    if chosen.transfers is backends.TransferMode.IN_PROGRAM:
-        program = in_program_transfers(program)
     lowerings, module_keys = {}, []
     forms = program_spec_forms(program)
     for eqn in program.jaxpr.jaxpr.eqns:

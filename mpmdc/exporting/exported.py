@@ -25,8 +25,9 @@ from mpmdc.exporting import container, plain, recorded
 from mpmdc.ir.program import LoopSchedule
 from mpmdc.passes.lower import lower
 from mpmdc.runtime.compiling import FragmentCompiler
-from mpmdc.runtime.executable import Compiled, Signature
+from mpmdc.runtime.executable import Compiled
 from mpmdc.runtime.meshes import check_meshes, make_meshes
+from mpmdc.runtime.signature import Signature
 from mpmdc.runtime.transfers import is_here
 
 

@@ -161,9 +161,9 @@ def _resolved(name: str):
     if not isinstance(found, type):
         raise ExportError(
             f"the exported program's pytrees hold {qualname} of module {module_name}, which "
-            f"is not imported in this process; import {module_name.split('.')[0]} (the "
-            f"package defining the type) before calling it. Nothing in an exported program "
-            f"imports code."
+            f"is not imported in this process; `import {module_name}` (or the package "
+            f"that imports it, as `from flax import nnx` does) before calling it. Nothing in "
+            f"an exported program imports code."
         )
     return found
 

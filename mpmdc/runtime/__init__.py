@@ -1,8 +1,11 @@
 """Running a lowered program: meshes, executables, transfers, memory, peers.
 
 - ``meshes``: :func:`mpmdc.make_meshes` and the checks on user-given meshes;
-- ``executable``: :class:`Compiled`, one compiled executable per distinct fragment
-  and mesh, called in program order (one process or many);
+- ``executable``: :class:`Compiled`, the facade named as ``jax.stages.Compiled``;
+- ``engine``: one compiled executable per distinct fragment and mesh, planned as steps
+  and called in program order (one process or many);
+- ``timed``: a run with one thread per mesh that times every fragment and transfer;
+- ``signature``: the argument types a program was built for, checked at each call;
 - ``compiling``: each distinct module compiled once, as soon as it is lowered, and
   loaded onto other meshes of one shape;
 - ``executable_cache``: a compiled function's executables per call signature, least

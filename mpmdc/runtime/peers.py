@@ -73,7 +73,7 @@ def _version() -> str:
 
 @dataclass
 class _InFlight:
-    step: object  # runtime._Step
+    step: object  # runtime.engine.Step
     arrays: list
 
 

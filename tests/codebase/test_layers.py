@@ -30,6 +30,8 @@ LAYERS = [
     ("mpmdc.balancing", 6),
     ("mpmdc.estimates", 6),
     ("mpmdc.api", 6),
+    ("mpmdc.options", 6),  # compile's options, parsed once: they name passes and schedules
+    ("mpmdc.signatures", 6),  # a call's arguments and cache key: read off a Compiled
     ("mpmdc.checkpoint", 6),
     ("mpmdc.exporting", 6),
     ("mpmdc.cli", 7),

@@ -165,7 +165,7 @@ def test_a_split_layer_scans_residuals_stay_batch_sharded_without_collectives():
     )
     step = mpmdc.compile(jax.value_and_grad(scanned_loss), meshes)
     compiled = step.lower(ws, x).compile()
-    texts = [executable.as_text() for executable in compiled._executables.values()]
+    texts = [executable.as_text() for executable in compiled._engine.executables.values()]
     assert sum(text.count("all-gather(") for text in texts) == 0
     assert any("all-reduce(" in text for text in texts)  # (the count sees collectives)
     # Noise floor 2.4e-07 absolute (jax.jit against eager), margin ~10x.

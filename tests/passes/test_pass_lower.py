@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import fragments, input_program, mlp_loss, scheduled
-from mpmdc.passes import dce, inline, lower, partition
+from mpmdc.passes import dce, in_program_transfers, inline, lower, partition
 
 import mpmdc
 from mpmdc import backends
 from mpmdc.errors import PassError
 from mpmdc.ir.primitives import transfer_p
+from mpmdc.pipeline import default_pipeline
 
 X = jnp.arange(64.0).reshape(8, 8) / 64
 W = jnp.eye(8) * 0.5
@@ -120,7 +121,7 @@ def test_an_in_program_backend_lowers_transfers_to_send_and_recv_with_matching_c
         "transfer",
         "fragment",
     ]
-    out = lower(program, backend=in_program_backend)
+    out = lower(in_program_transfers(program), backend=in_program_backend)
     assert out.backend == in_program_backend
     assert not [e for e in out.jaxpr.jaxpr.eqns if e.primitive is transfer_p]
     ops = {name: channel_ops(text) for name, text in out.modules}
@@ -133,3 +134,19 @@ def test_an_in_program_backend_lowers_transfers_to_send_and_recv_with_matching_c
     plain = lower(program)
     assert [e.primitive.name for e in plain.jaxpr.jaxpr.eqns].count("transfer") == 2
     assert not any(channel_ops(text) for _, text in plain.modules)
+
+
+def test_the_default_pipeline_of_an_in_program_backend_shows_its_transfers_as_a_stage(
+    meshes2, in_program_backend
+):
+    """``in-program-transfers`` is a pass of the pipeline, right before ``lower``, with its
+    own dump; another backend's modules come from the same two passes run by the runner."""
+    assert default_pipeline(in_program_backend)[-2:] == ("in-program-transfers", "lower")
+    assert "in-program-transfers" not in default_pipeline("cpu")
+    lowered = mpmdc.compile(jax.grad(mlp_loss), meshes2, backend=in_program_backend).lower(
+        [W, W], X
+    )
+    assert lowered.stages[-3:] == ("after-donate", "after-in-program-transfers", "stablehlo")
+    assert "send[" in lowered.as_text("after-in-program-transfers")
+    plain = mpmdc.compile(jax.grad(mlp_loss), meshes2).lower([W, W], X)
+    assert plain.stablehlo(backend=in_program_backend) == lowered.stablehlo()

@@ -1,34 +1,17 @@
-"""Many processes: ``jax.distributed`` set up for mpmdc, and what processes tell each other.
-
-Every process runs the same script (JAX's multi-controller model). :func:`initialize`
-starts ``jax.distributed`` from what ``mpmdc launch`` put in the environment, or from
-a cluster's environment (whatever ``jax.distributed`` detects: SLURM, Open MPI,
-Kubernetes, TPU pods), and turns on what mpmdc's runtime relies on:
-
-- JAX's cross-host ``device_put`` between disjoint device sets (the socket transport,
-  on an address of this host; a backend with its own cross-host transfers uses those);
-- recoverable tasks, so that a process that dies becomes an error in the others
-  instead of JAX aborting them all;
-- a bound on every wait (:func:`fault_timeout`): a transfer whose sender never comes,
-  a peer that stops. A wait that gives up names the process its peers' waits lead to
-  (:func:`gave_up`); :mod:`mpmdc.watchdog` keeps what that takes.
-
-The rest goes through ``jax.distributed``'s key-value store: failures a process
-announces before it raises (:func:`announce_failure`), and checks that all processes
-hold the same thing (:func:`check_agreement`).
+"""What the processes of a run tell each other, through ``jax.distributed``'s key-value
+store: failures a process announces before it raises (:func:`announce_failure`), waits
+that name the process they are stuck on (:func:`gave_up`), meetings (:func:`barrier`,
+:func:`rendezvous`), checks that all processes hold the same thing
+(:func:`check_agreement`), values brought to every process (:func:`fetch`) and merged
+timelines.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import hashlib
 import json
-import math
 import os
 import re
-import socket
-import sys
 import time
 
 import jax
@@ -36,255 +19,26 @@ import numpy as np
 
 from mpmdc import _jax_compat as compat
 from mpmdc import watchdog
+from mpmdc.distributed.settings import ENV_FAILURE_DIR, fault_timeout_seconds
 from mpmdc.errors import DistributedError, MpmdRuntimeError, ProgramMismatchError
 
-# What ``mpmdc launch`` tells each process it starts.
-ENV_COORDINATOR = "MPMDC_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "MPMDC_NUM_PROCESSES"
-ENV_PROCESS_ID = "MPMDC_PROCESS_ID"
-ENV_DEVICES_PER_PROCESS = "MPMDC_DEVICES_PER_PROCESS"
-ENV_TRANSFER_ADDRESS = "MPMDC_TRANSFER_ADDRESS"
-ENV_FAULT_TIMEOUT = "MPMDC_FAULT_TIMEOUT"
-ENV_FAILURE_DIR = "MPMDC_FAILURE_DIR"  # where a process's announced failure is also written
-ENV_RESTART_COUNT = "MPMDC_RESTART_COUNT"  # how many times `mpmdc launch` restarted the run
-
-DEFAULT_FAULT_TIMEOUT = 60.0
-_PREFIX = "mpmdc/"
-_fault_timeout: float | None = None
+PREFIX = "mpmdc/"
 _failed = False  # this process announced a failure: it leaves without waiting for the others
-_watchdog: watchdog.Watchdog | None = None
 
 
-def initialize(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    devices_per_process: int | None = None,
-    fault_timeout: float | None = None,
-    transfer_address: str | None = None,
-) -> None:
-    """Start ``jax.distributed`` for an mpmdc program; call it first, before JAX runs anything.
-
-    Arguments left out come from ``mpmdc launch`` (``MPMDC_*`` variables), else from
-    the cluster's environment as ``jax.distributed.initialize()`` detects it. With
-    neither, this is one process and nothing is started (``devices_per_process`` still
-    sets the number of CPU devices), so a script calls it unconditionally.
-
-    ``devices_per_process`` sets ``jax_num_cpu_devices`` (CPU only).
-    ``fault_timeout`` (seconds, default 60 or ``MPMDC_FAULT_TIMEOUT``) bounds every
-    wait on another process: a transfer that never arrives, a peer that died. A step
-    that makes no progress for that long fails with ``MpmdRuntimeError``.
-    ``transfer_address`` (``host:port``) is where this process serves cross-host
-    transfers; by default a free port on the interface that reaches the coordinator.
-    Calling it again, or after ``jax.distributed.initialize()``, changes nothing but
-    ``fault_timeout``.
-    """
-    global _fault_timeout
-    env = os.environ
-    # the argument, else MPMDC_FAULT_TIMEOUT, else the default
-    timeout = float(fault_timeout) if fault_timeout is not None else fault_timeout_seconds()
-    if not timeout > 0:
-        raise DistributedError(
-            f"fault_timeout must be a positive number of seconds, got {timeout!r}."
-        )
-    if fault_timeout is not None:
-        _fault_timeout = timeout
-    if jax.distributed.is_initialized():
-        return
-    coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
-    num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
-    devices_per_process = (
-        devices_per_process
-        if devices_per_process is not None
-        else _int_env(ENV_DEVICES_PER_PROCESS)
-    )
-    local_device_ids = None
-    if coordinator_address is None:
-        found = compat.detect_cluster()
-        if found is not None:
-            coordinator_address, num_processes, process_id, local_device_ids = found
-    if compat.backends_are_initialized():
-        if coordinator_address is None and devices_per_process in (None, len(jax.local_devices())):
-            return
-        raise DistributedError(
-            "mpmdc.distributed.initialize() was called after JAX started its devices (by jax.devices(), "
-            "creating an array, or a computation); call it first thing in the script."
-        )
-    if devices_per_process is not None:
-        jax.config.update("jax_num_cpu_devices", devices_per_process)
-    if coordinator_address is None or num_processes in (None, 1):
-        return
-    host = coordinator_address.rsplit(":", 1)[0].strip("[]")
-    address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or _free_address(host)
-    # A peer that dies must become an error in the others, not make JAX abort them.
-    jax.config.update("jax_enable_recoverability", True)
-    # CPU meshes that span processes run their collectives through gloo.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_cross_host_transfer_socket_address", address)
-    jax.config.update("jax_cross_host_transport_addresses", address.rsplit(":", 1)[0] + ":0")
-    jax.config.update("jax_cross_host_transfer_timeout_seconds", math.ceil(timeout))
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes,
-        process_id,
-        local_device_ids=local_device_ids,
-        heartbeat_timeout_seconds=max(2, math.ceil(timeout)),
-    )
-    # With recoverable tasks JAX's own shutdown no longer waits for every process, and
-    # one leaving while the coordinator's process has gone aborts; so all leave together.
-    atexit.register(_leave_together)
-    sys.excepthook = _announcing(sys.excepthook)
-    _start_watchdog()
-    _connect_peers()
+def has_failed() -> bool:
+    """Whether this process announced a failure of the run (:func:`announce_failure`)."""
+    return _failed
 
 
-def _start_watchdog() -> None:
-    """This process's :class:`~mpmdc.watchdog.Watchdog`: its lasting waits and saves
-    published for the others, and its end when they gave up on it."""
-    global _watchdog
-    _watchdog = watchdog.Watchdog(
-        jax.process_index(),
-        compat.distributed_client,
-        fault_timeout_seconds,
-        _announced,
-        lambda: _failed,
-    )
-    _watchdog.start()
-
-
-def _announcing(excepthook):
-    """``excepthook`` that first tells the peers this process dies of an uncaught error,
-    so that they stop waiting for it now rather than after the fault timeout."""
-
-    def hook(kind, value, traceback):
-        if not _failed:
-            last = (str(value).strip().splitlines() or [""])[-1]
-            announce_failure(
-                f"process {jax.process_index()} raised {kind.__name__}: {last}".rstrip(": ")
-            )
-        excepthook(kind, value, traceback)
-
-    return hook
-
-
-def _leave_together() -> None:
-    """At exit: wait for every process (unless the run failed), then disconnect the
-    others before the coordinator's process, which hosts the service they disconnect
-    from (leaving after it aborts a process)."""
-    if _watchdog is not None:
-        _watchdog.stop()
-    failed = _failed or bool(peer_failures())
-    if failed:
-        _keep_runtime_at_exit()
-    client = _client()
-    try:
-        if not failed:
-            client.wait_at_barrier(f"{_PREFIX}exit", int(fault_timeout_seconds() * 1000))
-        if jax.process_index() != 0:
-            jax.distributed.shutdown()
-            return
-        if failed:  # the others are leaving too, or dead (then asking blocks for a heartbeat)
-            time.sleep(1)
-            return
-        deadline = time.monotonic() + 10
-        while (
-            time.monotonic() < deadline
-            and len(client.get_live_nodes(list(range(jax.process_count())))) > 1
-        ):
-            time.sleep(0.05)
-    except Exception:  # leaving anyway; JAX's own shutdown follows
-        pass
-
-
-def _keep_runtime_at_exit() -> None:
-    """Leak one reference to JAX's backend client so that it is never torn down.
-
-    After a failure a transfer stays in flight that the failed peer will never finish,
-    and the client's transfer server waits for it in its destructor, forever (both
-    processes hung there about 1 run in 7 of ``tests/multiprocess/faults.py raise``).
-    The process is leaving; the operating system reclaims what the client holds.
-    """
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(jax.devices()[0].client))
-
-
-def fault_timeout_seconds() -> float:
-    """How long a process waits on another before it fails (see :func:`initialize`)."""
-    if _fault_timeout is not None:
-        return _fault_timeout
-    if ENV_FAULT_TIMEOUT in os.environ:
-        return _number(os.environ[ENV_FAULT_TIMEOUT], ENV_FAULT_TIMEOUT)
-    return DEFAULT_FAULT_TIMEOUT
-
-
-def is_multiprocess() -> bool:
-    """True when this program runs in several processes (``jax.process_count() > 1``)."""
-    return jax.process_count() > 1
-
-
-def _connect_peers() -> None:
-    """Open every process pair's transfer connection now.
-
-    JAX opens the socket between two processes at their first transfer, which waits
-    (about 2 s) for the peer's address; paid inside a first training step, that would
-    look like a slow step. One byte from every process to every other, pair after
-    pair in the same order on every process, those not in a pair too: JAX pairs
-    cross-host transfers by the order processes issue them (a batch mixing sends and
-    receives stalls).
-    """
-    first = {}
-    for d in jax.devices():
-        first.setdefault(d.process_index, d)
-    here = jax.process_index()
-    for src, dst in ((a, b) for a in first for b in first if a != b):
-        sharding = jax.sharding.SingleDeviceSharding(first[src])
-        if src == here:
-            source = jax.device_put(np.zeros((1,), np.uint8), sharding)
-        else:
-            source = jax.make_array_from_single_device_arrays((1,), sharding, [], dtype=np.uint8)
-        jax.block_until_ready(jax.device_put(source, jax.sharding.SingleDeviceSharding(first[dst])))
-
-
-def _free_address(coordinator_host: str) -> str:
-    """``host:port`` with this machine's address towards the coordinator and a free port."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(coordinator_host), 9))
-            host = probe.getsockname()[0]
-    except OSError:
-        host = "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
-
-
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise DistributedError(
-            f"environment variable {name}={value!r} is not an integer."
-        ) from None
-
-
-def _number(value: str, name: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise DistributedError(f"{name}={value!r} is not a number of seconds.") from None
-
-
-def _client():
-    client = compat.distributed_client()
-    if client is None:
+def client():
+    """The ``jax.distributed`` client whose key-value store the processes share."""
+    kv = compat.distributed_client()
+    if kv is None:
         raise DistributedError(
             "jax.distributed is not running; call mpmdc.distributed.initialize() first."
         )
-    return client
+    return kv
 
 
 def announce_failure(message: str, *, culprit: int | None = None, blame: str = "") -> None:
@@ -298,7 +52,7 @@ def announce_failure(message: str, *, culprit: int | None = None, blame: str = "
     _failed = True
     record = {"message": message, "culprit": culprit, "blame": blame}
     try:
-        _client().key_value_set(f"{_PREFIX}failed/{jax.process_index()}", json.dumps(record))
+        client().key_value_set(f"{PREFIX}failed/{jax.process_index()}", json.dumps(record))
     except Exception:  # the store itself may be gone: the peers then time out instead
         pass
     folder = os.environ.get(ENV_FAILURE_DIR)
@@ -311,10 +65,10 @@ def announce_failure(message: str, *, culprit: int | None = None, blame: str = "
         os.replace(path + ".tmp", path)
 
 
-def _announced() -> dict[int, tuple[str, int | None]]:
+def announced() -> dict[int, tuple[str, int | None]]:
     """The run failures processes announced: ``{process: (message, process it blames)}``."""
     try:
-        entries = _client().key_value_dir_get(f"{_PREFIX}failed/")
+        entries = client().key_value_dir_get(f"{PREFIX}failed/")
     except Exception:
         return {}
     found = {}
@@ -327,10 +81,10 @@ def _announced() -> dict[int, tuple[str, int | None]]:
 def peer_failures(exchange: str = "") -> dict[int, str]:
     """``{process: message}`` of the processes that announced a failure (of the whole run,
     or with ``exchange`` also of that one exchange: :func:`announce_exchange_failure`)."""
-    found = {process: message for process, (message, _) in _announced().items()}
+    found = {process: message for process, (message, _) in announced().items()}
     if exchange:
         try:
-            entries = _client().key_value_dir_get(f"{_PREFIX}{exchange}/failed/")
+            entries = client().key_value_dir_get(f"{PREFIX}{exchange}/failed/")
         except Exception:
             entries = []
         found.update({int(key.rsplit("/", 1)[1]): message for key, message in entries})
@@ -342,8 +96,8 @@ def announce_exchange_failure(exchange: str, message: str) -> None:
     there, and why, without failing the run: they raise, naming it, and the run may go on
     (a save that failed on a full disk need not end training)."""
     try:
-        _client().key_value_set(
-            f"{_PREFIX}{exchange}/failed/{jax.process_index()}", message, allow_overwrite=True
+        client().key_value_set(
+            f"{PREFIX}{exchange}/failed/{jax.process_index()}", message, allow_overwrite=True
         )
     except Exception:  # the store itself may be gone: the peers then find it dead
         pass
@@ -357,7 +111,7 @@ def gave_up(what: str, peers, seconds: float, hint: str = "") -> MpmdRuntimeErro
     ends the message."""
     here = jax.process_index()
     peers = tuple(peers)
-    found = watchdog.stuck(_client(), here, peers) if peers else watchdog.Stuck(here, (), what)
+    found = watchdog.stuck(client(), here, peers) if peers else watchdog.Stuck(here, (), what)
     message = f"process {here} stopped waiting for {what}: {found.reason(seconds)}.{hint}"
     if found.process is None:
         announce_failure(message)
@@ -385,7 +139,7 @@ def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, exchange
     (:func:`gave_up`). A ``patient`` wait goes on as long as ``peer`` works on
     ``exchange`` (:func:`mpmdc.watchdog.working_on`): work that may take long, such as
     writing a large checkpoint, is not a hang, but a peer that has not begun it is."""
-    client = _client()
+    kv = client()
     timeout = fault_timeout_seconds()
     last_progress = time.monotonic()
     beat = None
@@ -393,14 +147,14 @@ def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, exchange
     with watchdog.waiting_for(what, (peer,)):
         while True:
             try:
-                return client.blocking_key_value_get(key, 250)
+                return kv.blocking_key_value_get(key, 250)
             except Exception:
                 failure = _failed_peer(what, exchange)
                 if failure is not None:
                     raise failure from None
                 now = time.monotonic()
                 if patient:
-                    seen = watchdog.beating(client, exchange, peer)
+                    seen = watchdog.beating(kv, exchange, peer)
                     if seen != beat:
                         beat, last_progress = seen, now
                 if now - last_progress > timeout:
@@ -410,8 +164,8 @@ def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, exchange
 def offer_agreement(topic: str, entries: list[tuple[str, str]]) -> None:
     """Publish this process's ``entries`` for :func:`check_agreement` on ``topic``, without
     waiting for anyone (so the peers' checks can go on before this process comes to its)."""
-    _client().key_value_set(
-        f"{_PREFIX}agree/{topic}/{jax.process_index()}", json.dumps(entries), allow_overwrite=True
+    client().key_value_set(
+        f"{PREFIX}agree/{topic}/{jax.process_index()}", json.dumps(entries), allow_overwrite=True
     )
 
 
@@ -433,9 +187,7 @@ def check_agreement(
         if peer == here:
             continue
         theirs = json.loads(
-            _wait_for(
-                f"{_PREFIX}agree/{topic}/{peer}", peer, f"{what} ({topic})", exchange=exchange
-            )
+            _wait_for(f"{PREFIX}agree/{topic}/{peer}", peer, f"{what} ({topic})", exchange=exchange)
         )
         mine = [tuple(e) for e in entries]
         theirs = [tuple(e) for e in theirs]
@@ -475,12 +227,12 @@ def fetch(tree):
         return jax.tree_util.tree_unflatten(
             treedef, [np.asarray(jax.device_get(x)) for x in leaves]
         )
-    client = _client()
+    kv = client()
     # Named by the leaves' paths and types: a treedef's text can hold addresses of
     # functions (``Partial``, modules' fields), different in every process.
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     about = topic("fetch", repr(paths) + repr([jax.typeof(x) for x in leaves]))
-    prefix = f"{_PREFIX}{about}"
+    prefix = f"{PREFIX}{about}"
     timeout_ms = int(fault_timeout_seconds() * 1000)
     everyone = set(range(jax.process_count()))
     written = []
@@ -492,7 +244,7 @@ def fetch(tree):
         for shard in x.addressable_shards:
             key = f"{prefix}/{k}/{_index_text(shard.index, x.shape)}"
             if key not in written:
-                client.key_value_set_bytes(
+                kv.key_value_set_bytes(
                     key,
                     np.ascontiguousarray(np.asarray(shard.data)).tobytes(),
                     allow_overwrite=True,
@@ -512,7 +264,7 @@ def fetch(tree):
         for text, index in indices.items():
             try:
                 with watchdog.waiting_for(what, owners):
-                    data = client.blocking_key_value_get_bytes(f"{prefix}/{k}/{text}", timeout_ms)
+                    data = kv.blocking_key_value_get_bytes(f"{prefix}/{k}/{text}", timeout_ms)
             except Exception:
                 raise _failed_peer(what) or gave_up(
                     what,
@@ -526,7 +278,7 @@ def fetch(tree):
         barrier(about)
     finally:
         for key in written:
-            client.key_value_delete(key)
+            kv.key_value_delete(key)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -562,7 +314,7 @@ def barrier(topic: str) -> None:
     what = f"the other processes at {topic}"
     try:
         with watchdog.waiting_for(what, others):
-            _client().wait_at_barrier(f"{_PREFIX}{topic}", int(fault_timeout_seconds() * 1000))
+            client().wait_at_barrier(f"{PREFIX}{topic}", int(fault_timeout_seconds() * 1000))
     except Exception:
         raise _failed_peer(what) or gave_up(what, others, fault_timeout_seconds()) from None
 
@@ -576,13 +328,13 @@ def rendezvous(
     instead of at the fault timeout. ``what`` says what is waited for, for the error;
     ``patient`` waits as long as the peers answer (see :func:`_wait_for`). Returns the
     ``value`` each process brought, by process."""
-    client = _client()
+    kv = client()
     here = jax.process_index()
-    client.key_value_set(f"{_PREFIX}meet/{topic}/{here}", value)
+    kv.key_value_set(f"{PREFIX}meet/{topic}/{here}", value)
     values = {here: value}
     for peer in range(jax.process_count()):
         if peer != here:
-            key = f"{_PREFIX}meet/{topic}/{peer}"
+            key = f"{PREFIX}meet/{topic}/{peer}"
             values[peer] = _wait_for(key, peer, what, patient=patient, exchange=exchange)
     return values
 
@@ -591,11 +343,11 @@ def forget(topic: str) -> None:
     """Delete this process's keys of a :func:`rendezvous` on ``topic`` and of a
     :func:`check_agreement` on it, once every process is past them (the key-value store
     keeps what is not deleted for the whole run)."""
-    client = _client()
+    kv = client()
     here = jax.process_index()
-    for key in (f"{_PREFIX}meet/{topic}/{here}", f"{_PREFIX}agree/{topic}/{here}"):
+    for key in (f"{PREFIX}meet/{topic}/{here}", f"{PREFIX}agree/{topic}/{here}"):
         try:
-            client.key_value_delete(key)
+            kv.key_value_delete(key)
         except Exception:  # nothing there: nothing to forget
             pass
 
@@ -605,21 +357,19 @@ def merge_timelines(topic: str, timeline):
     mesh's row from the first process that measured it."""
     from mpmdc.schedules import Action, Slot, Timeline
 
-    client = _client()
+    kv = client()
     rows = [
         [[str(s.action) if s.action is not None else None, s.start, s.end, s.name] for s in row]
         for row in timeline.meshes
     ]
-    client.key_value_set(f"{_PREFIX}timeline/{topic}/{jax.process_index()}", json.dumps(rows))
+    kv.key_value_set(f"{PREFIX}timeline/{topic}/{jax.process_index()}", json.dumps(rows))
     merged = [[] for _ in rows]
     timeout_ms = int(fault_timeout_seconds() * 1000)
     for peer in range(jax.process_count()):
         what = f"process {peer}'s timeline of {topic}"
         try:
             with watchdog.waiting_for(what, (peer,)):
-                text = client.blocking_key_value_get(
-                    f"{_PREFIX}timeline/{topic}/{peer}", timeout_ms
-                )
+                text = kv.blocking_key_value_get(f"{PREFIX}timeline/{topic}/{peer}", timeout_ms)
         except Exception:
             raise _failed_peer(what) or gave_up(what, (peer,), fault_timeout_seconds()) from None
         theirs = json.loads(text)
