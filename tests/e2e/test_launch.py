@@ -53,8 +53,9 @@ def test_a_run_that_always_fails_ends_after_its_restarts_with_each_cause_printed
 
 def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
     code = "import time; time.sleep(0.3); raise SystemExit(1)"
-    status = launch([sys.executable, "-c", code], 2, grace=0.1, timeout=2, max_restarts=1000)
+    # (5 s leaves room for a first failure on a loaded machine; each round takes ~0.4 s.)
+    status = launch([sys.executable, "-c", code], 2, grace=0.1, timeout=5, max_restarts=1000)
     err = capsys.readouterr().err
     assert status == 124
-    assert "mpmdc launch: timed out after 2 seconds" in err
-    assert 1 <= err.count("starting every process again") < 20, err
+    assert "mpmdc launch: timed out after 5 seconds" in err
+    assert 1 <= err.count("starting every process again") < 50, err

@@ -187,8 +187,8 @@ def test_processes_meet_on_a_functions_qualified_name_seen_through_partials():
     and qualified name, the same in every process (a ``partial``'s is its function's)."""
     import functools
 
-    from mpmdc.api import _qualified_name
+    from mpmdc.signatures import qualified_name
 
     name = f"{__name__}._named_for_processes"
-    assert _qualified_name(_named_for_processes) == name
-    assert _qualified_name(functools.partial(_named_for_processes, scale=2)) == name
+    assert qualified_name(_named_for_processes) == name
+    assert qualified_name(functools.partial(_named_for_processes, scale=2)) == name
