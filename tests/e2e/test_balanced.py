@@ -27,6 +27,7 @@ def assert_bitwise(got, want):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+@pytest.mark.slow
 def test_balanced_mlp_runs_like_jit_with_the_grouping_shown(meshes4):
     params = init_params(jax.random.key(0), WIDTHS)
     step = mpmdc.compile(mlp_step, meshes4, partition="balanced")
@@ -64,6 +65,7 @@ def test_without_balancing_the_plan_is_none(meshes4):
     assert mpmdc.compile(mlp_step, meshes4).lower(params, *mlp_data()).stage_plan is None
 
 
+@pytest.mark.slow
 def test_two_stages_per_mesh_schedules_get_twice_the_stages(meshes4):
     params = init_params(jax.random.key(0), [16] + [32] * 11 + [8])  # 12 segments
     lowered = mpmdc.compile(
@@ -158,6 +160,7 @@ def v_heavy_head_loss(ws, x, y):
     return jnp.mean((x - y) ** 2)
 
 
+@pytest.mark.slow
 def test_under_a_v_schedule_balancing_evens_the_meshes_totals(meshes4):
     """Mesh 0 runs stage 0 and stage 7, which holds the head: it gets just the first and
     the last segment, and no mesh is slower than it, which it cannot help being: the

@@ -122,6 +122,7 @@ def executables(step) -> int:
     return step.cache_info().misses
 
 
+@pytest.mark.slow
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(pipelined, saved):
     step, state = pipelined
     restored = restore(saved, target_of(state, input_shardings(step, state)))
@@ -212,6 +213,7 @@ def layout_shardings(kind, state):
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.slow
 def test_restore_onto_another_layout_moves_the_values_unchanged(pipelined, saved, kind):
     _, state = pipelined
     with warnings.catch_warnings(record=True) as caught:
@@ -625,6 +627,7 @@ def test_errors_name_the_leaf_and_the_directory(tmp_path, case):
         assert os.listdir(tmp_path / "folder") == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_the_manager_keeps_the_newest_steps_and_saves_while_the_next_step_runs(
     pipelined, saved, tmp_path
 ):

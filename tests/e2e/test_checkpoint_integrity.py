@@ -132,6 +132,7 @@ RACING_PROCESS = textwrap.dedent(
 
 
 @pytest.mark.parametrize("lock", ["folder lock", "lock file"])
+@pytest.mark.slow
 def test_of_two_processes_saving_to_one_new_directory_exactly_one_commits(tmp_path, lock):
     """Two jobs (separate processes, as a zombie job and its restart) race to the same
     checkpoints: in every trial exactly one save returns, and its values are there; with
@@ -459,6 +460,7 @@ def as_unprivileged(directory) -> str:
     return done.stdout.decode()
 
 
+@pytest.mark.slow
 def test_files_this_process_may_not_read_say_permission_denied(tmp_path):
     save(tmp_path / "c", tree_of(1))
     os.chmod(tmp_path / "c" / "zarr.json", 0o000)

@@ -156,6 +156,7 @@ def scaled_mlp_loss(ws, x):
 # The scaled one has a scalar literal JAX keeps as an array, which cannot be hashed:
 # each stage's is its own object, and keyed by identity they kept the stages apart.
 @pytest.mark.parametrize("loss", [mlp_loss, scaled_mlp_loss], ids=["plain", "with-literal"])
+@pytest.mark.slow
 def test_a_stage_repeated_on_meshes_of_one_shape_is_compiled_once(meshes4, monkeypatch, loss):
     """Stages 0-2 are one body (tanh of a matmul) on three meshes of one shape: XLA
     compiles it once, and the other two meshes load that executable onto their devices,
@@ -248,6 +249,7 @@ print(events.get("/jax/compilation_cache/compile_requests_use_cache", 0),
 """
 
 
+@pytest.mark.slow
 def test_the_persistent_compilation_cache_serves_every_fragment(tmp_path):
     """JAX's persistent cache keys each fragment's module and devices: a second process
     finds every one of its compiles there (no executable is shared across meshes when
@@ -303,6 +305,7 @@ def test_an_argument_already_where_it_runs_is_not_copied():
     np.testing.assert_array_equal(doubled, 2 * X)
 
 
+@pytest.mark.slow
 def test_demo_matches_jit():
     from mpmdc.cli.demo import run
 

@@ -140,6 +140,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.slow
 def test_optax_optimizers_keep_their_state_with_its_parameter(meshes2, name):
     optimizer = OPTIMIZERS[name]()
     params = init(jax.random.key(0), stages=2)
@@ -172,6 +173,7 @@ class LinenResidual(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_linen_model_through_apply(meshes4):
     model = LinenResidual()
     x, y = batch()

@@ -7,6 +7,8 @@ restarted from its checkpoint is in ``tests/multiprocess/test_checkpoints.py``."
 import re
 import sys
 
+import pytest
+
 from mpmdc.cli.launch import launch
 
 SAYS_ATTEMPT = (
@@ -51,6 +53,7 @@ def test_a_run_that_always_fails_ends_after_its_restarts_with_each_cause_printed
     assert re.findall(r"^\[0\] attempt (\d)", out, re.M) == ["0", "1", "2"]
 
 
+@pytest.mark.slow
 def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
     code = "import time; time.sleep(0.3); raise SystemExit(1)"
     # (5 s leaves room for a first failure on a loaded machine; each round takes ~0.4 s.)

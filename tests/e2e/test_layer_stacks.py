@@ -181,6 +181,7 @@ SETUPS = {
     "kind",
     [pytest.param(k, marks=pytest.mark.slow) if k == "nn.scan" else k for k in SETUPS],
 )
+@pytest.mark.slow
 def test_a_scanned_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(meshes4, kind):
     params, loss = SETUPS[kind]()
     step = training_step(loss)
@@ -198,6 +199,7 @@ def test_a_scanned_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(m
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.slow
 def test_every_schedule_runs_a_scanned_stack(meshes4, schedule):
     step = training_step(lax_loss, schedule=schedule)
     got = run_steps(mpmdc.compile(step, meshes4), lax_params(), steps=1)
@@ -205,6 +207,7 @@ def test_every_schedule_runs_a_scanned_stack(meshes4, schedule):
     assert largest_difference(got, want) < ATOL
 
 
+@pytest.mark.slow
 def test_results_fed_back_move_nothing_and_compile_nothing(meshes4):
     step = mpmdc.compile(training_step(lax_loss), meshes4)
     params = lax_params()
@@ -220,6 +223,7 @@ def test_results_fed_back_move_nothing_and_compile_nothing(meshes4):
     assert again["layers"]["w1"].sharding == params["layers"]["w1"].sharding
 
 
+@pytest.mark.slow
 def test_only_the_carry_its_cotangent_and_scalars_cross_and_activations_wait_as_1f1b_says(
     meshes4,
 ):
@@ -278,6 +282,7 @@ def _mixed_meshes():
         pytest.param("meshes of different shapes", 2, "1f1b", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     meshes4, layout, every, schedule
 ):
@@ -315,6 +320,7 @@ def test_a_warning_about_an_nnx_scan_names_the_models_line_not_flaxs(meshes4):
     assert "flax" not in message
 
 
+@pytest.mark.slow
 def test_remat_dropout_keys_and_tensor_parallel_specs_inside_the_body():
     meshes = mpmdc.make_meshes(2, {"model": 2})
     params = lax_params(layers=4)
@@ -351,6 +357,7 @@ def test_remat_dropout_keys_and_tensor_parallel_specs_inside_the_body():
     assert w1.sharding.spec == jax.P("stages", None, "model")
 
 
+@pytest.mark.slow
 def test_lowering_does_not_grow_with_depth(meshes4):
     sizes = []
     for layers in (8, 64):
@@ -393,6 +400,7 @@ def test_markers_that_disagree_or_nest_name_the_scan(meshes4):
         mpmdc.compile(nested, meshes4).lower(jnp.ones((2, 4, 4, 4)), jnp.ones((2, 4)))
 
 
+@pytest.mark.slow
 def test_a_mask_built_from_constants_is_built_on_every_mesh_not_sent(meshes4):
     """A causal mask made in the body by ``jnp.where`` (a jitted helper reading only
     constants, which JAX hoists out of the scan) is recomputed on each stage's mesh; only
@@ -512,6 +520,7 @@ def test_a_stack_of_no_layers_runs_whole_as_under_jit(meshes2, microbatches):
     assert_same_tree(got, jax.jit(step)(params, x))
 
 
+@pytest.mark.slow
 def test_a_stack_of_no_layers_after_marked_stages_stays_in_the_stage_of_its_carry(meshes2):
     """Between marked stages, with its iterations balanced or counted: the empty scan
     has no groups to regroup and runs in the stage its carry comes from."""

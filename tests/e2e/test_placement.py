@@ -87,6 +87,7 @@ def stage_mesh_of_leaves(tree, params):
     "name,microbatches",
     [("sgd+clip", None), ("adamw", None), ("clip+adamw", 4), ("sgd", 4)],
 )
+@pytest.mark.slow
 def test_parameters_and_optimizer_state_stay_on_their_stage_mesh(meshes4, name, microbatches):
     opt = OPTIMIZERS[name]()
     params = init(jax.random.key(0))
@@ -238,6 +239,7 @@ BEFORE_FIRST_MARKER = {
 
 
 @pytest.mark.parametrize("before", list(BEFORE_FIRST_MARKER))
+@pytest.mark.slow
 def test_a_tied_embedding_lives_updates_and_returns_where_the_lookup_is(meshes4, before):
     """An embedding the first stage looks up and the last stage reads again as the output
     projection (a tied weight, as in Gemma, T5 or PaLM), whatever elementwise work sits
@@ -294,6 +296,7 @@ def test_a_tied_embedding_lives_updates_and_returns_where_the_lookup_is(meshes4,
 
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["per-layer", "scanned"])
+@pytest.mark.slow
 def test_masks_and_position_tables_from_each_microbatchs_tokens_are_built_where_used(
     meshes4, scanned
 ):

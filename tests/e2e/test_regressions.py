@@ -201,6 +201,7 @@ def test_a_new_weak_type_is_a_new_signature():
         assert_same_array(got, want)
 
 
+@pytest.mark.slow
 def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
     """``jax.random.key`` arrays work as arguments, outputs, across transfers, in ``lower``
     with ``ShapeDtypeStruct``s and in ``accumulate``'s ``xs``, with no ``TypeError:

@@ -68,6 +68,7 @@ def test_a_checkpoint_around_the_stages_remats_each_stage_as_one_around_each_sta
 @pytest.mark.parametrize(
     "policy", [jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.everything_saveable]
 )
+@pytest.mark.slow
 def test_the_checkpoint_policy_decides_what_each_stage_saves(meshes2, policy):
     saving = peaks(markers_inside(policy), meshes2)
     assert all(s > i for s, i in zip(saving, peaks(markers_inside(), meshes2)))

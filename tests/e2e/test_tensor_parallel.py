@@ -114,6 +114,7 @@ def test_in_specs_given_come_back_as_given(tp_meshes):
 @pytest.mark.parametrize(
     "layout", ["committed", "in_specs", "uncommitted", "placed_by_recipe", "placed_by_compiled"]
 )
+@pytest.mark.slow
 def test_a_training_loop_compiles_once(tp_meshes, layout):
     params, (x, y) = _params(2), _batch()
     in_specs = None
@@ -183,6 +184,7 @@ def _accumulated_step(params, opt_state, x, y):
     return loss, optax.apply_updates(params, updates), opt_state
 
 
+@pytest.mark.slow
 def test_gradients_accumulated_over_microbatches_keep_their_specs(tp_meshes):
     """The running gradient sums of a rolled loop carry the gradients' tensor-parallel
     specs from one microbatch to the next; each microbatch's fragments share one

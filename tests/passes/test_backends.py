@@ -147,6 +147,7 @@ print("compiled fragments:", len(mpmdc_counting_backend.COMPILED))
 """
 
 
+@pytest.mark.slow
 def test_backend_from_an_entry_point_of_another_package(tmp_path):
     _plugin_dist(tmp_path)
     env = {"PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}

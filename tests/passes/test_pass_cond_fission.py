@@ -163,6 +163,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", [*OPTIMIZERS, "skip_step"])
+@pytest.mark.slow
 def test_each_stage_keeps_its_state_whatever_the_optimizer(meshes4, name):
     params = [{"w": jnp.eye(8) * 0.1 * (i + 1), "b": jnp.full((8,), 0.01 * i)} for i in range(4)]
     x = jnp.linspace(-1, 1, 32).reshape(4, 8)

@@ -62,6 +62,7 @@ def pieces_of(program, args):
     return out
 
 
+@pytest.mark.slow
 def test_stacked_inputs_results_and_state_are_held_in_pieces(meshes4):
     moment = jnp.zeros_like(WS)
     before, after = sliced(adam_like_step, meshes4, WS, moment, X)

@@ -48,6 +48,7 @@ def test_the_lru_drops_the_least_recently_used_signature_and_keeps_reused_ones(m
 
 
 @pytest.mark.parametrize("clear", ["step.clear_cache()", "jax.clear_caches()"])
+@pytest.mark.slow
 def test_clearing_drops_every_executable_and_the_next_call_compiles_as_jit(meshes2, clear):
     step = mpmdc.compile(STEP, meshes2)
     x = batch(4)

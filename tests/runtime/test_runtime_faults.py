@@ -71,6 +71,7 @@ def reference(step):
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 @pytest.mark.parametrize("timed", [False, True])
+@pytest.mark.slow
 def test_a_failing_fragment_is_named_and_the_next_call_works(meshes2, timed, failure, monkeypatch):
     # JAX logs the callback's exception; pytest keeps log records, and a record's
     # traceback keeps the failed call's arguments alive, which would count as a leak.

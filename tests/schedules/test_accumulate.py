@@ -17,6 +17,7 @@ from mpmdc.cli.demo import init_params
 from mpmdc.errors import AccumulateError, ScheduleError
 
 
+@pytest.mark.slow
 def test_under_jit_it_is_the_per_microbatch_loop():
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
     assert_trees_close(
@@ -239,6 +240,7 @@ def test_a_batch_computed_inside_the_step(meshes2, schedule):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.slow
 def test_each_microbatchs_loss_stacked_beside_the_gradients(meshes2, schedule):
     """A loss broadcast to be stacked (``reduce="concat"`` of ``loss[None]``) is computed
     in the loop's iteration, where the loss is, not after it."""

@@ -133,6 +133,7 @@ def step_with(schedule):
     return step
 
 
+@pytest.mark.slow
 def test_auto_runs_like_jit_and_says_what_it_chose(meshes4):
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
     step = mpmdc.compile(step_with("auto"), meshes4)
@@ -280,6 +281,7 @@ def test_the_memory_of_a_placement_counts_what_its_stages_hold():
 
 
 @pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 4), ("zb-v", 8), ("gpipe", 4)])
+@pytest.mark.slow
 def test_predicted_activation_peaks_are_close_to_compiled_memory(schedule, stages, meshes4):
     """What a memory cap is compared with: each stage's kept forward values (its own and
     those it received) times the microbatches the schedule holds, against the measured

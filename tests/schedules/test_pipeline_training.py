@@ -69,6 +69,7 @@ def run_sgd(schedule, meshes, cache):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.slow
 def test_sgd_step_matches_the_hand_written_loop(schedule, meshes4, sgd_runs):
     params, _, _, (loss, new_params) = run_sgd(schedule, meshes4, sgd_runs)
     want = jax.jit(hand_written_sgd_step)(params, *mlp_data())
@@ -274,6 +275,7 @@ def remat_tied_loss(ws, x, y):
 
 
 @pytest.mark.parametrize("schedule", ["zb-h2", "zb-v", "dualpipev"])
+@pytest.mark.slow
 def test_new_schedules_keep_remat_and_tied_weights_equal_to_jit(schedule, meshes4):
     stages = 8 if schedule in TWO_STAGES_PER_MESH else 4
     ws = [jax.random.normal(jax.random.key(i), (16, 16)) * 0.4 for i in range(stages)]
@@ -369,6 +371,7 @@ def test_eight_stages_on_four_meshes_need_the_interleaved_schedule(meshes4):
 
 
 @pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+@pytest.mark.slow
 def test_v_schedules_place_their_stages_and_refuse_a_placement_they_cannot_run(schedule, meshes4):
     """Without stage_to_mesh the V schedules put stages s and 7-s on mesh s; a
     stage_to_mesh of the same V is the same program; another is refused, naming the V,
@@ -391,6 +394,7 @@ def test_v_schedules_place_their_stages_and_refuse_a_placement_they_cannot_run(s
         mpmdc.compile(step, meshes4).lower(four_stages, *mlp_data())
 
 
+@pytest.mark.slow
 def test_a_layout_change_is_a_compile_argument_not_a_model_edit(meshes4, meshes2):
     """The same step (its accumulate names 1f1b) on 4 meshes, and on 2 with two stages
     each by compile's ``schedule=``: both jax.jit's numbers, bit for bit."""
@@ -408,6 +412,7 @@ def test_a_layout_change_is_a_compile_argument_not_a_model_edit(meshes4, meshes2
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", mpmdc.schedules.GPipe()])
+@pytest.mark.slow
 def test_compiles_schedule_wins_over_accumulates(meshes2, schedule):
     # 1f1b (named in the step) refuses two stages per mesh; gpipe runs them.
     params = init_params(jax.random.key(0), widths("1f1b"))

@@ -61,6 +61,7 @@ MESHES_AND_MICROBATCHES = [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 16), (6, 
 
 @pytest.mark.parametrize("name", sorted(FORMULA_HOLDS))
 @pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
+@pytest.mark.slow
 def test_steady_bubble_is_the_published_formula(name, p, m):
     """Steps back to back, each mesh idles per step what the schedule's paper says."""
     if name == "interleaved-1f1b" and m % p:
