@@ -143,7 +143,7 @@ def launch(
         if status == 0 or restart == max_restarts:
             return status
         if deadline is not None and time.monotonic() > deadline:
-            print(f"mpmdc launch: timed out after {timeout:g} s", file=err)
+            print(f"mpmdc launch: timed out after {_seconds(timeout)}", file=err)
             return EXIT_TIMEOUT
         restart += 1
         print(
