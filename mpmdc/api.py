@@ -10,7 +10,6 @@ not retrace.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,13 +17,10 @@ from typing import Any
 
 import jax
 
-from mpmdc import backends, schedules
-from mpmdc.balancing import balanced, wants_balancing
+from mpmdc import backends
 from mpmdc.errors import AccumulateError, IdleMeshWarning, PassError
-from mpmdc.estimates import pipeline_of
-from mpmdc.ir.layers import layer_stages
-from mpmdc.ir.primitives import fragment_p, is_marker
-from mpmdc.ir.program import Phase, Program, find_eqns
+from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.program import Phase, PlanRequest, Program
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.options import CompileOptions
 from mpmdc.passes import FunctionPass
@@ -34,7 +30,9 @@ from mpmdc.pipeline import (
     resolve,
     run_pipeline,
     stage_name,
+    with_plan,
 )
+from mpmdc.planning.balancing import wants_balancing
 from mpmdc.runtime.arguments import committed_mesh
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled
@@ -54,28 +52,6 @@ from mpmdc.signatures import (
     signature_key,
     split_args,
 )
-
-
-def _planned(program: Program, schedule, microbatches: int, choice=None) -> Program:
-    """``program`` with ``schedule`` run on the layout its stage markers make: the mesh of
-    each stage (``stage_to_mesh``, else the schedule's own placement, else stage ``s`` on
-    mesh ``s mod M``; a ``StageError`` names the marker of a stage without one) and each
-    mesh's actions, as the plain data the program holds."""
-    markers: dict = {}
-    for eqn in find_eqns(program.jaxpr.jaxpr.eqns, is_marker):
-        markers.setdefault(eqn.params["stage"], eqn)
-    stages = max([*markers, *layer_stages(program.jaxpr.jaxpr.eqns)], default=0) + 1
-    if program.stage_to_mesh is None:
-        placement = schedule.placement(stages, len(program.meshes))
-        if placement is not None:
-            program = program.replace(stage_to_mesh=placement)
-    for stage, marker in sorted(markers.items()):
-        program.mesh_of_stage(stage, marker)
-    layout = schedules.Layout.make(
-        stages, microbatches, tuple(map(program.mesh_of_stage, range(stages)))
-    )
-    plan = schedules.loop_schedule(schedule, layout)
-    return program.replace(schedule=dataclasses.replace(plan, choice=choice))
 
 
 def _through_passes(program: Program, passes, signature, trace_seconds: float) -> Lowered:
@@ -140,7 +116,7 @@ class Lowered:
         ``mpmdc.ir.program.ScheduleChoice``: its predicted step time, bubble and peak
         activation memory per mesh, and every candidate's step time), ``None`` for a
         schedule given outright."""
-        plan = self.program(self._order[0]).schedule
+        plan = self._planned().schedule
         return None if plan is None else plan.choice
 
     @property
@@ -148,7 +124,11 @@ class Lowered:
         """How ``partition="balanced"`` grouped the marked segments into stages (an
         ``mpmdc.ir.program.StagePlan``: each stage's segments and predicted time), ``None``
         for a program not balanced."""
-        return self.program(self._order[0]).stage_plan
+        return self._planned().stage_plan
+
+    def _planned(self) -> Program:
+        """The first program the ``plan`` pass had planned."""
+        return next(p for p in map(self.program, self._order) if p.phase >= Phase.PLANNED)
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -179,7 +159,7 @@ class Lowered:
         ``name{option=value}`` texts, one comma-separated text, or pass objects."""
         return _through_passes(
             self.program("input"),
-            resolve(passes, self.program("input").backend),
+            with_plan(resolve(passes, self.program("input").backend)),
             self.signature,
             self.seconds.get("input", 0.0),
         )
@@ -421,17 +401,13 @@ class Wrapped:
             microbatches=loop.microbatches if loop else None,
             arg_meshes=arg_meshes if any(m is not None for m in arg_meshes) else None,
         )
-        schedule = (options.schedule or loop.schedule) if loop else None
-        choosing = isinstance(schedule, schedules.Chooser)
-        if wants_balancing(program, options.partition):
-            # A chooser's stages are one per mesh, balanced as for 1F1B's memory.
-            program = balanced(program, schedules.OneFOneB() if choosing else schedule)
-        if loop:
-            choice = None
-            if choosing:
-                pipeline = pipeline_of(program, schedule, loop.microbatches)
-                schedule, choice = schedule.choose(pipeline)
-            program = _planned(program, schedule, loop.microbatches, choice)
+        # What the ``plan`` pass decides: the first of the pipeline.
+        request = PlanRequest(
+            schedule=(options.schedule or loop.schedule) if loop else None,
+            balanced=wants_balancing(program, options.partition),
+        )
+        if request != PlanRequest():
+            program = program.replace(plan_request=request)
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         signature = Signature(
             in_tree=in_tree,

@@ -19,7 +19,7 @@ import numpy as np
 from mpmdc import backends, schedules
 from mpmdc.errors import ArgumentError, StageError
 from mpmdc.ir.primitives import BALANCED
-from mpmdc.pipeline import Pass, resolve
+from mpmdc.pipeline import Pass, resolve, with_plan
 from mpmdc.runtime.executable_cache import DEFAULT_CACHE_SIZE
 from mpmdc.runtime.meshes import check_meshes
 
@@ -115,7 +115,7 @@ class CompileOptions:
             schedule=schedule,
             partition=partition,
             backend=backend,
-            passes=tuple(resolve(passes, backend)),
+            passes=tuple(with_plan(resolve(passes, backend))),
             cache_size=_checked_cache_size(cache_size),
             positional=tuple(_positional_names(params)),
             static_by_name=static_by_name,

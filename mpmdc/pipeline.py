@@ -18,7 +18,7 @@ from mpmdc import backends
 from mpmdc._text import split_top_level
 from mpmdc.errors import InternalError, MpmdcError, PassError
 from mpmdc.ir.program import Phase, Program
-from mpmdc.passes import PASSES, Property, pass_from_text
+from mpmdc.passes import PASSES, FunctionPass, Property, pass_from_text
 from mpmdc.passes.vma_typecheck import verify as verify_program
 
 
@@ -37,6 +37,7 @@ class Pass(Protocol):
 
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
+    "plan",  # first: the stages and schedule every later pass works to
     "inline",  # first: markers hidden in nested jit/custom_vjp calls must be visible
     "split-scans",  # needs top-level scans; a stage per group of a layer stack's iterations
     "slice-stacks",  # needs the per-stage scans: stacked values held as one piece per stage
@@ -66,10 +67,13 @@ def stage_name(pass_name: str) -> str:
     return "stablehlo" if pass_name == "lower" else f"after-{pass_name}"
 
 
-def stage_names(passes: Iterable[str | Pass] | str | None) -> tuple[str, ...]:
-    """The dump stages a pipeline of ``passes`` (as :func:`resolve` takes them) gives,
-    known without running it: ``input``, then one per pass."""
-    return ("input", *(stage_name(p.name) for p in resolve(passes)))
+def stage_names(
+    passes: Iterable[str | Pass] | str | None, backend: str | None = None
+) -> tuple[str, ...]:
+    """The dump stages a pipeline of ``passes`` (as :func:`resolve` takes them, for
+    ``backend``) gives a traced program, known without running it: ``input``, then one
+    per pass of :func:`with_plan`'s pipeline."""
+    return ("input", *(stage_name(p.name) for p in with_plan(resolve(passes, backend))))
 
 
 def resolve(passes: Iterable[str | Pass] | str | None, backend: str | None = None) -> list[Pass]:
@@ -81,6 +85,32 @@ def resolve(passes: Iterable[str | Pass] | str | None, backend: str | None = Non
     elif isinstance(passes, str):
         passes = _split_pipeline_text(passes)
     return [pass_from_text(p) if isinstance(p, str) else p for p in passes]
+
+
+def with_plan(passes: list[Pass]) -> list[Pass]:
+    """``passes`` as they run on a traced program: the ``plan`` pass first where they lack
+    it (every later pass works to the stages and schedule it decides), and its trial run
+    (its option ``through``, where not given) their own passes from it up to ``split``."""
+    passes = list(passes)
+    if not any(p.name == "plan" for p in passes):
+        passes.insert(0, PASSES["plan"])
+    i = next(i for i, p in enumerate(passes) if p.name == "plan")
+    first = passes[i]
+    ends = [j for j in range(i + 1, len(passes)) if passes[j].name == "split"]
+    if not isinstance(first, FunctionPass) or "through" in dict(first.options) or not ends:
+        return passes
+    through = tuple(map(_as_text, passes[i + 1 : ends[0] + 1]))
+    if through != first.body.__kwdefaults__["through"]:
+        passes[i] = first.with_options(through=through)
+    return passes
+
+
+def _as_text(p: Pass) -> str | Pass:
+    """A registered pass as its text (``lower{backend=tpu}``); any other as it is."""
+    registered = PASSES.get(p.name)
+    if isinstance(p, FunctionPass) and registered is not None and registered.body is p.body:
+        return str(p)
+    return p
 
 
 def _split_pipeline_text(text: str) -> list[str]:
@@ -158,20 +188,24 @@ def run_pipeline(
 # The properties a program of each phase has (``scheduled`` also without a schedule).
 _PHASE_PROPERTIES: dict[Phase, frozenset[Property]] = {
     Phase.TRACED: frozenset(),
-    Phase.PLACED: frozenset({Property.INLINED, Property.PLACED}),
-    Phase.SPLIT: frozenset({Property.INLINED, Property.SPLIT}),
-    Phase.SCHEDULED: frozenset({Property.INLINED, Property.SPLIT, Property.SCHEDULED}),
+    Phase.PLANNED: frozenset({Property.PLANNED}),
+    Phase.PLACED: frozenset({Property.PLANNED, Property.INLINED, Property.PLACED}),
+    Phase.SPLIT: frozenset({Property.PLANNED, Property.INLINED, Property.SPLIT}),
+    Phase.SCHEDULED: frozenset(
+        {Property.PLANNED, Property.INLINED, Property.SPLIT, Property.SCHEDULED}
+    ),
     Phase.LOWERED: frozenset(
-        {Property.INLINED, Property.SPLIT, Property.SCHEDULED, Property.LOWERED}
+        {Property.PLANNED, Property.INLINED, Property.SPLIT, Property.SCHEDULED, Property.LOWERED}
     ),
 }
 
 
 def properties_of(program: Program) -> frozenset[Property]:
-    """The properties ``program`` is known to have, from its phase (a traced program
-    has none but ``scheduled`` when it has no schedule to apply)."""
+    """The properties ``program`` is known to have, from its phase (a program with no
+    schedule to apply, neither chosen nor asked for, is ``scheduled`` too)."""
     have = _PHASE_PROPERTIES[program.phase]
-    if program.schedule is None:
+    request = program.plan_request
+    if program.schedule is None and (request is None or request.schedule is None):
         have |= {Property.SCHEDULED}
     return have
 

@@ -17,6 +17,7 @@ from mpmdc.passes.in_program_transfers import in_program_transfers
 from mpmdc.passes.inline import inline
 from mpmdc.passes.lower import lower
 from mpmdc.passes.partition import partition
+from mpmdc.passes.plan import plan
 from mpmdc.passes.schedule import schedule
 from mpmdc.passes.slice_stacks import slice_stacks
 from mpmdc.passes.split import split
@@ -36,6 +37,7 @@ __all__ = [
     "lower",
     "partition",
     "pass_from_text",
+    "plan",
     "register",
     "schedule",
     "slice_stacks",

@@ -35,6 +35,7 @@ _PASS_TEXT = re.compile(r"^\s*([a-z][a-z0-9-]*)\s*(?:\{(.*)\})?\s*$")
 class Property(enum.StrEnum):
     """What a program is known to be between two passes: the terms of pass contracts."""
 
+    PLANNED = "planned"
     INLINED = "inlined"
     SCANS_SPLIT = "scans-split"
     PLACED = "placed"
@@ -50,6 +51,9 @@ class Property(enum.StrEnum):
 
 
 _MEANINGS = {
+    Property.PLANNED: (
+        "the stages grouped and the microbatch loop's schedule chosen, as the program asks"
+    ),
     Property.INLINED: "every stage marker and loop edge at the top level, none in a nested call",
     Property.SCANS_SPLIT: "every scan marked with stage(every=...) cut into one scan per stage",
     Property.PLACED: "every top-level equation placed on a stage, every input and output on a mesh",

@@ -77,6 +77,42 @@ def _with_peer_transfers(eqn, recvs, sends, forwards, renames):
     return eqn.replace(invars=outer_invars, outvars=outvars, params=params, effects=inner.effects)
 
 
+def _between_fragments(eqns, producer, users, x, y, program_outputs) -> bool:
+    """Whether the value ``x`` a transfer moves as ``y`` goes from a fragment to fragments
+    only (read by ``users``): one a send/recv pair can carry."""
+    return (
+        is_var(x)
+        and x in producer
+        and eqns[producer[x]].primitive is fragment_p
+        and y not in program_outputs
+        and bool(users)
+        and all(eqns[u].primitive is fragment_p for u in users)
+    )
+
+
+def transfers_left(program: Program) -> int:
+    """How many values a transfer of ``program`` moves from a fragment to fragments: what
+    this pass makes send/recv pairs (none once it has run)."""
+    eqns = list(program.jaxpr.jaxpr.eqns)
+    producer, readers, _ = def_use(eqns)
+    outputs = {v for v in program.jaxpr.jaxpr.outvars if is_var(v)}
+    return sum(
+        _between_fragments(eqns, producer, readers.get(y, []), x, y, outputs)
+        for eqn in eqns
+        if eqn.primitive is transfer_p
+        for x, y in zip(eqn.invars, eqn.outvars)
+    )
+
+
+def has_peer_transfers(program: Program) -> bool:
+    """Whether a fragment of ``program`` sends or receives a value itself."""
+    return any(
+        peer_transfer_effect in eqn.effects
+        for eqn in program.jaxpr.jaxpr.eqns
+        if eqn.primitive is fragment_p
+    )
+
+
 @register(
     "in-program-transfers",
     "replace fragment-to-fragment transfers by send/recv pairs with channel ids",
@@ -99,15 +135,7 @@ def in_program_transfers(program: Program) -> Program:
         src, dst = eqn.params["src"], eqn.params["dst"]
         for x, y, spec in zip(eqn.invars, eqn.outvars, eqn.params["dst_specs"]):
             users = readers.get(y, [])
-            movable = (
-                is_var(x)
-                and x in producer
-                and eqns[producer[x]].primitive is fragment_p
-                and y not in program_outputs
-                and bool(users)
-                and all(eqns[u].primitive is fragment_p for u in users)
-            )
-            if not movable:
+            if not _between_fragments(eqns, producer, users, x, y, program_outputs):
                 continue
             channel = {"channel": next(channels), "src": src, "dst": dst}
             f = producer[x]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from mpmdc.lowering import lower_fragment
 from mpmdc.passes.base import Property, register
+from mpmdc.passes.in_program_transfers import has_peer_transfers, transfers_left
 
 from mpmdc import backends
 from mpmdc.errors import PassError
@@ -60,6 +61,19 @@ def lower(
             "the `lower` pass needs the microbatch loop stamped out; run `schedule` before it."
         )
     chosen = backends.get(backend or program.backend)
+    in_program = chosen.transfers is backends.TransferMode.IN_PROGRAM
+    if in_program and transfers_left(program):
+        raise PassError(
+            f"backend {chosen.name!r} moves values between meshes inside its programs, but "
+            f"{transfers_left(program)} value(s) still move by `transfer`: run "
+            f"`in-program-transfers` right before `lower` (its default pipeline does)."
+        )
+    if not in_program and has_peer_transfers(program):
+        raise PassError(
+            f"backend {chosen.name!r} moves values between meshes outside its programs, but "
+            f"the program's fragments send and receive them (`in-program-transfers` ran): "
+            f"leave that pass out for this backend."
+        )
     lowerings, module_keys = {}, []
     forms = program_spec_forms(program)
     for eqn in program.jaxpr.jaxpr.eqns:

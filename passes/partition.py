@@ -789,7 +789,7 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> Non
 @register(
     "partition",
     "place every equation on a stage and mesh",
-    requires={Property.INLINED},
+    requires={Property.PLANNED, Property.INLINED},
     produces={Property.PLACED},
 )
 def partition(program: Program) -> Program:

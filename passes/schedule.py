@@ -78,7 +78,7 @@ def _ordered(eqns, start: dict[Action, float]):
 @register(
     "schedule",
     "stamp the microbatch loop out and order fragment calls by the schedule",
-    requires={Property.SPLIT},
+    requires={Property.PLANNED, Property.SPLIT},
     produces={Property.SCHEDULED},
 )
 def schedule(program: Program) -> Program:

@@ -150,7 +150,7 @@ def _split_stages(program: Program) -> dict[int, set]:
 @register(
     "split-backward",
     "cut backward fragments into input- and weight-gradient parts where the schedule splits them",
-    requires={Property.SPLIT},
+    requires={Property.PLANNED, Property.SPLIT},
 )
 def split_backward(program: Program) -> Program:
     """Cut every backward fragment of ``program`` that its schedule runs as ``I`` and ``W``."""

@@ -4,7 +4,7 @@ small model and input programs the per-pass tests start from."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mpmdc.passes import FunctionPass, dce, inline, partition, schedule, split
+from mpmdc.passes import FunctionPass, dce, inline, partition, plan, schedule, split
 
 import mpmdc
 from mpmdc.ir.primitives import fragment_p
@@ -103,9 +103,15 @@ def input_program(fn, meshes, *args, **compile_kwargs):
     return mpmdc.compile(fn, meshes, passes=[], **compile_kwargs).lower(*args).program("input")
 
 
+def planned_program(fn, meshes, *args, **compile_kwargs):
+    """``fn``'s program after ``plan`` (its stages and schedule decided), to call the
+    passes after it on directly."""
+    return plan(input_program(fn, meshes, *args, **compile_kwargs))
+
+
 def scheduled(fn, meshes, *args, **compile_kwargs):
     """``fn``'s program after ``schedule``, each pass before it called directly."""
-    program = input_program(fn, meshes, *args, **compile_kwargs)
+    program = planned_program(fn, meshes, *args, **compile_kwargs)
     return schedule(split(partition(dce(inline(program)))))
 
 

@@ -235,7 +235,8 @@ def _dump(args) -> int:
     target = find_target(module, options.file, options.target_name)
     if options.list_stages:
         # The pass pipeline names the stages: nothing needs tracing or lowering.
-        print("\n".join(stage_names(options.passes)))
+        backend = options.backends[0] if len(options.backends) == 1 else None
+        print("\n".join(stage_names(options.passes, backend)))
         return EXIT_OK
     with verifying():  # a dump is for looking closely: every pass's output is checked
         lowered = _user_code(lambda: lowered_from_target(target, options), options)

@@ -134,6 +134,24 @@ def rematerialized(eqn, flag: bool):
 
 
 @dataclass(frozen=True)
+class PlanRequest:
+    """What a traced program asks the ``plan`` pass to decide, as the user wrote it:
+    ``schedule``, the microbatch loop's schedule (an ``mpmdc.schedules`` schedule, or a
+    chooser such as ``"auto"`` that picks one from the pipeline's estimated costs;
+    ``None`` without a loop), and ``balanced``, whether the marked segments are grouped
+    into stages (``partition="balanced"`` or a layer stack's ``every="balanced"``)."""
+
+    schedule: object = None
+    balanced: bool = False
+
+    def describe(self) -> str:
+        """One line: what is asked."""
+        asked = [f"schedule {self.schedule!r}"] if self.schedule is not None else []
+        asked += ["stages balanced from the marked segments"] if self.balanced else []
+        return "; ".join(asked) or "nothing"
+
+
+@dataclass(frozen=True)
 class LoopSchedule:
     """How a microbatch loop's work is ordered, as plain data: the schedule's ``name``
     (what printed it), the pipeline's layout (stages and the mesh of each) and each
@@ -229,8 +247,10 @@ class Phase(enum.IntEnum):
     """How far through compilation a program is, set by the pass that takes it there.
 
     Phases are ordered (``program.phase >= Phase.SPLIT``); each promises what the one
-    before it did and more. ``TRACED``: the traced program (passes before ``partition``
-    keep it traced). ``PLACED`` (``partition``): every top-level equation placed, every
+    before it did and more. ``TRACED``: the traced program, with what it asks the
+    planner for (``plan_request``). ``PLANNED`` (``plan``): its stages grouped as asked
+    and its microbatch loop's schedule chosen (the passes before ``partition`` keep it
+    planned). ``PLACED`` (``partition``): every top-level equation placed, every
     input and output on a mesh. ``SPLIT`` (``split``): top-level equations are fragments,
     transfers and a rolled loop's edges, every input and output has its spec.
     ``SCHEDULED`` (``schedule``): the loop stamped out, the calls in the order they run.
@@ -238,10 +258,11 @@ class Phase(enum.IntEnum):
     """
 
     TRACED = 0
-    PLACED = 1
-    SPLIT = 2
-    SCHEDULED = 3
-    LOWERED = 4
+    PLANNED = 1
+    PLACED = 2
+    SPLIT = 3
+    SCHEDULED = 4
+    LOWERED = 5
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -293,6 +314,8 @@ class Program:
     in_pieces: tuple[Piece, ...] | None = None
     out_pieces: tuple[Piece, ...] | None = None
     stage_plan: StagePlan | None = None  # how ``partition="balanced"`` grouped the segments
+    # what the ``plan`` pass is to decide; ``None`` once it has (from ``Phase.PLANNED`` on)
+    plan_request: PlanRequest | None = None
     # per caller argument leaf, the mesh it was committed to when traced (``None``: not
     # committed, or not within one mesh): one read elsewhere moves before every call
     arg_meshes: tuple[int | None, ...] | None = None
@@ -357,6 +380,10 @@ class Program:
                 problems.append(f"`{field}` is set, but a {self.phase} program has none yet")
             elif self.phase >= made_by and value is None:
                 problems.append(f"`{field}` is missing, though a {self.phase} program has it")
+        if self.phase >= Phase.PLANNED and self.plan_request is not None:
+            problems.append(
+                f"`plan_request` is set, but a {self.phase} program has no request left"
+            )
         jaxpr = self.jaxpr.jaxpr
         for side, count in (("in", len(jaxpr.invars)), ("out", len(jaxpr.outvars))):
             for field in (f"{side}_specs", f"{side}_paths", f"{side}_meshes"):
@@ -631,6 +658,9 @@ def format_program(program: Program) -> str:
     jaxpr = program.jaxpr.jaxpr
     lines = [f"phase: {program.phase}", "meshes:"]
     lines += [f"  mesh{i} {_mesh_text(m)}" for i, m in enumerate(program.meshes)]
+    if program.plan_request is not None:
+        over = f" over {program.microbatches} microbatches" if program.microbatches else ""
+        lines.append(f"requested: {program.plan_request.describe()}{over}")
     if program.schedule is not None:
         lines.append(f"schedule: {program.schedule.name} over {program.microbatches} microbatches")
         if program.schedule.choice is not None:
@@ -657,7 +687,7 @@ def format_program(program: Program) -> str:
         if placements is not None:
             p = placements[i]
         else:
-            p = placement_of(eqn) if program.phase is Phase.TRACED else None
+            p = placement_of(eqn) if program.phase < Phase.PLACED else None
         if p is not None:
             prefix = f"  [{p.label} @mesh{program.mesh_of_stage(p.stage)}] "
         else:

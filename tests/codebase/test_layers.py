@@ -23,12 +23,11 @@ LAYERS = [
     ("mpmdc.lowering", 3),
     ("mpmdc.backends", 3),
     ("mpmdc.passes", 4),
+    ("mpmdc.pipeline", 4),  # the passes' registry order and runner
+    ("mpmdc.planning", 4),  # the plan pass's estimates and choices: it runs a pipeline
     ("mpmdc.distributed", 5),
     ("mpmdc.runtime", 5),
     ("mpmdc.watchdog", 5),
-    ("mpmdc.pipeline", 6),
-    ("mpmdc.balancing", 6),
-    ("mpmdc.estimates", 6),
     ("mpmdc.api", 6),
     ("mpmdc.options", 6),  # compile's options, parsed once: they name passes and schedules
     ("mpmdc.signatures", 6),  # a call's arguments and cache key: read off a Compiled

@@ -384,7 +384,7 @@ MISTAKES = [
     Mistake(
         "an unknown dump stage",
         errors.PassError,
-        "stages: input, after-inline",
+        "stages: input, after-plan, after-inline",
         lambda w: w.step.lower(w.w, w.x).as_text("after-fusion"),
     ),
     Mistake(

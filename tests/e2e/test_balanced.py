@@ -49,7 +49,7 @@ def test_balanced_mlp_runs_like_jit_with_the_grouping_shown(meshes4):
         )
         * 1.5
     )
-    text = lowered.as_text("input")
+    text = lowered.as_text("after-plan")
     assert "stages balanced from 8 segments:" in text
     assert re.search(r"stage 3: segments \d(-\d)?, predicted [\d.e-]+ ms", text)
     got = step(params, *mlp_data())

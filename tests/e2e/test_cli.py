@@ -105,7 +105,7 @@ def test_dump_dir_writes_every_stage_and_module(capsys, tmp_path, mlp2):
     stages = [f"{i:02d}.{s}.txt" for i, s in enumerate(mlp2.stages)]
     modules = [f"{f}.{p}.mlir" for p in ("cpu", "tpu") for f in mlp2.stablehlo(p)]
     assert names == sorted(stages + modules)
-    assert (target / "08.after-split.txt").read_text() == mlp2.as_text("after-split")
+    assert (target / "09.after-split.txt").read_text() == mlp2.as_text("after-split")
     assert (target / "s1_fwd.tpu.mlir").read_text() == mlp2.stablehlo("tpu")["s1_fwd"]
     # A second dump replaces the first one: only the new platform's modules remain.
     assert run(capsys, "dump", MLP2, "--dump-dir", str(target))[0] == 0
@@ -314,6 +314,7 @@ def test_dump_with_passes_and_options(capsys, mlp2):
     assert status == 0, err
     assert out.split() == [
         "input",
+        "after-plan",
         "after-inline",
         "after-dce",
         "after-partition",

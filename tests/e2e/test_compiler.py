@@ -59,6 +59,7 @@ def test_as_text_is_identical_across_compilations(meshes4):
     b = mpmdc.compile(jax.value_and_grad(mlp_loss), meshes4).lower(WS, X)
     assert a.stages == (
         "input",
+        "after-plan",
         "after-inline",
         "after-split-scans",
         "after-slice-stacks",

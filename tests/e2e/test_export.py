@@ -99,7 +99,7 @@ def test_it_says_what_it_is(exported, step):
         jax.typeof(x) for x in jax.tree_util.tree_leaves(jax.eval_shape(train_step, *args))
     )
     assert exported.mesh_shapes == ({"data": 2},) * 4
-    assert exported.schedule.actions == lowered.program("input").schedule.actions
+    assert exported.schedule.actions == lowered.program("after-plan").schedule.actions
     assert exported.microbatches == 4
     assert exported.stages == lowered.stages
     assert exported.as_text("after-split") == lowered.as_text("after-split")

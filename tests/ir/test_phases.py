@@ -2,7 +2,8 @@
 fields of its phase and none of a later one.
 
 What it promises: through the default pipeline each stage's ``Program.phase`` is the
-phase its last phase-making pass set (``partition``, ``split``, ``schedule``, ``lower``),
+phase its last phase-making pass set (``plan``, ``partition``, ``split``, ``schedule``,
+``lower``),
 the fields of ``MADE_BY`` exist exactly from their phase on, the contracts' starting
 properties come from the phase, the verifier refuses a program whose fields its phase
 does not promise, and the printer shows the phase and ``P(auto)`` only before ``split``.
@@ -19,7 +20,7 @@ from mpmdc.passes.vma_typecheck import verify
 
 import mpmdc
 from mpmdc import errors
-from mpmdc.ir.program import MADE_BY, Phase
+from mpmdc.ir.program import MADE_BY, Phase, PlanRequest
 from mpmdc.pipeline import properties_of
 
 X = jnp.ones((8, 8))
@@ -27,11 +28,12 @@ WS = [jnp.eye(8), jnp.eye(8)]
 
 PHASE_AFTER = {  # the phase each stage of the default pipeline is in
     "input": Phase.TRACED,
-    "after-inline": Phase.TRACED,
-    "after-split-scans": Phase.TRACED,
-    "after-slice-stacks": Phase.TRACED,
-    "after-cond-fission": Phase.TRACED,
-    "after-dce": Phase.TRACED,
+    "after-plan": Phase.PLANNED,
+    "after-inline": Phase.PLANNED,
+    "after-split-scans": Phase.PLANNED,
+    "after-slice-stacks": Phase.PLANNED,
+    "after-cond-fission": Phase.PLANNED,
+    "after-dce": Phase.PLANNED,
     "after-partition": Phase.PLACED,
     "after-vma-typecheck": Phase.PLACED,
     "after-split": Phase.SPLIT,
@@ -69,9 +71,10 @@ def test_a_field_exists_exactly_from_the_phase_that_makes_it(lowered):
 
 def test_contracts_start_from_the_phase(lowered):
     have = {stage: properties_of(lowered.program(stage)) for stage in lowered.stages}
-    assert have["input"] == frozenset()  # (it has a schedule to apply)
-    assert have["after-partition"] == {Property.INLINED, Property.PLACED}
-    assert have["after-split"] == {Property.INLINED, Property.SPLIT}
+    assert have["input"] == frozenset()  # (it asks for a schedule to apply)
+    assert have["after-plan"] == {Property.PLANNED}
+    assert have["after-partition"] == {Property.PLANNED, Property.INLINED, Property.PLACED}
+    assert have["after-split"] == {Property.PLANNED, Property.INLINED, Property.SPLIT}
     assert Property.SCHEDULED in have["after-schedule"]
     assert Property.LOWERED in have["stablehlo"]
 
@@ -87,6 +90,7 @@ def test_a_program_without_a_loop_is_scheduled_from_the_start(meshes2):
         ("after-partition", {"phase": Phase.TRACED}, "`in_meshes` is set, but a traced"),
         ("input", {"phase": Phase.PLACED}, "`in_meshes` is missing, though a placed program"),
         ("after-donate", {"phase": Phase.LOWERED}, "`module_keys` is missing"),
+        ("after-plan", {"plan_request": PlanRequest()}, "`plan_request` is set, but a planned"),
         ("after-split", {"in_specs": None}, "`in_specs` has an entry not chosen, after `split`"),
         ("after-split", {"phase": Phase.PLACED}, "a `fragment` is at the top level before"),
         ("after-split", {"phase": Phase.SCHEDULED}, "a loop edge is at the top level"),

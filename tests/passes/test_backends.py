@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from mpmdc.passes import PASSES
 
 import mpmdc
 from mpmdc import backends, errors
@@ -250,3 +251,13 @@ def test_in_program_backend_refuses_to_run_here(meshes2):
     np.testing.assert_array_equal(
         mpmdc.compile(two_stage, meshes2)(ws, x), jax.jit(two_stage)(ws, x)
     )
+
+
+def test_lower_refuses_transfers_its_backend_does_not_make(meshes2):
+    program = mpmdc.compile(two_stage, meshes2).lower(*args()).program("after-donate")
+    with pytest.raises(errors.PassError, match="run `in-program-transfers` right before"):
+        PASSES["lower"].with_options(backend="test-cuda-p2p").run(program)
+    paired = PASSES["in-program-transfers"].run(program)
+    with pytest.raises(errors.PassError, match="leave that pass out for this backend"):
+        PASSES["lower"].run(paired)
+    assert PASSES["lower"].with_options(backend="test-cuda-p2p").run(paired).modules

@@ -13,28 +13,29 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import input_program, mlp_loss
+from helpers import input_program, mlp_loss, planned_program
 from mpmdc.passes import PASSES, FunctionPass, Property
 
 import mpmdc
 from mpmdc import cli, errors
-from mpmdc.pipeline import DEFAULT_PIPELINE, check_contracts, resolve, run_pipeline
+from mpmdc.pipeline import check_contracts, resolve, run_pipeline
 
 X = jnp.ones((8, 8))
 WS = [jnp.eye(8), jnp.eye(8)]
 
 P = Property
 CONTRACTS = {  # pass: (requires, produces, invalidates)
+    "plan": ((), (P.PLANNED,), ()),
     "inline": ((), (P.INLINED,), (P.PLACED,)),
     "split-scans": ((P.INLINED,), (P.SCANS_SPLIT,), (P.PLACED,)),
     "slice-stacks": ((P.SCANS_SPLIT,), (), (P.PLACED,)),
     "cond-fission": ((), (), (P.PLACED,)),
     "dce": ((), (), ()),
-    "partition": ((P.INLINED,), (P.PLACED,), ()),
+    "partition": ((P.PLANNED, P.INLINED), (P.PLACED,), ()),
     "vma-typecheck": ((), (), ()),
     "split": ((P.PLACED,), (P.SPLIT,), (P.PLACED,)),
-    "split-backward": ((P.SPLIT,), (), ()),
-    "schedule": ((P.SPLIT,), (P.SCHEDULED,), ()),
+    "split-backward": ((P.PLANNED, P.SPLIT), (), ()),
+    "schedule": ((P.PLANNED, P.SPLIT), (P.SCHEDULED,), ()),
     "donate": ((P.SPLIT, P.SCHEDULED), (P.DONATED,), ()),
     "in-program-transfers": ((P.SPLIT, P.SCHEDULED), (), ()),
     "lower": ((P.SPLIT, P.SCHEDULED), (P.LOWERED,), ()),
@@ -50,12 +51,12 @@ def accumulated(ws, x):
 
 @pytest.fixture(scope="module")
 def looped(meshes2):
-    return input_program(accumulated, meshes2, WS, X)
+    return planned_program(accumulated, meshes2, WS, X)
 
 
 @pytest.fixture(scope="module")
 def loop_free(meshes2):
-    return input_program(mlp_loss, meshes2, WS, X)
+    return planned_program(mlp_loss, meshes2, WS, X)
 
 
 def _run(program, passes, ran=None):
@@ -125,7 +126,7 @@ def test_the_default_pipeline_meets_every_contract(looped, loop_free):
             "inline,partition,schedule,split",
             "pass `schedule` (number 4 in the pipeline) requires `split`: top-level equations "
             "that are fragments and transfers. `split` provides it, and no pass before "
-            "`schedule` does: put `split` before it (the default pipeline is inline, ",
+            "`schedule` does: put `split` before it (the default pipeline is plan, inline, ",
         ),
         (
             "inline,dce,partition,cond-fission,split",
@@ -141,6 +142,22 @@ def test_a_pipeline_that_cannot_work_is_refused_before_any_pass_runs(looped, pas
     with pytest.raises(errors.PassError, match=re.escape(says)):
         _run(looped, passes, ran)
     assert ran == []
+
+
+def test_a_traced_program_is_planned_before_it_is_placed(meshes2):
+    traced = input_program(accumulated, meshes2, WS, X)
+    with pytest.raises(errors.PassError) as caught:
+        _run(traced, "inline,partition")
+    assert str(caught.value).startswith(
+        "pass `partition` (number 3 in the pipeline) requires `planned`: the stages grouped "
+        "and the microbatch loop's schedule chosen, as the program asks. `plan` provides it, "
+        "and no pass before `partition` does: put `plan` before it"
+    )
+    _run(traced, "plan,inline,partition")
+    # ``compile`` and ``Lowered.rerun`` put it first where a pipeline lacks it.
+    lowered = mpmdc.compile(accumulated, meshes2, passes="inline,partition").lower(WS, X)
+    assert lowered.stages == ("input", "after-plan", "after-inline", "after-partition")
+    assert lowered.rerun("inline").stages == ("input", "after-plan", "after-inline")
 
 
 def test_a_program_without_a_schedule_needs_no_schedule_pass(loop_free, looped, meshes2):
@@ -185,5 +202,6 @@ def test_the_command_line_reports_a_refused_pipeline(capsys):
         ["dump", "tests/programs/pipeline_1f1b.py:lowered", "--passes", "inline,split"]
     )
     _, err = capsys.readouterr()
-    assert status == 1 and "PassError: pass `split` (number 2 in the pipeline)" in err
-    assert DEFAULT_PIPELINE[0] in err
+    # (``plan`` is added first: a traced program is planned before anything else.)
+    assert status == 1 and "PassError: pass `split` (number 3 in the pipeline)" in err
+    assert "`partition` provides it" in err

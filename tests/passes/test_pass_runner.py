@@ -175,6 +175,7 @@ def test_pass_options_are_set_by_name(meshes2):
     ).lower(X)
     assert lowered.stages == (
         "input",
+        "after-plan",
         "after-inline",
         "after-dce",
         "after-partition",

@@ -41,8 +41,8 @@ def grad_step(schedule_name):
 
 
 def split_program(fn, meshes, *args):
-    """``(input program, split program)``, the passes before ``schedule`` called directly."""
-    program = mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("input")
+    """``(planned program, split program)``, the passes before ``schedule`` called directly."""
+    program = mpmdc.compile(fn, meshes, passes=[]).lower(*args).program("after-plan")
     return program, split_backward(split(partition(dce(inline(program)))))
 
 
@@ -212,7 +212,7 @@ def test_a_program_without_a_loop_keeps_its_calls_and_is_scheduled(meshes2):
 
 def test_a_rolled_loop_cuts_a_stages_backward_for_every_microbatch_or_none(meshes2):
     program = mpmdc.compile(grad_step("1f1b"), meshes2, passes=[]).lower([W, W], X)
-    program = split(partition(dce(inline(program.program("input")))))
+    program = split(partition(dce(inline(program.program("after-plan")))))
     mixed = ActionLists(["0F0 0F1 0F2 0F3 0I0 0W0 0B1 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"])
     with pytest.raises(
         ScheduleError, match=r"stage 0's backward as I and W for microbatches \[0\] and as B"

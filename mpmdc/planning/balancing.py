@@ -3,7 +3,7 @@
 The markers' indices (and, with ``every="balanced"``, a layer stack's iterations) name
 *segments*. To group them, mpmdc takes the program through ``split`` with every segment a
 stage of its own, estimates each segment's forward and backward time, memory and the
-bytes segments send each other (:mod:`mpmdc.estimates`), and lets
+bytes segments send each other (:mod:`mpmdc.planning.estimates`), and lets
 :func:`mpmdc.schedules.balance.balance` choose consecutive groups whose slowest stage
 (forward + backward + transfers in and out, per microbatch) is fastest (under a V placement,
 whose meshes run two stages each, the slowest mesh), each stage within
@@ -20,10 +20,11 @@ import numpy as np
 
 from mpmdc import schedules
 from mpmdc.errors import StageError
-from mpmdc.estimates import Estimate, estimate, memory_limit, trial_split
 from mpmdc.ir.layers import layer_stages, regrouped
 from mpmdc.ir.primitives import BALANCED, ActionKind, fragment_p, is_layer_marker
 from mpmdc.ir.program import Program, SegmentCost, StagePlan, find_eqns
+from mpmdc.pipeline import Pass
+from mpmdc.planning.estimates import Estimate, estimate, memory_limit, trial_split
 from mpmdc.schedules.balance import balance, balance_v, check_enough, stage_times
 
 
@@ -35,10 +36,11 @@ def wants_balancing(program: Program, partition) -> bool:
     )
 
 
-def balanced(program: Program, schedule) -> Program:
+def balanced(program: Program, schedule, through: list[Pass]) -> Program:
     """``program`` with its segments grouped into the stages ``schedule`` runs on the
     program's meshes (one per mesh without a microbatch loop), markers renumbered, and the
-    grouping kept as ``program.stage_plan``."""
+    grouping kept as ``program.stage_plan``; estimated on the program taken through
+    ``through`` (the pipeline's passes up to ``split``) with every segment a stage."""
     num_meshes = len(program.meshes)
     stages = schedule.stages_for(num_meshes) if program.microbatches else num_meshes
     if program.stage_to_mesh is not None and len(program.stage_to_mesh) != stages:
@@ -47,7 +49,7 @@ def balanced(program: Program, schedule) -> Program:
             f"the marked segments into {stages} stages: with partition='balanced' it maps "
             f"those stages, one entry each."
         )
-    fine = trial_split(program.replace(stage_to_mesh=None))
+    fine = trial_split(program.replace(stage_to_mesh=None), through)
     eqns = fine.jaxpr.jaxpr.eqns
     marked = {e.params["stage"] for e in eqns if e.primitive is fragment_p}
     segments = max([*marked, *layer_stages(eqns)], default=0) + 1

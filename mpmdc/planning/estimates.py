@@ -4,8 +4,8 @@ XLA's cost analysis of each fragment's StableHLO gives its flops and bytes acces
 platform's :class:`Throughput` turns them into seconds (a roofline: the larger of compute
 and memory time). :func:`estimate` adds what each stage reads of the program's inputs
 (held all step), what its forwards keep for its backwards (per microbatch) and the bytes
-one stage's loop fragments send another. ``partition="balanced"`` and
-``schedule="auto"`` decide from these.
+one stage's loop fragments send another. The ``plan`` pass decides from these
+(``partition="balanced"`` and ``schedule="auto"``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,11 @@ import jax
 import numpy as np
 
 from mpmdc import backends, schedules
-from mpmdc.errors import ScheduleError
 from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
-from mpmdc.ir.program import Program, is_var, nbytes
+from mpmdc.ir.program import Phase, Program, is_var, nbytes
 from mpmdc.ir.sharding import program_spec_forms
 from mpmdc.lowering import lower_fragment
-from mpmdc.passes import split_backward
-from mpmdc.pipeline import resolve, run_pipeline
-
-# The passes that make a traced program's fragments, one per stage and kind.
-_TO_FRAGMENTS = "inline,split-scans,slice-stacks,cond-fission,dce,partition,vma-typecheck,split"
+from mpmdc.pipeline import Pass, run_pipeline
 
 
 @dataclass(frozen=True)
@@ -81,12 +76,14 @@ class Estimate:
         return self.action_cost(schedules.Action(stage, kind, 0))
 
 
-def trial_split(program: Program) -> Program:
-    """The traced ``program`` taken through ``split`` (its loop still rolled) to be
-    estimated, not run: what its layout would warn of is left unsaid."""
+def trial_split(program: Program, through: list[Pass]) -> Program:
+    """The traced ``program`` taken through ``through`` (the pipeline's passes up to
+    ``split``, its loop still rolled) to be estimated, not run. What the trial's layout
+    would warn of is left unsaid: the pipeline that runs the planned program says what
+    applies to it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_pipeline(program, resolve(_TO_FRAGMENTS))
+        return run_pipeline(program.replace(phase=Phase.PLANNED, plan_request=None), through)
 
 
 def memory_limit(mesh) -> int | None:
@@ -155,60 +152,3 @@ def estimate(program: Program, num_stages: int) -> Estimate:
     return Estimate(
         num_stages, dict(seconds), after_loop, held, activations, flow, 1.0 / throughput.link
     )
-
-
-def pipeline_of(program: Program, chooser, microbatches: int) -> schedules.Pipeline:
-    """What ``chooser`` (``schedule="auto"`` or a function) chooses from for the traced
-    ``program``: its stages, meshes and placement, each action's seconds (``chooser.costs``
-    where measured, else estimated with every backward cut into ``I`` and ``W``), each
-    stage's activation bytes and each mesh's memory cap (``chooser.memory_cap``, else its
-    devices' memory less the inputs its stages read)."""
-    trial = trial_split(program)
-    eqns = trial.jaxpr.jaxpr.eqns
-    stages = 1 + max(e.params["stage"] for e in eqns if e.primitive is fragment_p)
-    num_meshes = len(program.meshes)
-    layout = schedules.Layout.make(
-        stages, microbatches, tuple(map(trial.mesh_of_stage, range(stages)))
-    )
-    cut = schedules.ActionLists(
-        [
-            [b for a in row for b in ([a] if a.kind is ActionKind.F else _input_then_weight(a))]
-            for row in schedules.GPipe().actions(layout)
-        ]
-    )
-    found = estimate(
-        split_backward(trial.replace(schedule=schedules.loop_schedule(cut, layout))), stages
-    )
-    if isinstance(chooser.costs, schedules.Timeline):
-        timed = {s.action.stage for row in chooser.costs.meshes for s in row if s.action}
-        if timed != set(range(stages)):
-            raise ScheduleError(
-                f"the measured timeline has actions of stages {sorted(timed)}, but this "
-                f"program runs stages 0..{stages - 1}; time this program (with the stages "
-                f"it will run) with Compiled.run_timed."
-            )
-    cost = schedules.measured(chooser.costs) or found.action_cost
-    cap = chooser.memory_cap
-    if isinstance(cap, tuple) and len(cap) != num_meshes:
-        raise ScheduleError(
-            f"memory_cap has {len(cap)} entries for {num_meshes} meshes; give one per mesh "
-            f"or one number for all."
-        )
-    return schedules.Pipeline(
-        num_stages=stages,
-        num_meshes=num_meshes,
-        microbatches=microbatches,
-        stage_to_mesh=program.stage_to_mesh,
-        cost=cost,
-        activations=tuple(float(a) for a in found.activations),
-        memory_cap=cap if isinstance(cap, tuple) else (cap,) * num_meshes,
-        held=tuple(float(h) for h in found.held),
-        memory=tuple(memory_limit(mesh) for mesh in program.meshes),
-    )
-
-
-def _input_then_weight(action: schedules.Action) -> list[schedules.Action]:
-    return [
-        schedules.Action(action.stage, ActionKind.I, action.microbatch),
-        schedules.Action(action.stage, ActionKind.W, action.microbatch),
-    ]

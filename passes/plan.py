@@ -1,0 +1,71 @@
+"""``plan``: decide what the traced program asks to be decided from estimates, before any
+other pass sees it.
+
+The traced program carries its request (:class:`~mpmdc.ir.program.PlanRequest`): the
+microbatch loop's schedule as the user gave it, and whether the marked segments are to
+be grouped into stages (``partition="balanced"``, a layer stack's ``every="balanced"``).
+The pass
+
+1. groups the segments, where asked (:func:`mpmdc.planning.balancing.balanced`): the
+   markers renumbered to their stages, the grouping kept as ``program.stage_plan``;
+2. where the schedule is a chooser (``schedule="auto"`` or a function), lets it choose
+   from the pipeline's estimated costs (the choice kept with the schedule);
+3. runs the schedule on the stages' layout (the schedule's placement becomes
+   ``stage_to_mesh`` where none was given) as ``program.schedule``.
+
+Steps 1 and 2 estimate a trial run of the option ``through``: the pipeline's passes up
+to ``split`` (``mpmdc.compile`` sets it from its own ``passes``). A program that asks
+for nothing comes out as it went in, planned.
+"""
+
+from __future__ import annotations
+
+from mpmdc.passes.base import Property, register
+
+from mpmdc import schedules
+from mpmdc.ir.program import Phase, Program
+
+# The passes that make a traced program's fragments, one per stage and kind.
+TO_FRAGMENTS = (
+    "inline",
+    "split-scans",
+    "slice-stacks",
+    "cond-fission",
+    "dce",
+    "partition",
+    "vma-typecheck",
+    "split",
+)
+
+
+@register(
+    "plan",
+    "group the marked segments into stages and choose the loop's schedule, as asked",
+    produces={Property.PLANNED},
+)
+def plan(program: Program, *, through: tuple = TO_FRAGMENTS) -> Program:
+    """``program`` planned as its ``plan_request`` asks, estimated on a trial run of
+    ``through`` (pass names, texts or objects); a planned program passes unchanged."""
+    # (Imported here: the planner runs a pipeline, whose runner imports this package.)
+    from mpmdc.pipeline import resolve
+    from mpmdc.planning.balancing import balanced
+    from mpmdc.planning.scheduling import pipeline_of, scheduled
+
+    if program.phase >= Phase.PLANNED:
+        return program
+    request = program.plan_request
+    program = program.replace(plan_request=None)
+    if request is not None:
+        trial = resolve(list(through))
+        schedule = request.schedule
+        choosing = isinstance(schedule, schedules.Chooser)
+        if request.balanced:
+            # A chooser's stages are one per mesh, balanced as for 1F1B's memory.
+            program = balanced(program, schedules.OneFOneB() if choosing else schedule, trial)
+        if schedule is not None:
+            choice = None
+            if choosing:
+                pipeline = pipeline_of(program, schedule, program.microbatches, trial)
+                schedule, choice = schedule.choose(pipeline)
+            program = scheduled(program, schedule, program.microbatches, choice)
+    return program.replace(phase=Phase.PLANNED)
