@@ -92,7 +92,13 @@ def with_plan(passes: list[Pass]) -> list[Pass]:
     it (every later pass works to the stages and schedule it decides), and its trial run
     (its option ``through``, where not given) their own passes from it up to ``split``."""
     passes = list(passes)
-    if not any(p.name == "plan" for p in passes):
+    planners = [i + 1 for i, p in enumerate(passes) if p.name == "plan"]
+    if len(planners) > 1:
+        raise PassError(
+            f"the pipeline runs `plan` {len(planners)} times (passes number "
+            f"{', '.join(map(str, planners))}); a program is planned once, first: keep one."
+        )
+    if not planners:
         passes.insert(0, PASSES["plan"])
     i = next(i for i, p in enumerate(passes) if p.name == "plan")
     first = passes[i]

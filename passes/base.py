@@ -129,11 +129,15 @@ class FunctionPass:
 
 
 def _type_text(kind) -> str:
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "value of " + ", ".join(str(k.value) for k in kind)
     return str(kind).replace("typing.", "").replace("NoneType", "None")
 
 
 def _example(kind) -> str:
     """An option value of type ``kind``, as a pass text writes it."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return str(next(iter(kind)).value)
     text = _type_text(kind)
     if "tuple[int" in text:
         return "(0,2)"

@@ -6,7 +6,8 @@ Markers (``stage`` and ``microbatch``) are dropped here: they are identities and
 their job was placement.
 
 Equations of one placement (stage, transpose count, microbatch) form one fragment unless that
-would make a cycle: each equation first gets a level, the number of placement
+would make a cycle (or, with ``scans=shared``, unless one is a scan: see
+:class:`ScanFragments`): each equation first gets a level, the number of placement
 changes on the longest path reaching it, so every edge between parts climbs a
 level and the parts are acyclic by construction; then parts of one placement are
 merged back together wherever no path leads from one to the other through
@@ -24,7 +25,10 @@ exactly what runs.
 
 from __future__ import annotations
 
+import enum
+
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jprims
 from jax.sharding import PartitionSpec
 from mpmdc.passes.base import Property, register
 
@@ -46,7 +50,6 @@ from mpmdc.ir.program import (
     fresh_like,
     is_var,
     make_closed_jaxpr,
-    runs_alone,
     sub_jaxpr,
     substituted,
     vars_of,
@@ -55,11 +58,29 @@ from mpmdc.ir.sharding import fit_spec, named_spec, program_spec_forms
 from mpmdc.ir.spec_rules import propagate_specs
 
 
-def _parts(eqns, reads, placements):
+class ScanFragments(enum.StrEnum):
+    """Where a top-level scan (a stage's share of a layer stack) runs: the option
+    ``scans`` of ``split``.
+
+    ``FUSED`` (the default): in its placement's fragment with the work around it, so a
+    stage's forward is one call per microbatch and its backward another, the running
+    sum of its gradient inside. ``SHARED``: as a fragment of its own, so the stages'
+    equal scans share one executable even where the work around them differs (an
+    embedding before the first stage's, a loss after the last's): fewer XLA compiles
+    of the scan's body, more calls per microbatch. *Why fused by default:* calls are
+    paid every microbatch of every step, compiles once per run (see
+    docs/performance.md).
+    """
+
+    FUSED = "fused"
+    SHARED = "shared"
+
+
+def _parts(eqns, reads, placements, scans: ScanFragments = ScanFragments.FUSED):
     """``(part of each equation, graph of the parts, values read in another part than
     their own, the placement of each part's first index)``: a part is ``(index into those
     placements, level)``; the parts are acyclic, one per placement where possible, and a
-    loop edge or an equation marked :func:`~mpmdc.ir.program.alone` is a part of its own.
+    loop edge (and, with ``scans`` shared, a scan) is a part of its own.
     ``reads[i]``: the variables equation ``i`` reads."""
     import networkx as nx  # (here, not at the top: it is a tenth of `import mpmdc`)
 
@@ -68,8 +89,8 @@ def _parts(eqns, reads, placements):
     # (Small ints hash and compare much faster than placements.)
     placement_id = []
     for eqn, p in zip(eqns, placements):
-        # (A loop edge, and a stage's scan of a layer stack, are parts of their own.)
-        own = is_loop_edge(eqn) or runs_alone(eqn)
+        # (A loop edge stands for the whole loop, not for work in it.)
+        own = is_loop_edge(eqn) or (scans is ScanFragments.SHARED and eqn.primitive is _SCAN)
         k = len(distinct) if own else ids.setdefault(p, len(distinct))
         if k == len(distinct):
             distinct.append(p)
@@ -163,13 +184,16 @@ def _without_markers(jaxpr, placements):
     return eqns, kept, env
 
 
-def _ordered_parts(eqns, reads, placements, outvars):
+_SCAN = jprims.scan_p
+
+
+def _ordered_parts(eqns, reads, placements, outvars, scans: ScanFragments):
     """``(parts in a topological order, the equation indices of each, the values a part
     defines and something outside it reads)``: a part is ``(placement, level)``, the
     values are the fragments' results."""
     import networkx as nx
 
-    part_of, graph, crossing, distinct = _parts(eqns, reads, placements)
+    part_of, graph, crossing, distinct = _parts(eqns, reads, placements, scans)
     members: dict = {}
     for i, part in enumerate(part_of):
         members.setdefault(part, []).append(i)
@@ -354,14 +378,15 @@ class _Emitter:
     produces={Property.SPLIT},
     invalidates={Property.PLACED},  # fragment bodies carry no placements
 )
-def split(program: Program) -> Program:
-    """Turn a placed program into ``fragment`` and ``transfer`` equations."""
+def split(program: Program, *, scans: ScanFragments = ScanFragments.FUSED) -> Program:
+    """Turn a placed program into ``fragment`` and ``transfer`` equations (each top-level
+    scan in its placement's fragment, or with ``scans=shared`` a fragment of its own)."""
     closed = program.jaxpr
     jaxpr = closed.jaxpr
     eqns, placements, env = _without_markers(jaxpr, program.placements)
     outvars = substituted(jaxpr.outvars, env)
     reads = [vars_of(e.invars) for e in eqns]
-    order, members, used_outside = _ordered_parts(eqns, reads, placements, outvars)
+    order, members, used_outside = _ordered_parts(eqns, reads, placements, outvars, scans)
     emitter = _Emitter(
         program, dict(zip(jaxpr.constvars, closed.consts)), _what_values_carry(jaxpr, env), outvars
     )

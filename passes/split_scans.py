@@ -35,7 +35,6 @@ from mpmdc.ir.primitives import is_layer_marker, stage_p
 from mpmdc.ir.program import (
     Placement,
     Program,
-    alone,
     derived_eqn,
     find_eqns,
     fresh_like,
@@ -96,7 +95,7 @@ def _split(eqn, split: ScanSplit) -> list:
             outvars=[*carry_g, *ys_g],
             params={**p, "length": hi - lo, "jaxpr": body},
         )
-        out.append(alone(placed(scan, Placement(stage, split.transpose))))
+        out.append(placed(scan, Placement(stage, split.transpose)))
         if not entering and carry_g:  # (the cotangent leaves the group's stage's backward)
             out.append(_marker(carry_g, leaving, stage, split.transpose, eqn))
         carry = leaving

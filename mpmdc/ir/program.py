@@ -79,19 +79,12 @@ def placement_of(eqn) -> Placement | None:
 _REMAT_KEY = "mpmdc.remat"
 
 
-_ALONE_KEY = "mpmdc.alone"
-
-
 def placed(eqn, placement: Placement | None, **changes):
     """``eqn`` with ``changes`` recording ``placement`` (``None``: with no placement, as
-    in a fragment body, where the mark of :func:`alone` goes too). Placing it drops the
-    mark :func:`rematerialized` left, which only placement reads."""
+    in a fragment body). Placing it drops the mark :func:`rematerialized` left, which only
+    placement reads."""
     metadata = eqn.ctx.xla_metadata or {}
-    if (
-        metadata.get(_PLACEMENT_KEY) != placement
-        or _REMAT_KEY in metadata
-        or (placement is None and _ALONE_KEY in metadata)
-    ):
+    if metadata.get(_PLACEMENT_KEY) != placement or _REMAT_KEY in metadata:
         changes["ctx"] = _placed_context(eqn.ctx, placement)
     return eqn.replace(**changes) if changes else eqn
 
@@ -99,25 +92,10 @@ def placed(eqn, placement: Placement | None, **changes):
 @functools.lru_cache(maxsize=4096)
 def _placed_context(ctx, placement: Placement | None):
     # (JAX interns contexts: a program's equations share a few, one per placement.)
-    updates = {_PLACEMENT_KEY: placement, _REMAT_KEY: None}
-    if placement is None:
-        updates[_ALONE_KEY] = None
-    return compat.with_metadata(ctx, updates)
+    return compat.with_metadata(ctx, {_PLACEMENT_KEY: placement, _REMAT_KEY: None})
 
 
 compat.register_cache(_placed_context, "mpmdc: equation contexts with placements")
-
-
-def alone(eqn):
-    """``eqn`` marked to run as a fragment of its own (a stage's scan of a layer stack: the
-    stages' equal scans then share one executable across meshes of one shape)."""
-    return eqn.replace(ctx=compat.with_metadata(eqn.ctx, {_ALONE_KEY: True}))
-
-
-def runs_alone(eqn) -> bool:
-    """Whether ``eqn`` was marked by :func:`alone`."""
-    metadata = eqn.ctx.xla_metadata
-    return bool(metadata and metadata.get(_ALONE_KEY))
 
 
 def is_rematerialized(eqn) -> bool:

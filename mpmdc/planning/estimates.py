@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from mpmdc import backends, schedules
+from mpmdc.errors import PassError
 from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
 from mpmdc.ir.program import Phase, Program, is_var, nbytes
 from mpmdc.ir.sharding import program_spec_forms
@@ -83,7 +84,15 @@ def trial_split(program: Program, through: list[Pass]) -> Program:
     applies to it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_pipeline(program.replace(phase=Phase.PLANNED, plan_request=None), through)
+        trial = run_pipeline(program.replace(phase=Phase.PLANNED, plan_request=None), through)
+    if trial.phase < Phase.SPLIT:
+        names = ", ".join(p.name for p in through) or "no pass"
+        raise PassError(
+            f"the `plan` pass estimates fragments, but its trial run ({names}) does not "
+            f"split the program: give it the passes up to `split` (its option `through`), "
+            f"or leave the option out for the default pipeline's."
+        )
+    return trial
 
 
 def memory_limit(mesh) -> int | None:

@@ -12,12 +12,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import input_program, mlp_loss
 from mpmdc.passes import PASSES, FunctionPass, plan
 
 import mpmdc
 from mpmdc import cli
-from mpmdc.errors import PlacementWarning
+from mpmdc.errors import PassError, PlacementWarning
 from mpmdc.ir.program import Phase
 from mpmdc.pipeline import resolve, stage_names, with_plan
 
@@ -118,3 +119,12 @@ def test_the_stage_list_has_the_plan_and_the_backends_own_passes(capsys):
     assert status == 0 and listed[:2] == ["input", "after-plan"]
     assert "after-in-program-transfers" in listed
     assert "after-in-program-transfers" in stage_names(None, "cuda-in-program")
+
+
+def test_a_trial_that_does_not_split_or_a_second_plan_is_refused(meshes2):
+    short = "plan{through=('inline',)},inline,dce,partition,split,schedule,lower"
+    with pytest.raises(PassError, match=r"its trial run \(inline\) does not split the program"):
+        mpmdc.compile(accumulated, meshes2, partition="balanced", passes=short).lower(WS, X)
+    twice = "plan,inline,plan,partition,split"
+    with pytest.raises(PassError, match=r"runs `plan` 2 times \(passes number 1, 3\)"):
+        mpmdc.compile(accumulated, meshes2, passes=twice)

@@ -14,6 +14,8 @@ from helpers import XlaCompiles
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.ir.program import module_key
+from mpmdc.pipeline import DEFAULT_PIPELINE
 
 LAYERS, WIDTH, ROWS = 4, 8, 4  # rows per microbatch
 
@@ -80,9 +82,52 @@ def test_compiles_do_not_grow_and_calls_grow_linearly_with_microbatches(meshes4,
     for what in ("fragment calls", "transfers"):
         per_mb = found[3][what] - found[2][what]  # once per step: the rest
         assert found[8][what] == found[2][what] + 6 * per_mb, found
-    # Each microbatch's fragments on the 4 meshes: each stage's forward and backward,
-    # split where a stage's scan runs as a fragment of its own, and the microbatch's
-    # rows of the batch taken on the meshes that read them: 15 calls.
-    assert found[3]["fragment calls"] - found[2]["fragment calls"] <= 15, found
+    # Each microbatch's fragments on the 4 meshes: one per stage and kind (a stage's
+    # scan inside it, with the running sum of its gradient), the last stage's backward in
+    # its forward's, and the microbatch's rows of the batch taken on the meshes that read
+    # them: 3 + 3 + 1 + 2 = 9 calls.
+    assert found[3]["fragment calls"] - found[2]["fragment calls"] == 9, found
+    # One executable per distinct fragment and mesh, none per microbatch.
+    assert found[2]["executables"] <= 17, found
     # An activation forward and a cotangent backward across each of the 3 boundaries.
     assert found[3]["transfers"] - found[2]["transfers"] <= 6, found
+
+
+def scan_modules(lowered) -> list[int]:
+    """Per distinct module (up to its mesh) of the split program: how many top-level scans
+    its fragment body holds; a list over the distinct modules holding one or more."""
+    program = lowered.program("stablehlo")
+    found = {}
+    for eqn in program.jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "fragment":
+            body = eqn.params["jaxpr"].jaxpr.eqns
+            key = module_key(eqn, program.meshes[eqn.params["mesh"]])
+            found[key] = sum(e.primitive.name == "scan" for e in body)
+    return sorted(n for n in found.values() if n)
+
+
+@pytest.mark.parametrize("scans", ["fused", "shared"])
+def test_scans_fused_in_their_stage_or_shared_by_equal_stages(meshes4, scans):
+    def with_embedding(microbatches):
+        step = train_step(microbatches, "1f1b")
+        return lambda params, x, y: step(params, jnp.tanh(x) * 2.0, y)
+
+    passes = [p if p != "split" else f"split{{scans={scans}}}" for p in DEFAULT_PIPELINE]
+    calls = {}
+    for m in (2, 3):
+        lowered = mpmdc.compile(
+            with_embedding(m), meshes4, in_specs=(None, P("data"), P("data")), passes=passes
+        ).lower(*arguments(m))
+        names = [e.primitive.name for e in lowered.program("stablehlo").jaxpr.jaxpr.eqns]
+        calls[m] = names.count("fragment")
+    # Fused: one call per stage and kind (the last stage's backward in its forward's);
+    # shared: a stage's scans are calls of their own, beside the work around them.
+    assert calls[3] - calls[2] == {"fused": 9, "shared": 15}[scans]
+    if scans == "fused":
+        # Stage 0's forward holds the embedding, so its scan compiles in a module of its
+        # own; stages 1 and 2 share their forward's; stages 0-2 their backward's; stage
+        # 3's forward holds its backward's scan too.
+        assert scan_modules(lowered) == [1, 1, 1, 2]
+    else:
+        # Each scan a module of its own, equal ones shared whatever surrounds them.
+        assert scan_modules(lowered) == [1, 1, 1]
