@@ -8,7 +8,9 @@ program that runs: each of the iteration's fragments and transfers once per
 microbatch (the same body object, so they share one module), chaining each running
 value from one microbatch to the next. The batch is laid out by microbatch once before
 the loop (in a fragment that runs there on its mesh, where one comes after the batch)
-and each microbatch taken from it by a call of one small fragment; stacked values are
+and each microbatch taken from it inside the first fragment of the iteration that reads
+it on that mesh, where the others reading it come after that one anyway (else by a call
+of one small fragment of its own); stacked values are
 concatenated by one fragment per mesh after it. It copies fragment *calls*, never
 equations inside them: its cost is the iteration's fragment count times the microbatch
 count.
@@ -168,6 +170,88 @@ def _with_work(eqn, body_fn, operands: list, in_specs: list, outvars: list, out_
     )
 
 
+def _taking_inside(taking, reader, read_later: set):
+    """Fragment ``reader`` of the iteration also taking its microbatch of the batch, as
+    the fragment ``taking`` does: it reads the laid-out batches and the index in place
+    of the microbatch's rows, and returns after its own results the rows that
+    ``read_later`` holds (what later equations read) and the next index."""
+    taken = dict(zip(taking.outvars[:-1], taking.params["jaxpr"].jaxpr.outvars[:-1]))
+    first, then = taking.params["jaxpr"], reader.params["jaxpr"]
+    env = {v: fresh_like(v) for v in [*first.jaxpr.constvars, *first.jaxpr.invars]}
+    eqns = [copy_eqn(e, env) for e in first.jaxpr.eqns]
+    kept = [k for k, a in enumerate(reader.invars) if a not in taken]
+    inner = dict(zip(then.jaxpr.invars, then.jaxpr.invars))
+    inner.update(
+        (then.jaxpr.invars[k], env.get(taken[a], taken[a]))
+        for k, a in enumerate(reader.invars)
+        if a in taken
+    )
+    eqns += [e.replace(invars=substituted(e.invars, inner)) for e in then.jaxpr.eqns]
+    passed = [k for k, v in enumerate(taking.outvars[:-1]) if v in read_later]
+    inner_out = first.jaxpr.outvars
+    p, q = reader.params, taking.params
+    merged = make_closed_jaxpr(
+        [*(env[v] for v in first.jaxpr.constvars), *then.jaxpr.constvars],
+        [*first.consts, *then.consts],
+        [*(env[v] for v in first.jaxpr.invars), *(then.jaxpr.invars[k] for k in kept)],
+        [
+            *substituted(then.jaxpr.outvars, inner),
+            *substituted([inner_out[k] for k in passed], env),
+            *substituted(inner_out[-1:], env),
+        ],
+        eqns,
+        name=p["name"],
+    )
+    params = dict(
+        p,
+        jaxpr=merged,
+        in_specs=(*q["in_specs"], *(p["in_specs"][k] for k in kept)),
+        out_specs=(*p["out_specs"], *(q["out_specs"][k] for k in passed), q["out_specs"][-1]),
+    )
+    return reader.replace(
+        invars=[*taking.invars, *(reader.invars[k] for k in kept)],
+        outvars=[*reader.outvars, *(taking.outvars[k] for k in passed), taking.outvars[-1]],
+        params=params,
+        effects=merged.effects,
+    )
+
+
+def _taken_inside(taking: list, iteration: list, exits: list) -> tuple[list, list]:
+    """``(taking fragments left, iteration)``: each fragment taking a microbatch of the
+    batch moved into the first of the iteration's fragments on its mesh that reads what
+    it takes, where every other equation of the loop reading it depends on that one
+    already (so no order between calls is added that the schedule does not know of)."""
+    left, iteration = [], list(iteration)
+    for eqn in taking:
+        taken = set(eqn.outvars[:-1])
+        readers = [k for k, e in enumerate(iteration) if not taken.isdisjoint(e.invars)]
+        exit_reads = any(not taken.isdisjoint(e.invars) for e in exits)
+        k = readers[0] if readers else None
+        if (
+            k is not None
+            and not exit_reads
+            and iteration[k].primitive is fragment_p
+            and iteration[k].params["mesh"] == eqn.params["mesh"]
+            and set(readers[1:]) <= _depending_on(iteration, k)
+        ):
+            later = {a for j in readers[1:] for a in iteration[j].invars if a in taken}
+            iteration[k] = _taking_inside(eqn, iteration[k], later)
+        else:
+            left.append(eqn)
+    return left, iteration
+
+
+def _depending_on(eqns: list, k: int) -> set[int]:
+    """The indices of ``eqns`` (in a dependency order) that read what ``eqns[k]`` makes,
+    directly or through others."""
+    made, found = set(eqns[k].outvars), set()
+    for j in range(k + 1, len(eqns)):
+        if not made.isdisjoint(eqns[j].invars):
+            found.add(j)
+            made.update(eqns[j].outvars)
+    return found
+
+
 class _Chain(NamedTuple):
     """A value carried from one microbatch to the next: ``inside`` the iteration,
     ``start`` before microbatch 0, and what the iteration leaves for the next as ``end``
@@ -270,6 +354,7 @@ def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
     envs: list[dict] = [{} for _ in range(microbatches)]
     read = {a for eqn in loop.iteration + loop.exits for a in eqn.invars if is_var(a)}
     eqns, taking, chains = _batches(loop.before, loop.entries, microbatches, read)
+    taking, iteration = _taken_inside(taking, loop.iteration, loop.exits)
     results = {
         e.params["carry"]: e.invars[0] for e in loop.exits if is_loop_edge(e, LoopEdge.RESULT)
     }
@@ -285,7 +370,7 @@ def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
             else:
                 env[chain.inside] = envs[i - 1].get(chain.end, chain.end)
         # (Taking a microbatch of the batch is no action of the schedule's.)
-        for group, action_microbatch in ((taking, None), (loop.iteration, i)):
+        for group, action_microbatch in ((taking, None), (iteration, i)):
             for eqn in group:
                 outvars = [fresh_like(v) for v in eqn.outvars]
                 changes = {"invars": substituted(eqn.invars, env), "outvars": outvars}

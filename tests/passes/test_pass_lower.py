@@ -31,20 +31,19 @@ def test_one_module_per_distinct_fragment(meshes2):
         return mpmdc.accumulate(lambda xb: jax.grad(mlp_loss)(ws, xb), x, microbatches=4)
 
     program = scheduled(step, meshes2, [W, W], X)
-    # 2 before the loop (one also laying the batch out by microbatch), 4 per microbatch
-    # (taking its microbatch of the batch, then its 3 stage fragments)
-    assert len(fragments(program)) == 18
+    # 2 before the loop (one also laying the batch out by microbatch), 3 per microbatch
+    # (its 3 stage fragments, the first taking its microbatch of the batch)
+    assert len(fragments(program)) == 14
     out = lower(program)
     assert out.backend == "cpu"
     assert [name for name, _ in out.modules] == [
         "s0_fwd",
-        "s0_batch_mb0",
         "s0_fwd_mb0",
         "s1_fwd",
         "s1_fwd_mb0",
         "s0_bwd_mb0",
     ]
-    assert len(out.lowerings) == 6
+    assert len(out.lowerings) == 5
     for name, text in out.modules:
         assert text.startswith(f"module @jit_{name} ")
     # Each module says which fragments share it.

@@ -65,14 +65,14 @@ def names_per_mesh(program):
         (
             "gpipe",
             "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3",
-            "s0_fwd s0_batch_mb0 s0_fwd_mb0 s0_batch_mb1 s0_fwd_mb1 s0_batch_mb2 s0_fwd_mb2 "
-            "s0_batch_mb3 s0_fwd_mb3 s0_bwd_mb0 s0_bwd_mb1 s0_bwd_mb2 s0_bwd_mb3",
+            "s0_fwd s0_fwd_mb0 s0_fwd_mb1 s0_fwd_mb2 s0_fwd_mb3 s0_bwd_mb0 s0_bwd_mb1 "
+            "s0_bwd_mb2 s0_bwd_mb3",
         ),
         (
             "1f1b",
             "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3",
-            "s0_fwd s0_batch_mb0 s0_fwd_mb0 s0_batch_mb1 s0_fwd_mb1 s0_bwd_mb0 s0_batch_mb2 "
-            "s0_fwd_mb2 s0_bwd_mb1 s0_batch_mb3 s0_fwd_mb3 s0_bwd_mb2 s0_bwd_mb3",
+            "s0_fwd s0_fwd_mb0 s0_fwd_mb1 s0_bwd_mb0 s0_fwd_mb2 s0_bwd_mb1 s0_fwd_mb3 "
+            "s0_bwd_mb2 s0_bwd_mb3",
         ),
     ],
 )
@@ -85,8 +85,8 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(
     assert " ".join(map(str, wanted[0])) == mesh0_actions
     mesh0, mesh1 = names_per_mesh(out)
     # s0_fwd: the loop's set-up (a running sum's zeros, the batch laid out by
-    # microbatch), before any action; s0_batch_mb<i> takes microbatch i of the batch
-    # right before the forward that reads it.
+    # microbatch), before any action; s0_fwd_mb<i>, the one fragment reading the batch,
+    # takes microbatch i of it itself.
     assert mesh0 == mesh0_fragments.split()
     # Stage 1 is the last: its backward runs inside its forward fragment.
     assert mesh1 == ["s1_fwd", "s1_fwd_mb0", "s1_fwd_mb1", "s1_fwd_mb2", "s1_fwd_mb3"]
@@ -98,19 +98,18 @@ def test_each_mesh_calls_its_fragments_in_the_schedules_order(
         ]
         ran = [a for a in ran if a is not None]
         assert ran == [a for a in actions if a in set(ran)]
-    # The split program holds one iteration; every microbatch's call runs its fragment's body.
+    # The split program holds one iteration; every microbatch's call of a fragment runs
+    # one body (the first stage's forward also taking its microbatch of the batch).
     assert names_per_mesh(program) == [
         ["s0_fwd_loop", "s0_fwd", "s0_bwd_loop"],
         ["s1_fwd", "s1_fwd_loop"],
     ]
-    bodies = {
-        e.params["name"].replace("_loop", ""): e.params["jaxpr"]
-        for e in program.jaxpr.jaxpr.eqns
-        if e.primitive is fragment_p and e.params["microbatch"] == "loop"
-    }
+    bodies = {}
     for e in out.jaxpr.jaxpr.eqns:
         if e.primitive is fragment_p and e.params["microbatch"] is not None:
-            assert e.params["jaxpr"] is bodies[e.params["name"].rsplit("_mb", 1)[0]]
+            body = bodies.setdefault(e.params["name"].rsplit("_mb", 1)[0], e.params["jaxpr"])
+            assert e.params["jaxpr"] is body
+    assert sorted(bodies) == ["s0_bwd", "s0_fwd", "s1_fwd"]
 
 
 def test_zb_h1_splits_backwards_into_input_and_weight_gradient_fragments():
