@@ -202,8 +202,8 @@ def test_an_uncaught_error_in_one_script_fails_the_others_naming_it():
 @pytest.mark.parametrize(
     "mode, differ",
     [
-        ("code", "equation 5 (s1_fwd_mb0)"),
-        ("code-timed", "equation 5 (s1_fwd_mb0)"),
+        ("code", "equation 4 (s1_fwd_mb0)"),
+        ("code-timed", "equation 4 (s1_fwd_mb0)"),
         ("arguments", "argument args[1]"),
     ],
 )
