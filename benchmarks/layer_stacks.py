@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import mpmdc
+import mpmdc.pipeline
 
 _spec = importlib.util.spec_from_file_location(
     "llama_nnx", Path(__file__).resolve().parents[1] / "examples" / "llama_nnx.py"
@@ -86,16 +87,19 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def measure(layers: int, scanned: bool, meshes) -> dict:
+def measure(layers: int, scanned: bool, meshes, scans: str = "fused") -> dict:
     make, args = setup(layers, scanned)
+    passes = [
+        f"split{{scans={scans}}}" if p == "split" else p for p in mpmdc.pipeline.default_pipeline()
+    ]
     lowers, jit_lowers = _common.interleaved(
         [
-            lambda: mpmdc.compile(make(), meshes).lower(*args),
+            lambda: mpmdc.compile(make(), meshes, passes=passes).lower(*args),
             lambda: jax.jit(make()).lower(*args),
         ],
         repeat=REPEAT,
     )
-    first = _common.first_call(mpmdc.compile(make(), meshes), args)
+    first = _common.first_call(mpmdc.compile(make(), meshes, passes=passes), args)
     jit_first = _common.first_call(jax.jit(make()), args)
     report = mpmdc.compile(make(), meshes).lower(*args).transfer_report()
     state = nbytes(args[:2])
@@ -123,11 +127,20 @@ def measure(layers: int, scanned: bool, meshes) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument(
+        "--scans",
+        choices=["fused", "shared"],
+        default="fused",
+        help="the `split` pass's option: a stage's scan inside its fragment, or a fragment "
+        "of its own that equal stages share",
+    )
     options = parser.parse_args()
     meshes = _common.four_meshes()
     _common.warm_up(meshes)
     rows = [
-        measure(layers, scanned, meshes) for layers in options.layers for scanned in (True, False)
+        measure(layers, scanned, meshes, options.scans)
+        for layers in options.layers
+        for scanned in (True, False)
     ]
     scan = {r["layers"]: r["lower s"] for r in rows if r["model"] == "scan"}
     deep, shallow = max(scan), min(scan)
@@ -135,7 +148,7 @@ def main():
         f"scanned lower() at {deep} layers / at {shallow} layers: {scan[deep] / scan[shallow]:.2f}"
     )
     _common.report(
-        "layer_stacks",
+        "layer_stacks" + ("" if options.scans == "fused" else f"_{options.scans}"),
         rows,
         [
             "model",

@@ -28,7 +28,7 @@ estimate: XLA's ``memory_analysis`` for one module, for mpmdc the mesh's argumen
 its peak live intermediates plus its largest fragment's temporaries), and the loss and
 parameters after one step against ``jax.jit``'s.
 
-    python benchmarks/spmd_pipeline.py [--quick] [--L 8 32] [--M 4 8 16 32 64]
+    python benchmarks/spmd_pipeline.py [--quick] [--L 8 32] [--M 4 8 16 32 64] [--scans shared]
 
 With ``--profile``, only where the time goes at the first of ``--L`` and ``--M``: each of
 mpmdc's distinct modules compiled alone (XLA seconds) against the SPMD step's one
@@ -58,6 +58,13 @@ PARSER.add_argument("--microbatch-rows", type=int, default=16)
 PARSER.add_argument("--steps", type=int, default=5, help="steps timed per program (median)")
 PARSER.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto")
 PARSER.add_argument(
+    "--scans",
+    choices=["fused", "shared"],
+    default="fused",
+    help="the `split` pass's option: a stage's scan inside its fragment, or a fragment of "
+    "its own that equal stages share",
+)
+PARSER.add_argument(
     "--profile",
     action="store_true",
     help="only where the time goes, at the first of --L and --M: each mpmdc module's XLA "
@@ -78,6 +85,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+import mpmdc.pipeline
 from mpmdc.ir.program import fragment_key
 from mpmdc.runtime.compiling import XlaCompiles
 
@@ -142,6 +150,14 @@ def pipelined_step(layers: int, microbatches: int, schedule: str):
         return loss, jax.tree.map(lambda p, g: p - LR * g, params, grads)
 
     return step
+
+
+def passes(options) -> list[str]:
+    """The default pipeline, its ``split`` with ``--scans``."""
+    return [
+        f"split{{scans={options.scans}}}" if p == "split" else p
+        for p in mpmdc.pipeline.default_pipeline()
+    ]
 
 
 def spmd_step(mesh: Mesh, microbatches: int):
@@ -363,6 +379,7 @@ def measure(layers: int, microbatches: int, options) -> list[dict]:
                 pipelined_step(layers, microbatches, schedule),
                 meshes,
                 in_specs=(None, batch, batch),
+                passes=passes(options),
             )
 
         seconds, xla, out = first_result(compiled_fn(), (params, x, y))
@@ -425,7 +442,10 @@ def profile(layers: int, microbatches: int, options) -> None:
     y = jax.random.normal(ky, (options.microbatch_rows * microbatches, options.width))
     batch = P("data")
     step = mpmdc.compile(
-        pipelined_step(layers, microbatches, "1f1b"), meshes, in_specs=(None, batch, batch)
+        pipelined_step(layers, microbatches, "1f1b"),
+        meshes,
+        in_specs=(None, batch, batch),
+        passes=passes(options),
     )
     lowered = step.lower(params, x, y)
     program = lowered.program("stablehlo")
@@ -562,6 +582,7 @@ def main():
                 f"L={layers} M={microbatches}: {time.perf_counter() - start:.0f} s", file=sys.stderr
             )
     name = "spmd_pipeline" + ("_quick" if options.quick else "")
+    name += "" if options.scans == "fused" else f"_{options.scans}"
     after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     _common.report(
         name,

@@ -106,7 +106,7 @@ def scan_modules(lowered) -> list[int]:
     return sorted(n for n in found.values() if n)
 
 
-@pytest.mark.parametrize("scans", ["fused", "shared"])
+@pytest.mark.parametrize("scans", ["fused", pytest.param("shared", marks=pytest.mark.slow)])
 def test_scans_fused_in_their_stage_or_shared_by_equal_stages(meshes4, scans):
     def with_embedding(microbatches):
         step = train_step(microbatches, "1f1b")
