@@ -246,8 +246,8 @@ def _unmet(passes, i: int, prop: Property, made: int | None, undone: int | None)
     name = passes[i].name
     providers = " or ".join(f"`{n}`" for n, q in PASSES.items() if prop in q.produces)
     head = f"pass `{name}` (number {i + 1} in the pipeline) requires `{prop}`: {prop.meaning}. "
-    if undone is not None:
-        maker = f"`{passes[made].name}`" if made is not None else providers
+    if undone is not None and made is not None:
+        maker = f"`{passes[made].name}`"
         undoer = passes[undone].name
         if undoer == name:
             fix = f"run `{name}` once"

@@ -134,6 +134,11 @@ def test_the_default_pipeline_meets_every_contract(looped, loop_free):
             "`cond-fission` before `partition`, or leave it out.",
         ),
         ("inline,slice-stacks,split-scans", "`slice-stacks` (number 3 in the pipeline)"),
+        # Undone by a pass before it, but never made: the pass to add is named.
+        (
+            "inline,split,partition",
+            "`partition` provides it, and no pass before `split` does: put `partition` before",
+        ),
         ("split-scans,inline", "`split-scans` (number 2 in the pipeline) requires `inlined`"),
     ],
 )
