@@ -92,23 +92,31 @@ def with_plan(passes: list[Pass]) -> list[Pass]:
     it (every later pass works to the stages and schedule it decides), and its trial run
     (its option ``through``, where not given) their own passes from it up to ``split``."""
     passes = list(passes)
-    planners = [i + 1 for i, p in enumerate(passes) if p.name == "plan"]
+    planners = [i for i, p in enumerate(passes) if p.name == "plan"]
     if len(planners) > 1:
         raise PassError(
             f"the pipeline runs `plan` {len(planners)} times (passes number "
-            f"{', '.join(map(str, planners))}); a program is planned once, first: keep one."
+            f"{', '.join(str(i + 1) for i in planners)}); a program is planned once, first: "
+            f"keep one."
         )
     if not planners:
         passes.insert(0, PASSES["plan"])
-    i = next(i for i, p in enumerate(passes) if p.name == "plan")
+    i = planners[0] if planners else 0
     first = passes[i]
     ends = [j for j in range(i + 1, len(passes)) if passes[j].name == "split"]
     if not isinstance(first, FunctionPass) or "through" in dict(first.options) or not ends:
         return passes
     through = tuple(map(_as_text, passes[i + 1 : ends[0] + 1]))
-    if through != first.body.__kwdefaults__["through"]:
+    if through != default_trial():
         passes[i] = first.with_options(through=through)
     return passes
+
+
+def default_trial() -> tuple[str, ...]:
+    """The default pipeline's passes after ``plan`` up to ``split``: what the ``plan``
+    pass estimates on unless told otherwise."""
+    start = DEFAULT_PIPELINE.index("plan") + 1
+    return DEFAULT_PIPELINE[start : DEFAULT_PIPELINE.index("split") + 1]
 
 
 def _as_text(p: Pass) -> str | Pass:

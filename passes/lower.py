@@ -62,10 +62,11 @@ def lower(
         )
     chosen = backends.get(backend or program.backend)
     in_program = chosen.transfers is backends.TransferMode.IN_PROGRAM
-    if in_program and transfers_left(program):
+    left = transfers_left(program) if in_program else 0
+    if left:
         raise PassError(
             f"backend {chosen.name!r} moves values between meshes inside its programs, but "
-            f"{transfers_left(program)} value(s) still move by `transfer`: run "
+            f"{left} value(s) still move by `transfer`: run "
             f"`in-program-transfers` right before `lower` (its default pipeline does)."
         )
     if not in_program and has_peer_transfers(program):

@@ -14,8 +14,8 @@ The pass
    ``stage_to_mesh`` where none was given) as ``program.schedule``.
 
 Steps 1 and 2 estimate a trial run of the option ``through``: the pipeline's passes up
-to ``split`` (``mpmdc.compile`` sets it from its own ``passes``). A program that asks
-for nothing comes out as it went in, planned.
+to ``split`` (``mpmdc.compile`` sets it from its own ``passes``; by default the default
+pipeline's). A program that asks for nothing comes out as it went in, planned.
 """
 
 from __future__ import annotations
@@ -25,29 +25,18 @@ from mpmdc.passes.base import Property, register
 from mpmdc import schedules
 from mpmdc.ir.program import Phase, Program
 
-# The passes that make a traced program's fragments, one per stage and kind.
-TO_FRAGMENTS = (
-    "inline",
-    "split-scans",
-    "slice-stacks",
-    "cond-fission",
-    "dce",
-    "partition",
-    "vma-typecheck",
-    "split",
-)
-
 
 @register(
     "plan",
     "group the marked segments into stages and choose the loop's schedule, as asked",
     produces={Property.PLANNED},
 )
-def plan(program: Program, *, through: tuple = TO_FRAGMENTS) -> Program:
+def plan(program: Program, *, through: tuple | None = None) -> Program:
     """``program`` planned as its ``plan_request`` asks, estimated on a trial run of
-    ``through`` (pass names, texts or objects); a planned program passes unchanged."""
+    ``through`` (pass names, texts or objects; ``None``: the default pipeline's passes
+    up to ``split``); a planned program passes unchanged."""
     # (Imported here: the planner runs a pipeline, whose runner imports this package.)
-    from mpmdc.pipeline import resolve
+    from mpmdc.pipeline import default_trial, resolve
     from mpmdc.planning.balancing import balanced
     from mpmdc.planning.scheduling import pipeline_of, scheduled
 
@@ -56,7 +45,7 @@ def plan(program: Program, *, through: tuple = TO_FRAGMENTS) -> Program:
     request = program.plan_request
     program = program.replace(plan_request=None)
     if request is not None:
-        trial = resolve(list(through))
+        trial = resolve(list(default_trial() if through is None else through))
         schedule = request.schedule
         choosing = isinstance(schedule, schedules.Chooser)
         if request.balanced:

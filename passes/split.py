@@ -90,7 +90,9 @@ def _parts(eqns, reads, placements, scans: ScanFragments = ScanFragments.FUSED):
     placement_id = []
     for eqn, p in zip(eqns, placements):
         # (A loop edge stands for the whole loop, not for work in it.)
-        own = is_loop_edge(eqn) or (scans is ScanFragments.SHARED and eqn.primitive is _SCAN)
+        own = is_loop_edge(eqn) or (
+            scans is ScanFragments.SHARED and eqn.primitive is jprims.scan_p
+        )
         k = len(distinct) if own else ids.setdefault(p, len(distinct))
         if k == len(distinct):
             distinct.append(p)
@@ -182,9 +184,6 @@ def _without_markers(jaxpr, placements):
             eqns.append(eqn.replace(invars=substituted(eqn.invars, env)) if reads_marker else eqn)
             kept.append(placement)
     return eqns, kept, env
-
-
-_SCAN = jprims.scan_p
 
 
 def _ordered_parts(eqns, reads, placements, outvars, scans: ScanFragments):
