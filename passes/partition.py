@@ -185,17 +185,6 @@ def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
     return out
 
 
-def _pin_shard_maps(stage, candidates, eqns, flow: DefUse) -> None:
-    """Move each ``shard_map`` placed on a stage of another mesh to a stage of its own mesh:
-    one its operands or users are in if there is one, else the first."""
-    for i, on_mesh in candidates.items():
-        if not on_mesh or stage[i] in on_mesh:
-            continue
-        near = [stage[flow.producer[a]] for a in vars_of(eqns[i].invars) if a in flow.producer]
-        near += [stage[j] for v in eqns[i].outvars for j in flow.readers.get(v, ())]
-        stage[i] = next((s for s in near if s in on_mesh), on_mesh[0])
-
-
 class PlacementState:
     """What the placement steps (:func:`follow_operands`, :func:`follow_users`,
     :func:`place_by_bytes`) read and decide: ``stage[i]`` is equation ``i``'s stage
@@ -218,6 +207,19 @@ class PlacementState:
 
     def mesh(self, stage: int) -> int:
         return self.program.mesh_of_stage(stage)
+
+    def place(self, i, stage) -> bool:
+        """Put equation ``i`` in ``stage`` (``None``: leave it unplaced); whether it was
+        placed. A ``shard_map`` can only run on the mesh it was built for: placed on a
+        stage of another mesh, it goes to a stage of its own that its operands or users
+        are in, else the first, before anything follows it there."""
+        on_mesh = self.shard_maps.get(i)
+        if stage is not None and on_mesh and stage not in on_mesh:
+            near = [self.stage[self.producer[a]] for a in self.reads[i] if a in self.producer]
+            near += [self.stage[j] for v in self.eqns[i].outvars for j in self.users.get(v, ())]
+            stage = next((s for s in near if s in on_mesh), on_mesh[0])
+        self.stage[i] = stage
+        return stage is not None
 
     @staticmethod
     @functools.cache
@@ -402,7 +404,7 @@ class PlacementState:
         place_by_bytes(self, rest)
         for i in rest:
             if self.stage[i] is None:
-                self.stage[i] = self.default
+                self.place(i, self.default)
         return self.stage
 
 
@@ -413,8 +415,7 @@ def follow_operands(state: PlacementState, members, through_boundaries: bool) ->
     changed = False
     for i in members:
         if state.stage[i] is None:
-            state.stage[i] = state.from_operands(i, through_boundaries)
-            changed |= state.stage[i] is not None
+            changed |= state.place(i, state.from_operands(i, through_boundaries))
     return changed
 
 
@@ -425,8 +426,7 @@ def follow_users(state: PlacementState, members) -> bool:
     changed = False
     for i in reversed(members):
         if state.stage[i] is None and i in state.prepares:
-            state.stage[i] = state.from_users(i)
-            changed |= state.stage[i] is not None
+            changed |= state.place(i, state.from_users(i))
     return changed
 
 
@@ -461,7 +461,7 @@ def place_by_bytes(state: PlacementState, members) -> None:
         for order in (members, members[::-1]):
             for i in order:
                 if state.stage[i] is None and (found := candidates(i)):
-                    state.stage[i] = state.cheapest(i, found, with_users=True)
+                    state.place(i, state.cheapest(i, found, with_users=True))
                     changed = True
     for i in reversed(members):
         # (A user inside the microbatch loop has a fragment per microbatch, which
@@ -612,7 +612,6 @@ def placement_state(program: Program) -> PlacementState:
 def _place(state: PlacementState) -> dict[int, Placement]:
     """Rules 1-5: a placement for every equation that is not cheap."""
     stage = state.run()
-    _pin_shard_maps(stage, state.shard_maps, state.eqns, state.flow)
     return {
         i: Placement(stage[i], state.transpose[i], state.microbatch[i])
         for i in range(len(state.eqns))
