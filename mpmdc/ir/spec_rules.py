@@ -291,17 +291,42 @@ def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
     return found
 
 
-def _wanted_by_users(jaxpr: jcore.Jaxpr, found: dict) -> dict:
+def _bodies_and_operands(eqn) -> list[tuple[jcore.Jaxpr, list]]:
+    """The bodies a value wanted by an equation's results is followed into: each
+    ``cond`` branch (reading the operands after the index) and a call's body, each with
+    the operands its inputs are."""
+    if eqn.primitive is jprims.cond_p:
+        return [(branch.jaxpr, eqn.invars[1:]) for branch in eqn.params["branches"]]
+    if eqn.primitive in CALL_BODIES and (found := call_body(eqn)) is not None:
+        return [(found[0], eqn.invars)]
+    return []
+
+
+def _wanted_by_users(jaxpr: jcore.Jaxpr, found: dict, out_wanted: dict | None = None) -> dict:
     """``{variable: spec}`` for unsharded values combined elementwise (an equation with
     no rule of its own, the operand shaped like the result) into a sharded result: the
-    spec that result has, carried back through chains of such equations. An optimizer's
-    moment (``b * mu + (1 - b) * grad``) wants its gradient's spec."""
-    wanted: dict = {}
+    spec that result has, carried back through chains of such equations and into the
+    branches of a ``cond`` and the bodies of calls (a skip-step ``cond`` returning a
+    parameter as is in one branch and updated in the other). ``out_wanted``: specs
+    wanted for ``jaxpr``'s results. An optimizer's moment (``b * mu + (1 - b) * grad``)
+    wants its gradient's spec."""
+    wanted: dict = {
+        v: spec for v, spec in (out_wanted or {}).items() if is_var(v) and v not in found
+    }
     for eqn in reversed(jaxpr.eqns):
+        specs = {out: found.get(out) or wanted.get(out) for out in eqn.outvars}
+        for body, operands in _bodies_and_operands(eqn):
+            inner = _wanted_by_users(
+                body,
+                _propagate(body, [_spec_of(found, a) for a in operands]),
+                {v: spec for v, spec in zip(body.outvars, specs.values()) if spec is not None},
+            )
+            for a, v in zip(operands, body.invars):
+                if is_var(a) and a not in found and v in inner:
+                    wanted.setdefault(a, inner[v])
         if eqn.primitive in spec_rules or eqn.primitive in _SPEC_SOURCES:
             continue
-        for out in eqn.outvars:
-            spec = found.get(out) or wanted.get(out)
+        for out, spec in specs.items():
             if spec is None:
                 continue
             for a in eqn.invars:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_array, assert_same_as_jit, assert_same_tree
+from helpers import XlaCompiles, assert_same_array, assert_same_as_jit, assert_same_tree
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
@@ -425,3 +425,34 @@ def test_work_after_a_shard_map_of_a_shared_mesh_follows_it_to_its_mesh():
     assert_same_tree(
         compiled(params, momenta), jax.jit(step)(params, momenta), rtol=1.2e-6, atol=1e-7
     )
+
+
+def test_a_parameter_updated_in_a_skip_step_cond_comes_back_as_it_went_in():
+    """A parameter given no spec whose gradient a ``shard_map`` shards, updated inside a
+    skip-step ``lax.cond``: it goes in with the spec its update wants and comes back
+    with it, so the second step moves and compiles nothing."""
+    meshes = mpmdc.make_meshes(1, {"d": 2})
+
+    def step(p, m):
+        def loss(p):
+            return jnp.sum(psum_on(meshes[0])(mpmdc.stage(p, 0)) * 0.5)
+
+        value, g = jax.value_and_grad(loss)(p)
+
+        def update(p, m):
+            m = 0.9 * m + g
+            return p - 0.1 * m, m
+
+        return value, *jax.lax.cond(jnp.isfinite(value), update, lambda p, m: (p, m), p, m)
+
+    x = jnp.arange(16.0, dtype=jnp.float32).reshape(4, 4) / 10
+    compiled = mpmdc.compile(step, meshes)
+    program = compiled.lower(x, x * 0.5).program("after-split")
+    assert program.in_specs[0] == program.out_specs[1] == P("d")
+    assert program.in_specs[1] == program.out_specs[2] == P("d")
+    first = compiled(x, x * 0.5)
+    with XlaCompiles() as compiles:
+        second = compiled(*first[1:])
+    assert compiles.count == 0
+    want = jax.jit(step)(*jax.jit(step)(x, x * 0.5)[1:])
+    assert_same_tree(second, want)

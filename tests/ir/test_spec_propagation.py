@@ -172,3 +172,24 @@ def test_a_split_layer_scans_residuals_stay_batch_sharded_without_collectives():
     got, want = compiled(ws, x), jax.jit(jax.value_and_grad(scanned_loss))(ws, x)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6)
+
+
+def test_a_free_input_takes_the_spec_its_update_wants_through_a_skip_step_cond():
+    """A parameter given no spec, updated by a batch-sharded gradient inside a skip-step
+    ``cond`` (returned as is by one branch, updated by the other) or inside a jitted
+    helper, takes the gradient's spec, so its new value comes back with the spec it
+    went in with."""
+
+    def update(p, g):
+        return p - 0.1 * g
+
+    def fn(p, x, q):
+        g = jnp.tanh(x)  # sharded on the batch, as a gradient of batch-sharded work is
+        skipped = jax.lax.cond(jnp.isfinite(g.sum()), update, lambda p, g: p, p, g)
+        return skipped, jax.jit(update)(q, g)
+
+    jaxpr = jax.make_jaxpr(fn)(X, X, X).jaxpr
+    found = propagate_specs(jaxpr, [None, P("data"), None])
+    p, _, q = jaxpr.invars
+    assert found[p] == found[q] == P("data", None, None)
+    assert [found.get(v, P()) for v in jaxpr.outvars] == [P("data", None, None)] * 2
