@@ -243,6 +243,23 @@ def test_an_arrays_metadata_must_say_what_the_index_says(saved, case):
         assert says in str(e.value)
 
 
+def test_a_shape_beyond_memory_in_index_and_array_is_refused_before_anything_is_read(saved):
+    """Index and array agreeing on a shape no machine holds: refused before any read
+    (without a target, onto a bare sharding, which takes the index's shape, and spread
+    over every device), never an allocation that aborts the process."""
+    for path in (saved / "zarr.json", saved / "w" / "zarr.json"):
+        edit_json(
+            path,
+            lambda d: (index_leaves(d)[1] if "attributes" in d else d).update(shape=[10**13, 6]),
+        )
+    mesh = jax.make_mesh((8,), ("x",))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    says = r"would read .* bytes into this process \(the largest: leaf \['w'\], float32\[1000"
+    for w in (None, one, NamedSharding(mesh, P("x"))):
+        with pytest.raises(CheckpointError, match=says):
+            restore(saved, None if w is None else {"w": w, "k": jax.random.key(0)})
+
+
 def test_a_chunk_changed_in_place_fails_its_checksum_naming_leaf_and_chunk(saved):
     [chunk] = chunk_files(saved / "w")
     data = bytearray(open(chunk, "rb").read())
