@@ -366,6 +366,10 @@ ROOT_EDITS = {
         lambda d: d["attributes"]["mpmdc"].pop("leaves"),
         "Field required at leaves",
     ),
+    "leaves empty": (
+        lambda d: d["attributes"]["mpmdc"].update(leaves=[]),
+        "its index lists no leaves",
+    ),
     "leaves a number": (
         lambda d: d["attributes"]["mpmdc"].update(leaves=5),
         "Input should be a valid list at leaves",
