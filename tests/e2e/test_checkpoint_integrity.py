@@ -174,6 +174,33 @@ def test_a_managers_commit_leaves_another_saves_partial_folder_alone(tmp_path):
     assert value_of(tmp_path / "1") == 1
 
 
+def test_a_manager_prunes_under_the_commit_lock(tmp_path):
+    """Removing old steps waits for a commit into the folder in progress (another job's
+    overwrite of that step), so neither is left half done."""
+    manager = CheckpointManager(tmp_path, max_to_keep=1, asynchronous=False)
+    manager.save(1, tree_of(1))
+    save(tmp_path / "2", tree_of(2))
+    held, release = threading.Event(), threading.Event()
+
+    def committing():
+        with storage.commit_lock(str(tmp_path)):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=committing)
+    holder.start()
+    held.wait(30)
+    pruning = threading.Thread(target=manager._remove_old)
+    pruning.start()
+    pruning.join(0.3)
+    assert pruning.is_alive() and entries(tmp_path) == ["1", "2"]
+    release.set()
+    holder.join()
+    pruning.join(30)
+    assert entries(tmp_path) == ["2"]
+    manager.close()
+
+
 def test_a_failed_save_removes_its_own_partial_folder_and_only_that(tmp_path):
     os.makedirs(tmp_path / "c.0123456789abcdef.partial")  # another save's, in flight
     saving = Save(tmp_path / "c", tree_of(1))
