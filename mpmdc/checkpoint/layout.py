@@ -238,6 +238,10 @@ def parse_index(document: dict, where: str) -> Index:
         index = _IndexModel.model_validate(root.attributes.mpmdc)
     except ValidationError as err:
         raise _invalid(where, err) from None
+    if not index.leaves:  # a save of no leaves is refused, so an empty list lost them
+        raise CheckpointError(
+            f"{where} is damaged: its index lists no leaves, and every save writes at least one."
+        )
     leaves = tuple(_checked_leaf(leaf, version, where) for leaf in index.leaves)
     for kind, names in (("path", [e.path for e in leaves]), ("array", [e.array for e in leaves])):
         if len(set(names)) != len(names):

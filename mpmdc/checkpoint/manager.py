@@ -267,8 +267,12 @@ class CheckpointManager:
     def _remove_old(self) -> None:
         """After a commit (process 0): remove the complete steps beyond the newest
         ``max_to_keep``. Nothing else is removed: a partial folder belongs to the save
-        writing it (perhaps another job's), and a step that is a link loses its link only."""
-        if self.max_to_keep is not None:
+        writing it (perhaps another job's), and a step that is a link loses its link only.
+        Under the commit lock: a commit into this folder (another job's overwrite of the
+        step) never interleaves with removing it, which could leave half of either."""
+        if self.max_to_keep is None:
+            return
+        with storage.commit_lock(self.directory):
             for step in _complete_steps(self.directory)[: -self.max_to_keep]:
                 storage.remove(self.step_directory(step))
                 storage.remove(self.step_directory(step) + REPLACED_SUFFIX)

@@ -10,6 +10,7 @@ read with the metadata the index implies, never with what their own files say.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 import stat
@@ -278,7 +279,7 @@ def _read_all(root: str, index: Index, target):
     """Every leaf of the checkpoint at ``root`` with ``index``, put where ``target`` says."""
     context, files = ts.Context(), _Files(root)
     if target is None:  # every read started before any is waited for
-        _check_memory(root, index)
+        _check_memory(root, [(leaf, nbytes(*leaf.stored_type())) for leaf in index.leaves], None)
         reads = {
             leaf: _opened(root, leaf, index.version, context, files).read() for leaf in index.leaves
         }
@@ -289,6 +290,7 @@ def _read_all(root: str, index: Index, target):
         wanted = [path_text(path) for path, _ in flat]
         _check_paths(root, list(saved), wanted)
         plans = [_Plan(root, saved[text], leaf) for text, (_, leaf) in zip(wanted, flat)]
+        _check_memory(root, [(plan.entry, plan.nbytes()) for plan in plans], target)
         for plan in plans:
             plan.start(_opened(root, plan.entry, index.version, context, files))
         restored = jax.tree_util.tree_unflatten(treedef, [plan.result() for plan in plans])
@@ -308,9 +310,23 @@ class _Plan:
                 f"the target asks for {dtype}{list(shape)}. Restore into a target of the saved "
                 f"shape and dtype, and convert after."
             )
+        whole = (slice(None),) * len(entry.shape)
+        self.indices = {None: whole}  # what this process reads, by device (None: the host)
         if self.sharding is not None:
             _check_fits(self.sharding, entry, root)
+            self.indices = self.sharding.addressable_devices_indices_map(entry.shape)
         self.reads: dict[str, object] = {}
+
+    def nbytes(self) -> int:
+        """Bytes of the distinct index ranges this process reads of the leaf (on the host,
+        before they go to its devices)."""
+        stored, dtype = self.entry.stored_type()
+        per_element = math.prod(stored[len(self.entry.shape) :]) * dtype.itemsize
+        ranges = {repr(index): index for index in self.indices.values()}.values()
+        return per_element * sum(
+            math.prod(len(range(*s.indices(n))) for s, n in zip(index, self.entry.shape))
+            for index in ranges
+        )
 
     def start(self, store: ts.TensorStore) -> None:
         """Start reading what this process needs of ``store``, the leaf's array."""
@@ -318,9 +334,7 @@ class _Plan:
             self.reads["whole"] = store.read()
             return
         self.places = []
-        for device, index in self.sharding.addressable_devices_indices_map(
-            self.entry.shape
-        ).items():
+        for device, index in self.indices.items():
             key = repr(index)
             if key not in self.reads:
                 self.reads[key] = store[index].read()
@@ -342,17 +356,28 @@ class _Plan:
         return compat.weakly_typed(array) if self.weak_type else array
 
 
-def _check_memory(root: str, index: Index) -> None:
-    """Refuse to read every leaf whole onto the host when together they are larger than
-    this machine's memory (a damaged index could ask for any size)."""
-    total = sum(nbytes(*leaf.stored_type()) for leaf in index.leaves)
+def _check_memory(root: str, leaves: list[tuple[LeafEntry, int]], target) -> None:
+    """Refuse to read ``leaves`` (each with the bytes this process would read of it) when
+    together they are larger than this machine's memory: a damaged index could claim any
+    shape, and a target of bare shardings takes the index's. Checked before any read, so
+    nothing that large is ever allocated."""
+    total = sum(size for _, size in leaves)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if total > memory:
-        raise CheckpointError(
-            f"the checkpoint at {root} holds {total:,} bytes, more than this machine's memory "
-            f"({memory:,} bytes): restore it onto shardings (a target) so that each device "
-            f"reads its part."
+    if total <= memory:
+        return
+    entry, size = max(leaves, key=lambda leaf: leaf[1])
+    largest = f"leaf {entry.path}, {entry.dtype}{list(entry.shape)}, {size:,} bytes"
+    if target is None:
+        what = "restore it onto shardings (a target) so that each device reads its part"
+    else:
+        what = (
+            "check its index (a damaged one can claim any shape), or spread the target's "
+            "shardings over more processes"
         )
+    raise CheckpointError(
+        f"restoring the checkpoint at {root} would read {total:,} bytes into this process "
+        f"(the largest: {largest}), more than this machine's memory ({memory:,} bytes): {what}."
+    )
 
 
 def _logical_dtype(entry: LeafEntry):

@@ -174,6 +174,33 @@ def test_a_managers_commit_leaves_another_saves_partial_folder_alone(tmp_path):
     assert value_of(tmp_path / "1") == 1
 
 
+def test_a_manager_prunes_under_the_commit_lock(tmp_path):
+    """Removing old steps waits for a commit into the folder in progress (another job's
+    overwrite of that step), so neither is left half done."""
+    manager = CheckpointManager(tmp_path, max_to_keep=1, asynchronous=False)
+    manager.save(1, tree_of(1))
+    save(tmp_path / "2", tree_of(2))
+    held, release = threading.Event(), threading.Event()
+
+    def committing():
+        with storage.commit_lock(str(tmp_path)):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=committing)
+    holder.start()
+    held.wait(30)
+    pruning = threading.Thread(target=manager._remove_old)
+    pruning.start()
+    pruning.join(0.3)
+    assert pruning.is_alive() and entries(tmp_path) == ["1", "2"]
+    release.set()
+    holder.join()
+    pruning.join(30)
+    assert entries(tmp_path) == ["2"]
+    manager.close()
+
+
 def test_a_failed_save_removes_its_own_partial_folder_and_only_that(tmp_path):
     os.makedirs(tmp_path / "c.0123456789abcdef.partial")  # another save's, in flight
     saving = Save(tmp_path / "c", tree_of(1))
@@ -241,6 +268,23 @@ def test_an_arrays_metadata_must_say_what_the_index_says(saved, case):
         with pytest.raises(CheckpointError, match=re.escape(str(saved / "w" / "zarr.json"))) as e:
             restore(saved, target)
         assert says in str(e.value)
+
+
+def test_a_shape_beyond_memory_in_index_and_array_is_refused_before_anything_is_read(saved):
+    """Index and array agreeing on a shape no machine holds: refused before any read
+    (without a target, onto a bare sharding, which takes the index's shape, and spread
+    over every device), never an allocation that aborts the process."""
+    for path in (saved / "zarr.json", saved / "w" / "zarr.json"):
+        edit_json(
+            path,
+            lambda d: (index_leaves(d)[1] if "attributes" in d else d).update(shape=[10**13, 6]),
+        )
+    mesh = jax.make_mesh((8,), ("x",))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    says = r"would read .* bytes into this process \(the largest: leaf \['w'\], float32\[1000"
+    for w in (None, one, NamedSharding(mesh, P("x"))):
+        with pytest.raises(CheckpointError, match=says):
+            restore(saved, None if w is None else {"w": w, "k": jax.random.key(0)})
 
 
 def test_a_chunk_changed_in_place_fails_its_checksum_naming_leaf_and_chunk(saved):
@@ -348,6 +392,10 @@ ROOT_EDITS = {
     "no leaves": (
         lambda d: d["attributes"]["mpmdc"].pop("leaves"),
         "Field required at leaves",
+    ),
+    "leaves empty": (
+        lambda d: d["attributes"]["mpmdc"].update(leaves=[]),
+        "its index lists no leaves",
     ),
     "leaves a number": (
         lambda d: d["attributes"]["mpmdc"].update(leaves=5),
