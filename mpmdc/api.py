@@ -33,7 +33,7 @@ from mpmdc.pipeline import (
     with_plan,
 )
 from mpmdc.planning.balancing import wants_balancing
-from mpmdc.runtime.arguments import committed_mesh
+from mpmdc.runtime.arguments import committed_where
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled
 from mpmdc.runtime.executable_cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
@@ -386,7 +386,7 @@ class Wrapped:
         started = time.perf_counter()
         closed, loop, out_tree, out_paths = self._trace(in_tree, call, in_types)
         out_specs, wanted_out_meshes = output_specs(options, out_tree, out_paths)
-        arg_meshes = tuple(committed_mesh(leaf, options.meshes) for leaf in leaves)
+        arg_meshes = tuple(committed_where(leaf, options.meshes) for leaf in leaves)
         program = Program(
             jaxpr=closed,
             meshes=options.meshes,

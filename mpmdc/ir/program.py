@@ -295,8 +295,9 @@ class Program:
     # what the ``plan`` pass is to decide; ``None`` once it has (from ``Phase.PLANNED`` on)
     plan_request: PlanRequest | None = None
     # per caller argument leaf, the mesh it was committed to when traced (``None``: not
-    # committed, or not within one mesh): one read elsewhere moves before every call
-    arg_meshes: tuple[int | None, ...] | None = None
+    # committed; a tuple of device ids: committed to devices no one mesh holds): one
+    # read elsewhere moves before every call
+    arg_meshes: tuple[int | tuple[int, ...] | None, ...] | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 

@@ -17,7 +17,9 @@ rolled loop's (before ``schedule``) count once per microbatch.
 
 An argument committed to another mesh than the one that reads it (``Program.arg_meshes``:
 where each was when the program was traced) is moved by the runtime before every call;
-the report counts it as ``state`` on its link and names it.
+the report counts it as ``state`` on its link and names it. One committed to devices
+that no one mesh holds (spread over several meshes, or outside them) is named too and
+counted in the totals, on no link.
 """
 
 from __future__ import annotations
@@ -50,12 +52,19 @@ class Link:
 
 @dataclass(frozen=True)
 class ArgumentMove:
-    """An argument the runtime moves from mesh ``src`` to mesh ``dst`` before each call."""
+    """An argument the runtime moves from mesh ``src`` to mesh ``dst`` before each call;
+    ``src`` is ``None`` for one on ``devices`` that no one mesh holds."""
 
     path: str
-    src: int
+    src: int | None
     dst: int
     bytes: int
+    devices: tuple[int, ...] = ()  # the device ids it is on, where ``src`` is None
+
+    @property
+    def source(self) -> str:
+        """Where the argument is, in the report's words."""
+        return f"mesh{self.src}" if self.src is not None else f"devices {list(self.devices)}"
 
 
 @dataclass(frozen=True)
@@ -65,12 +74,16 @@ class TransferReport:
     links: tuple[Link, ...]
     inputs_held: tuple[int, ...]  # bytes of program inputs per mesh
     outputs_held: tuple[int, ...]  # bytes of program outputs per mesh
-    arguments: tuple[ArgumentMove, ...] = ()  # also counted in ``links``
+    arguments: tuple[ArgumentMove, ...] = ()  # also counted in ``links`` where ``src`` is a mesh
 
     def total(self, category: str | None = None) -> int:
-        """Bytes moved per step (in ``category``, one of :data:`CATEGORIES`, if given)."""
+        """Bytes moved per step (in ``category``, one of :data:`CATEGORIES`, if given),
+        arguments on devices no one mesh holds included."""
         columns = range(len(CATEGORIES)) if category is None else [CATEGORIES.index(category)]
-        return sum(link.bytes[c] for link in self.links for c in columns)
+        moved = sum(link.bytes[c] for link in self.links for c in columns)
+        if category in (None, CATEGORIES[1]):
+            moved += sum(move.bytes for move in self.arguments if move.src is None)
+        return moved
 
     def __str__(self) -> str:
         return self.as_text()
@@ -108,7 +121,7 @@ class TransferReport:
                 "that reads them):"
             )
             for move in self.arguments:
-                lines.append(f"  {move.path}: mesh{move.src} -> mesh{move.dst}, {move.bytes} B")
+                lines.append(f"  {move.path}: {move.source} -> mesh{move.dst}, {move.bytes} B")
         return "\n".join(lines) + "\n"
 
 
@@ -136,6 +149,9 @@ def transfer_report(program: Program) -> TransferReport:
         leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
         src = program.arg_meshes[leaf] if program.arg_meshes else None
         if src is None or src == dst:
+            continue
+        if isinstance(src, tuple):  # on devices no one mesh holds: no link
+            arguments.append(ArgumentMove(program.in_paths[k], None, dst, nbytes(v.aval), src))
             continue
         arguments.append(ArgumentMove(program.in_paths[k], src, dst, nbytes(v.aval)))
         values, moved = links.setdefault((src, dst), ([0] * 3, [0] * 3))

@@ -30,13 +30,15 @@ def mesh_holding(devices, meshes) -> int | None:
     return next((i for i, m in enumerate(meshes) if devices <= set(m.devices.flat)), None)
 
 
-def committed_mesh(leaf, meshes) -> int | None:
-    """The mesh holding a committed ``jax.Array`` (or a ``ShapeDtypeStruct`` with a
-    sharding), ``None`` for any other leaf or one spread over several meshes."""
+def committed_where(leaf, meshes) -> int | tuple[int, ...] | None:
+    """Where a committed ``jax.Array`` (or a ``ShapeDtypeStruct`` with a sharding) is, for
+    the transfer report: the index of the mesh holding it, else its sorted device ids (spread over several meshes, or outside
+    them); ``None`` for a leaf that is not committed."""
     sharding = getattr(leaf, "sharding", None)
     if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
         return None
-    return mesh_holding(sharding.device_set, meshes)
+    found = mesh_holding(sharding.device_set, meshes)
+    return found if found is not None else tuple(sorted(d.id for d in sharding.device_set))
 
 
 def placed_as(x, sharding) -> bool:

@@ -206,6 +206,37 @@ def test_an_argument_on_another_mesh_is_counted_in_the_report_and_named_once(mes
         assert_same_array(g, want)
 
 
+def test_an_argument_on_devices_no_one_mesh_holds_is_counted_and_named_once(meshes4):
+    """A parameter replicated over every device (spread over all the meshes) is moved
+    before every call too: the report names it, where it is and its bytes, and counts
+    them in the totals (on no link, as no one mesh sends it); a warning names it once."""
+    step = mpmdc.compile(_sgd_step, meshes4)
+    ws = [jnp.eye(WIDTH) / 2] * STAGES
+    x = jnp.ones((8, WIDTH))
+    everywhere = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    spread = list(ws)
+    spread[1] = jax.device_put(ws[1], NamedSharding(everywhere, P()))
+    report = step.lower(spread, x).transfer_report()
+    size = WIDTH * WIDTH * 4
+    (move,) = report.arguments
+    assert (move.path, move.src, move.dst, move.bytes) == ("args[0][1]", None, 1, size)
+    ids = sorted(d.id for d in jax.devices())
+    assert f"args[0][1]: devices {ids} -> mesh1, {size} B" in report.as_text()
+    unmoved = step.lower(ws, x).transfer_report()
+    assert report.links == unmoved.links
+    state = "parameters/optimizer state"
+    assert report.total(state) == unmoved.total(state) + size
+    assert report.total() == unmoved.total() + size
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = step(spread, x)
+        step(spread, x)
+    moved = [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
+    assert len(moved) == 1 and f"argument args[0][1] is on devices {ids}" in moved[0], moved
+    for g, want in zip(got, step(ws, x)):
+        assert_same_array(g, want)
+
+
 def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():
     """Stages 0 and 2 on 3 meshes leave mesh1 idle every step: said once it is lowered,
     naming the mesh; a layout using every mesh says nothing."""

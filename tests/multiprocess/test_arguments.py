@@ -1,7 +1,8 @@
 """Arguments that live on another process's mesh than the one that reads them, under
 ``mpmdc launch`` (``arguments.py`` is what each process runs): the owning process
 sends them as it sends transfers, and one no route can move fails every process at
-once with an ``ArgumentError``, never a timeout."""
+once with an ``ArgumentError``, never a timeout. A step with a scaled tied embedding,
+fed back, moves no argument at all."""
 
 import re
 import sys
@@ -32,6 +33,7 @@ def test_arguments_on_another_processs_mesh_are_sent_or_refused_at_once():
         lines = process_lines(output, index)
         assert "ok: committed by hand to another process's mesh" in lines, output[-3000:]
         assert "ok: results fed back in another order" in lines, output[-3000:]
+        assert "ok: a scaled tied embedding fed back stays on mesh 0" in lines, output[-3000:]
         seconds, message = caught(output, index)
         assert seconds < 5, message  # at once, not after the fault timeout
         assert re.match(
