@@ -13,8 +13,8 @@ module follows each sharded dimension through the equations:
 * a ``shard_map``'s outputs have its ``out_specs``; calls (``pjit``, ``custom_jvp``,
   ``custom_vjp``) are followed into their bodies, as are loops (``scan``, ``while``:
   an iteration's slices and a carry that keeps its spec at every iteration) and the
-  branches of a ``cond``; anything else gives an output the spec of an operand of the
-  same shape, if any.
+  branches of a ``cond``; anything else gives an output, per dimension, the axis of
+  the first operand of the same shape that shards it.
 
 Any spec is correct (XLA moves data to match it); a poor one only costs speed. ``split``
 then drops axes a value's mesh lacks or its size does not divide (``fit_spec``).
@@ -23,7 +23,7 @@ The rules live in :data:`spec_rules`, keyed by primitive as JAX keys its own rul
 rule takes the equation and one spec per operand (a tuple with one entry per dimension:
 ``None`` or mesh axis name(s)) and returns one spec per result. A user's own primitive
 gets a rule with :func:`register_spec_rule`; without one it falls back to "a result
-takes the spec of a sharded operand of its shape".
+takes, per dimension, the axis of the first operand of its shape sharding it".
 """
 
 from __future__ import annotations
@@ -87,11 +87,18 @@ def _without_repeats(spec: Spec) -> Spec:
 
 
 def _same_shape(eqn, specs) -> list[Spec]:
-    """Each result: the spec of the first sharded operand shaped like it (the fallback)."""
+    """Each result: the operands shaped like it merged, each dimension taking the axis of
+    the first operand that shards it (the fallback). So an optimizer's moment
+    ``b * mu + (1 - b) * grad`` keeps both the axis its gradient has and the one only
+    its state has (a weight sharded over ``fsdp`` and ``tp`` whose gradient is sharded
+    over ``tp`` alone)."""
     out = []
     for v in eqn.outvars:
-        candidates = [s for a, s in zip(eqn.invars, specs) if _shape(a) == _shape(v)]
-        out.append(next((s for s in candidates if _is_sharded(s)), _replicated(v)))
+        merged = _replicated(v)
+        for a, spec in zip(eqn.invars, specs):
+            if _shape(a) == _shape(v):
+                merged = tuple(m if m is not None else e for m, e in zip(merged, spec))
+        out.append(merged)
     return out
 
 
@@ -346,12 +353,17 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     and the state fed back is placed as the program expects."""
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
     found = _propagate(jaxpr, padded)
-    free = [v for s, v in zip(in_specs, jaxpr.invars) if s is None]
-    if free:
+    free = {v for s, v in zip(in_specs, jaxpr.invars) if s is None}
+    # A free input's choice can shard what another free input is combined with (a
+    # parameter sharded by the batch it is added to shards its gradient, which its
+    # momentum meets): choose again until no free input gains a spec.
+    while free:
         wanted = _wanted_by_users(jaxpr, found)
         chosen = {v: wanted[v] for v in free if v in wanted}
-        if chosen:
-            padded = [chosen.get(v, s) for s, v in zip(padded, jaxpr.invars)]
-            found = _propagate(jaxpr, padded)
+        if not chosen:
+            break
+        free -= set(chosen)
+        padded = [chosen.get(v, s) for s, v in zip(padded, jaxpr.invars)]
+        found = _propagate(jaxpr, padded)
     found.update((v, s) for v, s in zip(jaxpr.invars, padded) if v not in found)
     return {v: PartitionSpec(*spec) for v, spec in found.items()}

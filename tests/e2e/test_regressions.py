@@ -456,3 +456,47 @@ def test_a_parameter_updated_in_a_skip_step_cond_comes_back_as_it_went_in():
     assert compiles.count == 0
     want = jax.jit(step)(*jax.jit(step)(x, x * 0.5)[1:])
     assert_same_tree(second, want)
+
+
+def test_adam_moments_of_a_weight_sharded_over_two_axes_keep_both():
+    """A weight sharded ``P('fsdp', 'tp')`` whose gradient is sharded over ``tp`` alone:
+    its AdamW moments, put where the weight is, come back ``P('fsdp', 'tp')`` as they
+    went in, and the step fed back compiles nothing."""
+    optax = pytest.importorskip("optax")
+    meshes = mpmdc.make_meshes(2, {"fsdp": 2, "tp": 2})
+    params = {
+        "w0": jax.device_put(
+            jnp.full((8, 8), 0.1, jnp.float32),
+            jax.sharding.NamedSharding(meshes[0], P("fsdp", "tp")),
+        ),
+        "w1": jax.device_put(
+            jnp.full((8, 8), 0.2, jnp.float32),
+            jax.sharding.NamedSharding(meshes[1], P("tp", "fsdp")),
+        ),
+    }
+    opt = optax.adamw(1e-2)
+
+    def step(params, state, x):
+        def loss(p):
+            h = mpmdc.stage(jnp.tanh(mpmdc.stage(x, 0) @ p["w0"]), 1)
+            return jnp.sum(jnp.tanh(h @ p["w1"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return value, optax.apply_updates(params, updates), state
+
+    x = jnp.linspace(-1, 1, 32, dtype=jnp.float32).reshape(4, 8)
+    compiled = mpmdc.compile(step, meshes)
+    (adam, *rest) = opt.init(params)
+    on_params = {name: w.sharding for name, w in params.items()}
+    adam = adam._replace(
+        mu=jax.device_put(adam.mu, on_params), nu=jax.device_put(adam.nu, on_params)
+    )
+    first = compiled(params, (adam, *rest), x)
+    for moment in (first[2][0].mu, first[2][0].nu):
+        for name, spec in (("w0", P("fsdp", "tp")), ("w1", P("tp", "fsdp"))):
+            assert moment[name].sharding.spec == spec, name
+            assert moment[name].sharding.mesh == params[name].sharding.mesh, name
+    with XlaCompiles() as compiles:
+        compiled(*first[1:], x)
+    assert compiles.count == 0

@@ -193,3 +193,34 @@ def test_a_free_input_takes_the_spec_its_update_wants_through_a_skip_step_cond()
     p, _, q = jaxpr.invars
     assert found[p] == found[q] == P("data", None, None)
     assert [found.get(v, P()) for v in jaxpr.outvars] == [P("data", None, None)] * 2
+
+
+def test_elementwise_work_keeps_every_axis_its_operands_shard():
+    """A moment sharded over two axes updated by a gradient sharded over one keeps both;
+    axes in conflict go to the first operand."""
+
+    def fn(mu, g):
+        return 0.9 * mu + 0.1 * g, g + mu
+
+    assert specs_of(fn, [P("fsdp", "tp"), P(None, "tp")], W @ W.T, W @ W.T) == [
+        P("fsdp", "tp"),
+        P("fsdp", "tp"),
+    ]
+    assert specs_of(fn, [P(None, "d"), P("d", None)], W @ W.T, W @ W.T)[1] == P("d", None)
+
+
+def test_free_inputs_choose_until_none_gains_a_spec():
+    """A free parameter added to a batch-sharded value is sharded like it; its gradient
+    then is, and the free momentum it meets takes that spec too, whatever order the
+    inputs come in."""
+
+    def fn(m, p, x):
+        y = p + x  # what shards p
+        g = jnp.sin(p)  # sharded once p's spec is chosen
+        m = 0.9 * m + g
+        return y, p - 0.1 * m, m
+
+    jaxpr = jax.make_jaxpr(fn)(X, X, X).jaxpr
+    found = propagate_specs(jaxpr, [None, None, P("data")])
+    m, p, _ = jaxpr.invars
+    assert found[m] == found[p] == P("data", None, None)
