@@ -20,6 +20,7 @@ from importlib import metadata
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed, watchdog
@@ -55,13 +56,30 @@ def program_entries(program: Program) -> list[tuple[str, str]]:
         entries.append(
             (f"a constant {v.aval.str_short()} the function closes over", _digest(value.tobytes()))
         )
+    modules: dict = {}  # id of a fragment body -> its modules' bytes (bodies are shared)
     for k, eqn in enumerate(jaxpr.eqns):
         p = eqn.params
         name = p["name"] if "name" in p else f"transfer #{k} mesh{p['src']}->mesh{p['dst']}"
-        entries.append(
-            (f"equation {k} ({name})", _digest(compat.pp_eqn(eqn, ctx, settings).format()))
-        )
+        text = compat.pp_eqn(eqn, ctx, settings).format().encode()
+        if "jaxpr" in p:
+            body = p["jaxpr"]
+            if id(body) not in modules:
+                modules[id(body)] = b"".join(_exported_modules(body.jaxpr))
+            text += modules[id(body)]
+        entries.append((f"equation {k} ({name})", _digest(text)))
     return entries
+
+
+def _exported_modules(jaxpr: jcore.Jaxpr):
+    """The StableHLO bytes of the ``jax.export`` modules ``jaxpr`` calls, at any depth:
+    printed, a call of one shows only its function's name, so two exported programs
+    differing in a constant (a learning rate) would print alike."""
+    for eqn in jaxpr.eqns:
+        exported = eqn.params.get("exported")
+        if isinstance(exported, jax.export.Exported):
+            yield bytes(exported.mlir_module_serialized)
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from _exported_modules(sub)
 
 
 def _version() -> str:

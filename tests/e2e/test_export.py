@@ -273,3 +273,25 @@ def test_another_process_runs_it_bitwise_without_the_function(tmp_path, data, st
         for i, want in enumerate(leaves(out)):
             np.testing.assert_array_equal(saved[f"{k}/{i}"], want, err_msg=f"step {k} leaf {i}")
         args = (out[1], out[2], *args[2:])
+
+
+def test_programs_differing_only_inside_a_module_are_not_the_same_program():
+    """What processes compare before their first call covers the exported modules'
+    contents: two programs differing only in a constant (a learning rate) print alike,
+    and processes loading one each must not run them together."""
+    from mpmdc.runtime.peers import program_entries
+
+    meshes = mpmdc.make_meshes(1, {"data": 2})
+
+    def entries(lr):
+        def step(w, x):
+            return w - lr * jnp.tanh(x @ w)
+
+        step.__qualname__ = "step"  # the same function name for both
+        w = jnp.eye(4, dtype=jnp.float32)
+        data = mpmdc.export(mpmdc.compile(step, meshes))(w, w).serialize()
+        return program_entries(mpmdc.deserialize(data).compile(meshes).program)
+
+    first, second = entries(0.1), entries(0.2)
+    assert [name for name, _ in first] == [name for name, _ in second]
+    assert [name for (name, a), (_, b) in zip(first, second) if a != b] == ["equation 0 (s0_fwd)"]
