@@ -207,7 +207,8 @@ def check_agreement(
             differ = f"{longer[count][0]} (only one of the two has it)"
         raise ProgramMismatchError(
             f"processes {here} and {peer} differ in {what}: first at {differ}. Every process must run "
-            f"the same code with arguments of the same types and the same mpmdc and JAX versions."
+            f"the same code (or load the same exported bytes) with arguments of the same types and "
+            f"the same mpmdc and JAX versions."
         )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+import zlib
 from importlib import metadata
 
 import jax
@@ -105,7 +106,15 @@ class Archive:
             )
         try:
             return self._zip.read(name)
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError, RuntimeError) as err:
+        except (
+            zipfile.BadZipFile,
+            zlib.error,
+            NotImplementedError,  # (a damaged compression method)
+            ValueError,
+            OSError,
+            EOFError,
+            RuntimeError,
+        ) as err:
             raise ExportError(
                 f"entry {name!r} of the exported program is damaged ({err}); serialize the "
                 f"program again."
