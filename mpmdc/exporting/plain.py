@@ -6,6 +6,7 @@ and found among the modules already imported (:func:`tree_from`), never imported
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -44,20 +45,41 @@ def spec_from(data) -> PartitionSpec | None:
 # ----------------------------------------------------------------- types and values
 
 
+# The PRNG implementations a typed key of an exported program may use, by their names.
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+@functools.cache
+def _key_dtypes() -> dict:
+    """``{dtype name: (dtype, implementation)}`` of the typed PRNG keys (``key<fry>``)."""
+    out = {}
+    for impl in _KEY_IMPLS:
+        dtype = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl)).dtype
+        out[str(dtype)] = (dtype, impl)
+    return out
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def dtype_name(dtype, where: str) -> str:
-    """The name of an array dtype (``float32``, ``bfloat16``); a typed PRNG key (an
-    extended dtype) is an ``ExportError`` naming ``where``."""
+    """The name of an array dtype (``float32``, ``bfloat16``, a typed PRNG key's
+    ``key<fry>``); another extended dtype is an ``ExportError`` naming ``where``."""
+    if _is_key(dtype) and str(dtype) in _key_dtypes():
+        return str(dtype)
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         raise ExportError(
-            f"{where} is a typed PRNG key ({dtype}), which an exported program cannot hold; "
-            f"pass jax.random.key_data(key) and wrap it inside the function "
-            f"(jax.random.wrap_key_data)."
+            f"{where} has dtype {dtype}, which an exported program cannot hold (it holds "
+            f"array dtypes and typed PRNG keys of {', '.join(_KEY_IMPLS)})."
         )
     return np.dtype(dtype).name
 
 
 def dtype_from(name: str):
     """The dtype :func:`dtype_name` named."""
+    if name in _key_dtypes():
+        return _key_dtypes()[name][0]
     try:
         return jax.numpy.dtype(name)
     except TypeError:
@@ -83,22 +105,28 @@ def aval_from(data: dict) -> jax.core.ShapedArray:
 
 
 def value_data(value, where: str) -> tuple[dict, bytes]:
-    """``(type, bytes)`` of an array value: its type and its raw bytes, C order."""
-    host = np.ascontiguousarray(np.asarray(value))
+    """``(type, bytes)`` of an array value: its type and its raw bytes, C order (a typed
+    key's: its key data's)."""
+    data = jax.random.key_data(value) if _is_key(jax.typeof(value).dtype) else value
+    host = np.ascontiguousarray(np.asarray(data))
     return aval_data(jax.typeof(value), where), host.tobytes()
 
 
-def value_from(data: dict, raw: bytes, where: str) -> np.ndarray:
-    """The host value :func:`value_data` wrote; bytes of the wrong length are an
-    ``ExportError``."""
+def value_from(data: dict, raw: bytes, where: str):
+    """The host value :func:`value_data` wrote (a typed key: a key array); bytes of the
+    wrong length are an ``ExportError``."""
     aval = aval_from(data)
-    expected = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    impl = _key_dtypes()[data["dtype"]][1] if _is_key(aval.dtype) else None
+    # (A typed key is stored as its key data: unsigned words, more per key.)
+    stored = aval if impl is None else jax.eval_shape(jax.random.key_data, aval)
+    expected = int(np.prod(stored.shape, dtype=np.int64)) * np.dtype(stored.dtype).itemsize
     if len(raw) != expected:
         raise ExportError(
             f"{where} holds {len(raw)} bytes, but its type {aval.str_short()} needs "
             f"{expected}: the exported program is damaged; serialize it again."
         )
-    return np.frombuffer(raw, dtype=aval.dtype).reshape(aval.shape).copy()
+    host = np.frombuffer(raw, dtype=stored.dtype).reshape(stored.shape).copy()
+    return host if impl is None else jax.random.wrap_key_data(host, impl=impl)
 
 
 # ----------------------------------------------------------------- pytree structures
