@@ -82,9 +82,15 @@ def _fragment_jit(eqn, program: Program, forms: dict):
 def export_fragment(program: Program, eqn, backend, forms: dict) -> jax.export.Exported:
     """Fragment ``eqn`` as ``jax.export`` exports it for ``backend``'s platform: the
     same jitted function, shardings and donation as :func:`lower_fragment`, in JAX's
-    serializable form (a versioned StableHLO artifact)."""
+    serializable form (a versioned StableHLO artifact). Each operation's location names
+    the line that made it and no frame above it, and the module's own is its first
+    operation's, so the bytes do not depend on where the function was traced or
+    exported from."""
     jitted, args = _fragment_jit(eqn, program, forms)
-    return jax.export.export(jitted, platforms=(backend.platform,))(*args)
+    body = eqn.params["jaxpr"].jaxpr.eqns
+    at = body[0].source_info.traceback if body else None
+    with compat.traceback_in_locations_limit(1), compat.user_context(at):
+        return jax.export.export(jitted, platforms=(backend.platform,))(*args)
 
 
 def lower_fragment(program: Program, eqn, backend, forms: dict):

@@ -10,6 +10,7 @@ import numpy as np
 from jax._src import array as _array
 from jax._src import checkify as _checkify
 from jax._src import compiler as _compiler
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
@@ -27,6 +28,10 @@ Var = _core.Var
 JaxprPpContext = _core.JaxprPpContext
 JaxprPpSettings = _core.JaxprPpSettings
 pp_eqn = _core.pp_eqn
+# (A context manager: how many user frames a lowered operation's location names.)
+traceback_in_locations_limit = _config.traceback_in_locations_limit
+# (A context manager: the traceback operations traced inside it are made at.)
+user_context = _source_info_util.user_context
 pp_var = _core.pp_var
 custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects

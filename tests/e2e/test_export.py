@@ -348,3 +348,18 @@ def _key_data(tree):
         return a
 
     return jax.tree.map(data, tree)
+
+
+def test_one_program_exported_from_two_places_gives_the_same_bytes():
+    """A module's locations name the model's lines only, not where ``export`` was called
+    (nor the caller of the first call that traced the function)."""
+    meshes = mpmdc.make_meshes(2, {"data": 2})
+
+    def f(w, x):
+        return jnp.sum(jnp.tanh(mpmdc.stage(jnp.tanh(x @ w), 1) @ w))
+
+    step = mpmdc.compile(f, meshes)
+    w = jnp.eye(4, dtype=jnp.float32)
+    first = mpmdc.export(step)(w, w).serialize()
+    second = mpmdc.export(step)(w, w).serialize()
+    assert first == second
