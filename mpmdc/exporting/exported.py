@@ -221,6 +221,7 @@ class Exported:
             in_paths=tuple(model.argument_paths),
             out_tree=self.out_tree,
             function=model.function,
+            remedy="export the compiled function again",
         )
         here = tuple(m for m, mesh in enumerate(meshes) if is_here(mesh))
         with FragmentCompiler(backend) as compiler:
@@ -276,8 +277,9 @@ class Exported:
         meshes = check_meshes(meshes)
         if len(meshes) != len(recorded_meshes):
             raise ExportError(
-                f"{len(meshes)} meshes given, but the program was exported for "
-                f"{len(recorded_meshes)} of shapes {list(self.mesh_shapes)}."
+                f"meshes= holds {len(meshes)} mesh(es), but the program was exported for "
+                f"{len(recorded_meshes)} of shapes {list(self.mesh_shapes)}; pass a sequence of "
+                f"{len(recorded_meshes)} meshes."
             )
         for i, (mesh, want) in enumerate(zip(meshes, recorded_meshes)):
             got = [[n, int(s)] for n, s in mesh.shape.items()]

@@ -21,6 +21,8 @@ class Signature:
     in_paths: tuple[str, ...]
     out_tree: Any
     function: str = "the function"  # the user's function's name: what processes agree about
+    # What a caller does for other argument types: lower again, or export again.
+    remedy: str = "lower again"
 
     def args_info(self, donated: tuple[bool, ...]):
         """Each argument's type and whether it is ``donated`` (one flag per leaf), as
@@ -54,14 +56,14 @@ class Signature:
             detail = f" ({found.entries})" if found.entries else ""
             raise ArgumentError(
                 f"argument {argument_path(found.path)} is {found.got}{detail}, but the executable "
-                f"was lowered for {found.want}; call it with the same structure, or lower again."
+                f"was lowered for {found.want}; call it with the same structure, or {self.remedy}."
             )
         for leaf, (shape, dtype, _), path in zip(leaves, self.in_types, self.in_paths):
             got_shape, got_dtype, _ = leaf_type(leaf, path)
             if got_shape != shape or got_dtype != dtype:
                 raise ArgumentError(
                     f"argument {path} is {got_dtype}{list(got_shape)} but the executable was "
-                    f"lowered for {dtype}{list(shape)}; lower again for the new type."
+                    f"lowered for {dtype}{list(shape)}; {self.remedy} for the new type."
                 )
 
 
