@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices-per-process",
         type=int,
         metavar="K",
-        help="CPU devices per process (jax_num_cpu_devices; default JAX's own: 1)",
+        help="CPU devices per process (jax_num_cpu_devices; default JAX's own: 1, or XLA_FLAGS' count)",
     )
     launch_cmd.add_argument(
         "--timeout",
