@@ -312,6 +312,7 @@ def test_programs_differing_only_inside_a_module_are_not_the_same_program():
     assert [name for (name, a), (_, b) in zip(first, second) if a != b] == ["equation 0 (s0_fwd)"]
 
 
+@pytest.mark.slow  # (4 s: a second program exported and compiled)
 def test_typed_prng_keys_are_exported_as_arguments_results_and_between_stages():
     """A step taking a typed key, sending a split of it to the next stage, closing over
     another and returning a new one runs from its bytes bitwise as compiled."""
