@@ -251,11 +251,16 @@ class Exported:
     def _cannot_load(self, what: str, err: Exception) -> ExportError:
         mine = container.versions()
         detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        theirs = {k: self.written_by.get(k) for k in ("jax", "mpmdc")}
+        if theirs == {k: mine[k] for k in ("jax", "mpmdc")}:
+            # The same versions load what they wrote: the module itself is damaged.
+            advice = "the versions are the same, so the bytes are damaged: serialize it again."
+        else:
+            advice = "export the program again with this version."
         return ExportError(
             f"the exported modules cannot be {what} here ({type(err).__name__}: {detail}); "
-            f"they were exported by jax {self.written_by.get('jax')} / mpmdc "
-            f"{self.written_by.get('mpmdc')} for {self.platform}, this is jax {mine['jax']} / "
-            f"mpmdc {mine['mpmdc']}. Export the program again with this version."
+            f"they were exported by jax {theirs['jax']} / mpmdc {theirs['mpmdc']} for "
+            f"{self.platform}, this is jax {mine['jax']} / mpmdc {mine['mpmdc']}; {advice}"
         )
 
     def _meshes(self, meshes) -> tuple:
@@ -317,7 +322,8 @@ def _check_placed(leaves, compiled: Compiled) -> None:
             continue
         got = getattr(x.sharding, "spec", x.sharding)
         raise ArgumentError(
-            f"argument {path} is committed to {len(x.sharding.device_set)} device(s) with "
+            f"argument {path} is committed to devices "
+            f"{sorted(d.id for d in x.sharding.device_set)} with "
             f"{got}, but the exported program runs it on devices "
             f"{sorted(d.id for d in sharding.device_set)} with {sharding.spec}; "
             f"jax.device_put it onto exported.compile().input_shardings, or pass a host value."

@@ -210,7 +210,19 @@ def test_modules_this_jax_cannot_load_are_an_export_error(data):
         return b"not a jax.export artifact" if name.startswith("modules/") else raw
 
     exported = mpmdc.deserialize(rewritten(data, unloadable))
-    with pytest.raises(ExportError, match=r"cannot be loaded here.*exported by jax 0.0.1"):
+    with pytest.raises(ExportError, match=r"cannot be loaded here.*exported by jax 0.0.1.*again"):
+        exported.call(*inputs())
+
+
+def test_a_garbage_module_of_this_version_is_called_damaged(data):
+    """A module entry that is no ``jax.export`` artifact, written by these very versions
+    (its CRC rewritten to match), is damage, not a version mismatch."""
+
+    def garbage(name, raw):
+        return b"not a jax.export artifact" if name.startswith("modules/") else raw
+
+    exported = mpmdc.deserialize(rewritten(data, garbage))
+    with pytest.raises(ExportError, match=r"versions are the same, so the bytes are damaged"):
         exported.call(*inputs())
 
 
@@ -230,7 +242,7 @@ def test_arguments_of_another_tree_shape_or_dtype_are_argument_errors(exported):
 def test_an_argument_committed_elsewhere_is_an_argument_error(exported, meshes4):
     params, opt_state, x, y = inputs()
     params[1] = jax.device_put(params[1], NamedSharding(meshes4[0], PartitionSpec()))
-    with pytest.raises(ArgumentError, match=r"args\[0\]\[1\] is committed"):
+    with pytest.raises(ArgumentError, match=r"args\[0\]\[1\] is committed to devices \[0, 1\]"):
         exported.call(params, opt_state, x, y)
 
 
