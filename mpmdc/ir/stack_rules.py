@@ -127,6 +127,9 @@ class StackWalk:
         if atom not in self.wanted:
             self.demands.setdefault(atom, layout)
         made = self.producers.get(atom)
+        fill = self._fill(made)
+        if fill is not None:  # every piece the same broadcast: equal pieces, equal modules
+            made = fill
         out = []
         for _, lo, hi in layout.spans():
             if (
@@ -142,6 +145,19 @@ class StackWalk:
                 self.emit(slicing)
             out.append(piece)
         return out
+
+    def _fill(self, made):
+        """The broadcast of a scalar that ``made`` is (through reshapes: the zeros a
+        running sum starts from), or ``None``."""
+        while made is not None and made.primitive is jprims.reshape_p:
+            made = self.producers.get(made.invars[0])
+        if (
+            made is not None
+            and made.primitive is jprims.broadcast_in_dim_p
+            and not made.params["broadcast_dimensions"]
+        ):
+            return made
+        return None
 
 
 Rule = Callable[[jcore.JaxprEqn, StackWalk], bool]

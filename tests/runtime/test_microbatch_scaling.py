@@ -134,3 +134,17 @@ def test_scans_fused_in_their_stage_or_shared_by_equal_stages(meshes4, scans):
         # batch), their backward scans, and stage 0's backward scan (it sends no
         # cotangent on).
         assert scan_modules(lowered) == [1, 1, 1, 1]
+
+
+def test_stages_of_one_shape_share_the_running_sums_zeros(meshes4):
+    """The running sums of a split stack's gradient start from each stage's own zeros,
+    not from slices of the whole stack's (which differ by their offsets), so the middle
+    stages' modules before the loop are one module, compiled once."""
+    program = lowered_step(meshes4, 2, "1f1b").program("stablehlo")
+    before_loop = {}
+    for eqn in program.jaxpr.jaxpr.eqns:
+        p = eqn.params
+        if eqn.primitive.name == "fragment" and p["microbatch"] is None and p["kind"].name == "F":
+            before_loop[p["stage"]] = module_key(eqn, program.meshes[p["mesh"]])
+            assert "slice" not in {e.primitive.name for e in p["jaxpr"].jaxpr.eqns}, eqn
+    assert before_loop[1] == before_loop[2]
