@@ -318,6 +318,25 @@ class PlacementState:
             and (home := self.home(a)) is not None
         ]
 
+    def homeless_state(self, i) -> int:
+        """Bytes of the largest program input that ``i`` reads (itself or through unplaced
+        work on program inputs alone, such as ``0.9 * momentum``), updates (returns a
+        result of its type) and no placed equation reads yet; 0 if none."""
+        types = {(v.aval.shape, v.aval.dtype) for v in self.eqns[i].outvars if v in self.returned}
+        if not types:
+            return 0
+        found, todo, seen = 0, [i], {i}
+        while todo:
+            for a in self.operands(todo.pop(), inputs=True):
+                j = self.producer.get(a)
+                if j is None:
+                    if (a.aval.shape, a.aval.dtype) in types and self.home(a) is None:
+                        found = max(found, nbytes(a.aval))
+                elif self.stage[j] is None and j not in self.depends and j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        return found
+
     def read_next(self, i, v) -> set[int]:
         """The meshes of :meth:`homes_read_next`."""
         return {self.mesh(self.stage[j]) for j in self.homes_read_next(i, v)}
@@ -345,7 +364,10 @@ class PlacementState:
                 self.suggest(candidates, [j])
                 placed = max(placed, nbytes(a.aval))
         # A small placed operand (a global norm) does not decide for a large one whose
-        # place is not known yet.
+        # place is not known yet, nor for the update of a state input nothing else
+        # reads (the momentum of a parameter whose gradient is zero): that waits for
+        # rule 4, which places it with its users (the parameter's update).
+        waiting = max(waiting, self.homeless_state(i))
         if not candidates or waiting >= placed:
             return None
         if through_boundaries:
@@ -437,8 +459,9 @@ def place_by_bytes(state: PlacementState, members) -> None:
     update where the parameter lives; they join the fragment of their earliest user
     (its transpose count)."""
 
-    def candidates(i):
+    def candidates(i, patient: bool):
         out: dict = {}
+        placed = 0  # bytes of the largest placed operand
         for a in state.operands(i, inputs=True):
             j = state.producer.get(a)
             if j is None:
@@ -448,21 +471,27 @@ def place_by_bytes(state: PlacementState, members) -> None:
                 continue
             if state.stage[j] is not None:
                 state.suggest(out, [j])
+                placed = max(placed, nbytes(a.aval))
             state.suggest(out, (k for k in state.placed_users(a) if k != i))
         # ...and other work to its users, like rule 3.
-        state.suggest(
-            out, (j for v in state.eqns[i].outvars for j in state.placed_users(v)), rank=1
-        )
+        users = [j for v in state.eqns[i].outvars for j in state.placed_users(v)]
+        # An input only this work reads (the momentum of a parameter whose gradient is
+        # zero) is not sent where a small placed operand (a global norm) is: the work
+        # waits for its users (the parameter's update) to be placed first.
+        if patient and not users and state.homeless_state(i) >= max(placed, 1):
+            return {}
+        state.suggest(out, users, rank=1)
         return out
 
-    changed = True
-    while changed:
-        changed = False
-        for order in (members, members[::-1]):
-            for i in order:
-                if state.stage[i] is None and (found := candidates(i)):
-                    state.place(i, state.cheapest(i, found, with_users=True))
-                    changed = True
+    for patient in (True, False):
+        changed = True
+        while changed:
+            changed = False
+            for order in (members, members[::-1]):
+                for i in order:
+                    if state.stage[i] is None and (found := candidates(i, patient)):
+                        state.place(i, state.cheapest(i, found, with_users=True))
+                        changed = True
     for i in reversed(members):
         # (A user inside the microbatch loop has a fragment per microbatch, which
         # all share one body: nothing from outside joins it.)

@@ -88,16 +88,22 @@ def _without_repeats(spec: Spec) -> Spec:
 
 def _same_shape(eqn, specs) -> list[Spec]:
     """Each result: the operands shaped like it merged, each dimension taking the axis of
-    the first operand that shards it (the fallback). So an optimizer's moment
+    the first operand that shards it, unless an earlier operand already uses that axis
+    on another dimension (the fallback). So an optimizer's moment
     ``b * mu + (1 - b) * grad`` keeps both the axis its gradient has and the one only
     its state has (a weight sharded over ``fsdp`` and ``tp`` whose gradient is sharded
-    over ``tp`` alone)."""
+    over ``tp`` alone), and operands split along different dimensions by one axis
+    (``P(None, 'd')`` and ``P('d', None)``) give the first one's spec, not a mix."""
     out = []
     for v in eqn.outvars:
         merged = _replicated(v)
         for a, spec in zip(eqn.invars, specs):
             if _shape(a) == _shape(v):
-                merged = tuple(m if m is not None else e for m, e in zip(merged, spec))
+                used = {axis for entry in merged for axis in axes_of(entry)}
+                merged = tuple(
+                    m if m is not None or used & set(axes_of(e)) else e
+                    for m, e in zip(merged, spec)
+                )
         out.append(merged)
     return out
 

@@ -16,7 +16,7 @@ marked into that stage or not), and what real code does besides:
   weights stacked from a value of the step or captured, per-layer keys split in the step.
 
 Stage markers go at random places (non-monotonic, repeated, skipped, on pytrees, the
-key included), over 1 to 4 meshes of 1 or 2 devices, stages mapped to meshes by
+key included), over 1 to 4 meshes of 1 or 2 devices or 1 to 2 meshes of two axes of 2, stages mapped to meshes by
 default or by a random ``stage_to_mesh`` (several stages on one mesh), with random
 ``in_specs``, plain, under ``value_and_grad`` or inside ``accumulate`` under a random
 valid schedule. Results must equal ``jax.jit``'s: dtype, shape and weak type exactly,
@@ -112,6 +112,22 @@ MODULE_NUMPY = _module_constants(
 )
 CONSTANT_KINDS = ("module_jax", "module_numpy", "closure", "jitted_helper")
 
+# Mesh shapes (axis name, size) and the in_specs drawn for each: one axis of 2 or 1
+# devices, or two axes of 2 (an FSDP x tensor-parallel layout), each dimension of a
+# value sharded over any axis, both axes or none, so that values meeting in one
+# operation often disagree on where they are split.
+MESH_AXES = ((("d", 2),), (("d", 1),), (("a", 2), ("b", 2)))
+INPUT_SPECS = {
+    MESH_AXES[0]: (None, ("d",), (None, "d")),
+    MESH_AXES[1]: (None,),
+    MESH_AXES[2]: (None, ("a",), (None, "b"), ("a", "b"), ("b", "a"), (("a", "b"),)),
+}
+
+
+def meshes_of(desc):
+    """The meshes a program description runs on."""
+    return mpmdc.make_meshes(desc["num_meshes"], dict(desc["mesh_axes"]))
+
 
 @st.composite
 def programs(draw):
@@ -119,7 +135,7 @@ def programs(draw):
     num_inputs = draw(st.integers(1, 3))
     # sampled_from shrinks towards its first entry; put the interesting layouts first.
     num_meshes = draw(st.sampled_from([2, 4, 3, 1]))
-    mesh_size = draw(st.sampled_from([2, 1]))
+    mesh_axes = draw(st.sampled_from(MESH_AXES if num_meshes <= 2 else MESH_AXES[:2]))
     mode = draw(st.sampled_from(["accumulate", "value_and_grad", "plain"]))
     schedule = draw(st.sampled_from(["zb-h1", "1f1b", "gpipe"]))
     # The rolled loop is stamped out per microbatch: counts from one to many; the batch
@@ -208,14 +224,14 @@ def programs(draw):
     if one_per_mesh:
         # Some value must reach the last stage so that every mesh has exactly one stage.
         markers[len(ops) - 1] = (stages - 1, [num_inputs + len(ops) - 1], False)
-    sharded = [draw(st.booleans()) and mesh_size == 2 for _ in range(num_inputs)]
+    in_specs = [draw(st.sampled_from(INPUT_SPECS[mesh_axes])) for _ in range(num_inputs)]
     return dict(
         num_inputs=num_inputs,
         ops=ops,
         markers=markers,
         num_meshes=num_meshes,
-        mesh_size=mesh_size,
-        sharded=sharded,
+        mesh_axes=mesh_axes,
+        in_specs=in_specs,
         mode=mode,
         schedule=schedule,
         microbatches=microbatches,
@@ -270,11 +286,12 @@ def make_body(desc, meshes, record):
                 values.append(BINARY[op[1]](values[op[2]], values[op[3]]))
             elif op[0] == "shard_map":
                 _, stage, i, marked = op
+                axes = tuple(name for name, _ in desc["mesh_axes"])
                 summed = jax.shard_map(
-                    lambda t: jax.lax.psum(t, "d") * 0.5,
+                    lambda t: jax.lax.psum(t, axes) * 0.5,  # noqa: B023 (called at once)
                     mesh=mesh_of(stage),
-                    in_specs=P("d"),
-                    out_specs=P("d"),
+                    in_specs=P(*axes),
+                    out_specs=P(*axes),
                 )
                 values.append(summed(mpmdc.stage(values[i], stage) if marked else values[i]))
             elif op[0] == "constant":
@@ -374,7 +391,7 @@ def build(desc, meshes, record):
             )
 
         key_args = [*key_args, batch]
-    specs = tuple(P("d") if s else None for s in desc["sharded"]) + (None,) * len(key_args)
+    specs = tuple(None if s is None else P(*s) for s in desc["in_specs"]) + (None,) * len(key_args)
     return fn, args + key_args, dict(in_specs=specs, stage_to_mesh=desc["stage_to_mesh"])
 
 
@@ -447,7 +464,7 @@ def reference_meshes(meshes):
 
 
 def check(desc):
-    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     fn, args, kwargs = build(desc, meshes, seen)
     got = jax.block_until_ready(mpmdc.compile(fn, meshes, **kwargs)(*args))
@@ -460,7 +477,8 @@ def check(desc):
 
 def _describe(desc):
     event(f"mode={desc['mode']}")
-    event(f"meshes={desc['num_meshes']}x{desc['mesh_size']}")
+    event(f"meshes={desc['num_meshes']}x{dict(desc['mesh_axes'])}")
+    event(f"in_specs={sorted({str(s) for s in desc['in_specs']})}")
     event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
     event(f"key={desc['with_key']}")
     for kind in ("shard_map", "constant", "layer", "effect"):
@@ -540,7 +558,7 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     desc, variants = case
     event(f"variants={len(set(variants))}")
     last_stage = max((s for s, _, _ in desc["markers"].values()), default=0)
-    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
 
     def program(record, meshes_):
@@ -589,7 +607,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc, skip_
     contributions summed on the way back, somewhere: where is not checked."""
     _describe(desc)
     event(f"skip_step={skip_step}")
-    meshes = mpmdc.make_meshes(desc["num_meshes"], {"d": desc["mesh_size"]})
+    meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     n = desc["num_inputs"]
 
