@@ -14,7 +14,10 @@ module follows each sharded dimension through the equations:
   ``custom_vjp``) are followed into their bodies, as are loops (``scan``, ``while``:
   an iteration's slices and a carry that keeps its spec at every iteration) and the
   branches of a ``cond``; anything else gives an output, per dimension, the axis of
-  the first operand of the same shape that shards it.
+  the first operand of the same shape that shards it;
+* a result that updates an input (the nearest input of its shape and dtype back through
+  elementwise work, a conditional or a call) has that input's spec: a parameter or an
+  optimizer state comes back as it went in, whatever its gradient's spec.
 
 Any spec is correct (XLA moves data to match it); a poor one only costs speed. ``split``
 then drops axes a value's mesh lacks or its size does not divide (``fit_spec``).
@@ -372,4 +375,50 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
         padded = [chosen.get(v, s) for s, v in zip(padded, jaxpr.invars)]
         found = _propagate(jaxpr, padded)
     found.update((v, s) for v, s in zip(jaxpr.invars, padded) if v not in found)
+    # An input's update comes back sharded as the input went in (a momentum given
+    # P(None, 'b') whose gradient is also split over 'a'), so a loop feeding it back
+    # moves and compiles nothing.
+    for v, spec in _input_specs_of_updates(jaxpr, found).items():
+        if _is_sharded(spec):
+            found[v] = spec
+        else:
+            found.pop(v, None)
     return {v: PartitionSpec(*spec) for v, spec in found.items()}
+
+
+def _operands_kept(eqn) -> list:
+    """The operands whose every dimension ``eqn``'s results of their shape keep as they
+    are (elementwise work, a conditional's operands, a call's), or none."""
+    rule = spec_rules.get(eqn.primitive)
+    if rule is None or rule is _call:
+        return list(eqn.invars)
+    if eqn.primitive is jprims.cond_p:
+        return list(eqn.invars[1:])
+    return []
+
+
+def _input_specs_of_updates(jaxpr: jcore.Jaxpr, found: dict) -> dict:
+    """``{result: spec}`` for each of ``jaxpr``'s results that is an update of an input:
+    the input of its shape and dtype nearest to it back through work that keeps its
+    shape (:func:`_operands_kept`), with that input's spec."""
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    inputs = set(jaxpr.invars)
+    out = {}
+    for v in jaxpr.outvars:
+        if not is_var(v) or v in inputs or v in out:
+            continue
+        frontier, seen = [v], {v}
+        while frontier and v not in out:
+            reached = []
+            for w in frontier:
+                eqn = producer.get(w)
+                for a in _operands_kept(eqn) if eqn is not None else ():
+                    if is_var(a) and a not in seen and _shape(a) == _shape(v):
+                        seen.add(a)
+                        reached.append(a)
+            for a in reached:
+                if a in inputs and a.aval.dtype == v.aval.dtype:
+                    out[v] = _spec_of(found, a)
+                    break
+            frontier = reached
+    return out

@@ -534,3 +534,27 @@ def test_the_momentum_of_a_parameter_with_a_zero_gradient_stays_with_its_paramet
     with XlaCompiles() as compiles:
         compiled(*got[1:])
     assert compiles.count == 0
+
+
+def test_state_comes_back_with_its_spec_when_its_gradient_is_split_over_more_axes():
+    """A parameter and its momentum given ``P(None, 'b')`` on a two-axis mesh, whose
+    gradient is split over ``'a'`` too (it meets a value sharded ``P('a')``): the
+    updates come back as they went in, not over both axes, so the next step moves and
+    compiles nothing."""
+    meshes = mpmdc.make_meshes(1, {"a": 2, "b": 2})
+    x = jnp.arange(16.0, dtype=jnp.float32).reshape(4, 4) / 10
+
+    def step(p, m, other):
+        value, g = jax.value_and_grad(lambda p: jnp.sum(jnp.maximum(p, other)))(p)
+        m = 0.1 * g + 0.9 * m
+        return value, p - 0.1 * m, m
+
+    specs = (P(None, "b"), P(None, "b"), P("a"))
+    compiled = mpmdc.compile(step, meshes, in_specs=specs)
+    args = (x, x * 0.5, jnp.flip(x))
+    assert compiled.lower(*args).program("after-split").out_specs[1:] == specs[:2]
+    got = compiled(*args)
+    assert_same_tree(got, jax.jit(step)(*args), rtol=0, atol=0)  # elementwise: exact
+    with XlaCompiles() as compiles:
+        compiled(*got[1:], args[2])
+    assert compiles.count == 0

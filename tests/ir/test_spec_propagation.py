@@ -201,16 +201,15 @@ def test_elementwise_work_keeps_every_axis_its_operands_shard():
     dimensions (no mix of the two)."""
 
     def fn(mu, g):
-        return 0.9 * mu + 0.1 * g, g + mu
+        return jnp.sin(0.9 * mu + 0.1 * g), jnp.sin(g + mu)
 
-    assert specs_of(fn, [P("fsdp", "tp"), P(None, "tp")], W @ W.T, W @ W.T) == [
-        P("fsdp", "tp"),
-        P("fsdp", "tp"),
-    ]
-    assert specs_of(fn, [P(None, "d"), P("d", None)], W @ W.T, W @ W.T) == [
-        P(None, "d"),
-        P("d", None),
-    ]
+    def sums(in_specs):  # the specs of the two sums (the results take their inputs')
+        jaxpr = jax.make_jaxpr(fn)(W @ W.T, W @ W.T).jaxpr
+        found = propagate_specs(jaxpr, in_specs)
+        return [found.get(e.outvars[0], P()) for e in jaxpr.eqns if e.primitive.name == "add"]
+
+    assert sums([P("fsdp", "tp"), P(None, "tp")]) == [P("fsdp", "tp"), P("fsdp", "tp")]
+    assert sums([P(None, "d"), P("d", None)]) == [P(None, "d"), P("d", None)]
 
 
 def test_free_inputs_choose_until_none_gains_a_spec():
@@ -228,3 +227,22 @@ def test_free_inputs_choose_until_none_gains_a_spec():
     found = propagate_specs(jaxpr, [None, None, P("data")])
     m, p, _ = jaxpr.invars
     assert found[m] == found[p] == P("data", None, None)
+
+
+def test_an_update_of_an_input_comes_back_with_the_inputs_spec():
+    """A state and a parameter updated by a gradient split otherwise (optax's order: the
+    gradient first) come back with the specs they went in with, also through a
+    skip-step ``cond``; a result that updates no input keeps its computed spec."""
+
+    def fn(m, x, p):
+        g = jnp.sin(x)  # a gradient, sharded as the batch it comes from
+        m = 0.1 * g + 0.9 * m
+        p = jax.lax.cond(jnp.all(jnp.isfinite(g)), lambda: p - 0.1 * m, lambda: p)
+        return m, p, x * 2.0
+
+    specs = [P(None, "b"), P("a", None), P(None, "b")]
+    assert specs_of(fn, specs, W @ W.T, W @ W.T, W @ W.T) == [
+        P(None, "b"),
+        P(None, "b"),
+        P("a", None),
+    ]
