@@ -358,8 +358,10 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     An input whose spec is ``None`` is free (no spec given, not committed): as
     ``jax.jit`` lets propagation choose an uncommitted argument's sharding, it takes the
     spec its elementwise users want (:func:`_wanted_by_users`), or stays replicated.
-    So optimizer state created unsharded gets its parameter's spec on the first call,
-    and the state fed back is placed as the program expects."""
+    A free input that the update of a sharded input is computed from (an optimizer
+    state beside its parameter) takes that input's spec instead. So optimizer state
+    created unsharded gets its parameter's spec on the first call, and the state fed
+    back is placed as the program expects."""
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
     found = _propagate(jaxpr, padded)
     free = {v for s, v in zip(in_specs, jaxpr.invars) if s is None}
@@ -367,7 +369,7 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     # parameter sharded by the batch it is added to shards its gradient, which its
     # momentum meets): choose again until no free input gains a spec.
     while free:
-        wanted = _wanted_by_users(jaxpr, found)
+        wanted = {**_wanted_by_users(jaxpr, found), **_state_of_updates(jaxpr, found, free)}
         chosen = {v: wanted[v] for v in free if v in wanted}
         if not chosen:
             break
@@ -397,28 +399,51 @@ def _operands_kept(eqn) -> list:
     return []
 
 
-def _input_specs_of_updates(jaxpr: jcore.Jaxpr, found: dict) -> dict:
-    """``{result: spec}`` for each of ``jaxpr``'s results that is an update of an input:
-    the input of its shape and dtype nearest to it back through work that keeps its
-    shape (:func:`_operands_kept`), with that input's spec."""
+def _kept_cone(v, producer: dict):
+    """The values ``v`` is computed from through work that keeps its shape
+    (:func:`_operands_kept`), nearest first."""
+    frontier, seen = [v], {v}
+    while frontier:
+        reached = []
+        for w in frontier:
+            eqn = producer.get(w)
+            for a in _operands_kept(eqn) if eqn is not None else ():
+                if is_var(a) and a not in seen and _shape(a) == _shape(v):
+                    seen.add(a)
+                    reached.append(a)
+        yield from reached
+        frontier = reached
+
+
+def _updates(jaxpr: jcore.Jaxpr):
+    """``(result, input it updates, the values it is computed from)`` for each of
+    ``jaxpr``'s results that updates an input: the input of its shape and dtype nearest
+    to it in its :func:`_kept_cone`."""
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     inputs = set(jaxpr.invars)
-    out = {}
-    for v in jaxpr.outvars:
-        if not is_var(v) or v in inputs or v in out:
+    for v in dict.fromkeys(v for v in jaxpr.outvars if is_var(v)):
+        if v in inputs:
             continue
-        frontier, seen = [v], {v}
-        while frontier and v not in out:
-            reached = []
-            for w in frontier:
-                eqn = producer.get(w)
-                for a in _operands_kept(eqn) if eqn is not None else ():
-                    if is_var(a) and a not in seen and _shape(a) == _shape(v):
-                        seen.add(a)
-                        reached.append(a)
-            for a in reached:
-                if a in inputs and a.aval.dtype == v.aval.dtype:
-                    out[v] = _spec_of(found, a)
-                    break
-            frontier = reached
+        cone = list(_kept_cone(v, producer))
+        updated = next((a for a in cone if a in inputs and a.aval.dtype == v.aval.dtype), None)
+        if updated is not None:
+            yield v, updated, cone
+
+
+def _input_specs_of_updates(jaxpr: jcore.Jaxpr, found: dict) -> dict:
+    """``{result: spec}`` for each of ``jaxpr``'s results that updates an input
+    (:func:`_updates`): that input's spec."""
+    return {v: _spec_of(found, updated) for v, updated, _ in _updates(jaxpr)}
+
+
+def _state_of_updates(jaxpr: jcore.Jaxpr, found: dict, free: set) -> dict:
+    """``{free input: spec}`` for free inputs that the update of a sharded input is
+    computed from (its optimizer state: ``p - lr * (0.9 * m + g)`` reads ``m``): that
+    input's spec, so state created unsharded is sharded as its parameter."""
+    out: dict = {}
+    for _, updated, cone in _updates(jaxpr):
+        if updated in found and updated not in free:
+            for a in cone:
+                if a in free:
+                    out.setdefault(a, found[updated])
     return out

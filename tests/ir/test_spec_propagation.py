@@ -246,3 +246,21 @@ def test_an_update_of_an_input_comes_back_with_the_inputs_spec():
         P(None, "b"),
         P("a", None),
     ]
+
+
+def test_state_created_unsharded_takes_its_parameters_spec():
+    """A momentum given no spec (zeros made by the optimizer's ``init``) takes the spec of
+    the parameter whose update reads it, not its gradient's (FSDP keeps its optimizer
+    state sharded), also for Adam's two moments."""
+
+    def fn(p, m, v, x):
+        g = jnp.sin(x)  # a gradient, split otherwise than its parameter
+        m = 0.9 * m + 0.1 * g
+        v = 0.99 * v + 0.01 * g * g
+        return p - 0.1 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+    jaxpr = jax.make_jaxpr(fn)(W @ W.T, W @ W.T, W @ W.T, W @ W.T).jaxpr
+    found = propagate_specs(jaxpr, [P("fsdp", "tp"), None, None, P(None, "fsdp")])
+    p, m, v, _ = jaxpr.invars
+    assert found[m] == found[v] == found[p] == P("fsdp", "tp")
+    assert [found[o] for o in jaxpr.outvars] == [P("fsdp", "tp")] * 3
