@@ -576,7 +576,9 @@ def _cheap_equations(eqns, reads) -> set[int]:
         if _is_cheap(eqn, reads[i], from_literals):
             if all(a in from_literals for a in reads[i]):
                 from_literals.update(eqn.outvars)
-        elif in_pipeline or not _recomputed(eqn, reads[i], origins):
+        elif (in_pipeline and not _from_scalars(reads[i], origins)) or not _recomputed(
+            eqn, reads[i], origins
+        ):
             continue
         cheap.add(i)
         found = frozenset().union(
@@ -621,6 +623,14 @@ def _recomputed(eqn, operands, origins) -> bool:
         return False
     found = set().union(*(origins.get(a, {a}) for a in operands))
     return sum(nbytes(a.aval) for a in found) < sum(nbytes(v.aval) for v in eqn.outvars)
+
+
+def _from_scalars(operands, origins) -> bool:
+    """Whether ``operands`` are computed (through cheap work) from small values alone:
+    the pipeline's work on them (a zero gradient clipped by the global norm) is cheaper
+    computed again next to each user than moved."""
+    found = set().union(*(origins.get(a, {a}) for a in operands))
+    return all(math.prod(a.aval.shape) <= _SMALL for a in found)
 
 
 def placement_state(program: Program) -> PlacementState:
