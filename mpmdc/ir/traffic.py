@@ -125,6 +125,21 @@ class TransferReport:
         return "\n".join(lines) + "\n"
 
 
+def _held_in_pieces(program: Program, leaf: int, devices) -> bool:
+    """Whether argument ``leaf``, on device ids ``devices``, is a stack held as its pieces
+    (as the step returns it: each piece's rows on the devices of the mesh reading it),
+    so handing it over moves nothing."""
+    if not isinstance(devices, tuple) or program.in_pieces is None:
+        return False
+    meshes = {
+        m
+        for piece, m in zip(program.in_pieces, program.in_meshes)
+        if piece.leaf == leaf and piece.rows is not None
+    }
+    held = {d.id for m in meshes for d in program.meshes[m].devices.flat}
+    return len(meshes) > 1 and held == set(devices)
+
+
 def transfer_report(program: Program) -> TransferReport:
     """The traffic of a split (or scheduled) program; see the module docstring."""
     if program.phase < Phase.SPLIT:
@@ -148,7 +163,7 @@ def transfer_report(program: Program) -> TransferReport:
     for k, (v, dst) in enumerate(zip(jaxpr.invars, program.in_meshes)):
         leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
         src = program.arg_meshes[leaf] if program.arg_meshes else None
-        if src is None or src == dst:
+        if src is None or src == dst or _held_in_pieces(program, leaf, src):
             continue
         if isinstance(src, tuple):  # on devices no one mesh holds: no link
             arguments.append(ArgumentMove(program.in_paths[k], None, dst, nbytes(v.aval), src))

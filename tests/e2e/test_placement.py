@@ -237,6 +237,31 @@ def test_an_argument_on_devices_no_one_mesh_holds_is_counted_and_named_once(mesh
         assert_same_array(g, want)
 
 
+def test_a_stacked_parameter_fed_back_is_not_reported_as_moved():
+    """A layer stack's stacked weights, as the step returns them (one array over all the
+    stage meshes, each stage's rows on its own mesh), are handed over as pieces that
+    move nothing: the report counts no argument moved, as for the first call."""
+    meshes = mpmdc.make_meshes(2, {"data": 2})
+
+    def step(w, x):
+        def loss(w):
+            def layer(h, wi):
+                return jnp.tanh(mpmdc.stage(h, every=2) @ wi), None
+
+            return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w)
+
+    compiled = mpmdc.compile(step, meshes)
+    w = jnp.full((4, WIDTH, WIDTH), 0.1)
+    x = jnp.ones((8, WIDTH))
+    fed_back = compiled(w, x)
+    report = compiled.lower(fed_back, x).transfer_report()
+    assert report.arguments == ()
+    assert report.total("parameters/optimizer state") == 0
+    assert report.as_text() == compiled.lower(w, x).transfer_report().as_text()
+
+
 def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():
     """Stages 0 and 2 on 3 meshes leave mesh1 idle every step: said once it is lowered,
     naming the mesh; a layout using every mesh says nothing."""
