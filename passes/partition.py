@@ -367,8 +367,7 @@ class PlacementState:
         # place is not known yet, nor for the update of a state input nothing else
         # reads (the momentum of a parameter whose gradient is zero): that waits for
         # rule 4, which places it with its users (the parameter's update).
-        waiting = max(waiting, self.homeless_state(i))
-        if not candidates or waiting >= placed:
+        if not candidates or waiting >= placed or self.homeless_state(i) > placed:
             return None
         if through_boundaries:
             for a in operands:
@@ -478,7 +477,7 @@ def place_by_bytes(state: PlacementState, members) -> None:
         # An input only this work reads (the momentum of a parameter whose gradient is
         # zero) is not sent where a small placed operand (a global norm) is: the work
         # waits for its users (the parameter's update) to be placed first.
-        if patient and not users and state.homeless_state(i) >= max(placed, 1):
+        if patient and not users and state.homeless_state(i) > placed:
             return {}
         state.suggest(out, users, rank=1)
         return out
