@@ -24,6 +24,20 @@ def psum_on(mesh):
     )
 
 
+def clipped_momentum_step(loss):
+    """A training step on ``loss``: the gradients clipped by their global norm, then SGD
+    with momentum; returns the loss, the parameters and the momenta."""
+
+    def step(params, momenta):
+        value, grads = jax.value_and_grad(loss)(params)
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
+        scale = jnp.minimum(1.0, 1.0 / (norm + 1e-6))
+        momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
+        return value, [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+
+    return step
+
+
 def unmarked_operand(x, mesh_of):
     """A shard_map on mesh 1 reads a stage-0 value that was never marked into stage 1,
     and one on mesh 0 reads a stage-1 value: the shard_map's own mesh must place it."""
@@ -407,12 +421,7 @@ def test_work_after_a_shard_map_of_a_shared_mesh_follows_it_to_its_mesh():
         h = jnp.tanh(mpmdc.stage(x, 0) @ c)
         return jnp.sum(jnp.tanh(mpmdc.stage(a, 1) @ c)) + jnp.sum(mpmdc.stage(h, 1))
 
-    def step(params, momenta):
-        value, grads = jax.value_and_grad(loss)(params)
-        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
-        scale = jnp.minimum(1.0, 1.0 / (norm + 1e-6))
-        momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
-        return value, [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+    step = clipped_momentum_step(loss)
 
     x = jnp.arange(16.0, dtype=jnp.float32).reshape(4, 4) / 10
     params, momenta = [x, x + 1], [x * 0.5, x * 0.25]
@@ -516,12 +525,7 @@ def test_the_momentum_of_a_parameter_with_a_zero_gradient_stays_with_its_paramet
         h = jax.lax.stop_gradient(jnp.tanh(mpmdc.stage(x, 0) @ frozen))
         return jnp.sum(jnp.tanh(mpmdc.stage(h, 1) @ w))
 
-    def step(params, momenta):
-        value, grads = jax.value_and_grad(loss)(params)
-        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
-        scale = jnp.minimum(1.0, 1.0 / (norm + 1e-6))
-        momenta = [0.9 * m + scale * g for m, g in zip(momenta, grads)]
-        return value, [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+    step = clipped_momentum_step(loss)
 
     params, momenta = [x, x + 1], [x * 0.5, x * 0.25]
     compiled = mpmdc.compile(step, meshes)
