@@ -207,8 +207,10 @@ class Watchdog:
         failures: Callable[[], dict[int, tuple[str, int | None]]],
         told: Callable[[], bool],
         end: Callable[[str], None] = _end,
+        processes: int | None = None,
     ):
         self.here = here
+        self.processes = processes  # in the run; process 0 hosts the key-value store
         self.client = client
         self.fault_timeout = fault_timeout
         self.failures = failures
@@ -274,6 +276,18 @@ class Watchdog:
             client.key_value_delete(_BEAT.format(exchange=exchange, process=self.here))
         self._beating = working
 
+    def _hosts_waiters(self, failed: dict, seconds: float) -> bool:
+        """Whether this process, blamed for a hang, still hosts the key-value store for
+        peers that have not yet raised (each announces its failure as it does): ending
+        now would take the store away and kill them before they say what they waited
+        for. It waits for them at most a fault timeout."""
+        return (
+            self.here == 0
+            and self.processes is not None
+            and len(failed) < self.processes - 1
+            and seconds <= self.fault_timeout()
+        )
+
     def _check_peers(self, now: float) -> None:
         """End this process if a peer blamed it for a hang, or if a peer's failure has
         gone a fault timeout without this process coming back to mpmdc to learn of it
@@ -291,6 +305,8 @@ class Watchdog:
             self._learnt = True
             return
         blamed = [p for p, (_, culprit) in sorted(failed.items()) if culprit == self.here]
+        if blamed and self._hosts_waiters(failed, now - seen_at):
+            return
         if blamed:
             why = f"the others gave up on it: {failed[blamed[0]][0]}"
         elif now - seen_at > self.fault_timeout():

@@ -137,6 +137,7 @@ def _start_watchdog() -> None:
         fault_timeout_seconds,
         exchange.announced,
         exchange.has_failed,
+        processes=jax.process_count(),
     )
     _watchdog.start()
 

@@ -160,3 +160,22 @@ def test_a_process_that_came_back_or_failed_itself_is_left_alone(dog):
     dog.failed[2] = ("process 2 stopped waiting for ...", 0)
     dog.tick(TIMEOUT + 2)
     assert dog.ended == []
+
+
+def test_a_blamed_process_hosting_the_store_ends_once_every_waiter_has_raised(dog):
+    """Process 0 holds the key-value store the others learn of failures through: blamed
+    for a hang, it ends once every other process has raised (announced its failure), or
+    a fault timeout later, not while one is still to read the news."""
+    dog.watchdog.processes = 3
+    dog.failed[1] = ("process 1 stopped waiting for transfer ...: process 0 made no progress", 0)
+    dog.tick(0.0)
+    assert dog.ended == []
+    dog.failed[2] = ("process 2 stopped waiting for transfer ...: process 0 made no progress", 0)
+    dog.tick(1.0)
+    assert dog.ended[0].startswith("mpmdc: process 0 ends itself, since the others gave up on it")
+    dog.ended.clear()
+    del dog.failed[2]
+    dog.watchdog._seen = None
+    dog.tick(2.0)
+    dog.tick(2.0 + TIMEOUT + 1)  # process 2 never raised: ended a fault timeout later
+    assert len(dog.ended) == 1
