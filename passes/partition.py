@@ -572,18 +572,16 @@ def _cheap_equations(eqns, reads) -> set[int]:
         in_pipeline = is_marker(eqn) or not pipeline.isdisjoint(reads[i])
         if in_pipeline:
             pipeline.update(eqn.outvars)
+        sources = frozenset().union(
+            *(origins.get(a, {a}) for a in reads[i] if a not in from_literals)
+        )
         if _is_cheap(eqn, reads[i], from_literals):
             if all(a in from_literals for a in reads[i]):
                 from_literals.update(eqn.outvars)
-        elif (in_pipeline and not _from_scalars(reads[i], origins)) or not _recomputed(
-            eqn, reads[i], origins
-        ):
+        elif (in_pipeline and not _from_scalars(sources)) or not _recomputed(eqn, sources):
             continue
         cheap.add(i)
-        found = frozenset().union(
-            *(origins.get(a, {a}) for a in reads[i] if a not in from_literals)
-        )
-        origins.update((v, found) for v in eqn.outvars)
+        origins.update((v, sources) for v in eqn.outvars)
     return cheap
 
 
@@ -613,23 +611,21 @@ def _recomputable(eqn) -> bool:
     return all(map(_recomputable, body[0].eqns))
 
 
-def _recomputed(eqn, operands, origins) -> bool:
-    """Whether ``eqn`` (:func:`_recomputable`) makes a larger value than what it is
-    computed from through other such work (``origins``): an attention mask or a position
-    table built from a microbatch's tokens. Moving those values and computing it again
-    next to each user moves fewer bytes than moving it."""
+def _recomputed(eqn, sources) -> bool:
+    """Whether ``eqn`` (:func:`_recomputable`) makes a larger value than the ``sources``
+    it is computed from through other such work: an attention mask or a position table
+    built from a microbatch's tokens. Moving those values and computing it again next to
+    each user moves fewer bytes than moving it."""
     if not _recomputable(eqn):
         return False
-    found = set().union(*(origins.get(a, {a}) for a in operands))
-    return sum(nbytes(a.aval) for a in found) < sum(nbytes(v.aval) for v in eqn.outvars)
+    return sum(nbytes(a.aval) for a in sources) < sum(nbytes(v.aval) for v in eqn.outvars)
 
 
-def _from_scalars(operands, origins) -> bool:
-    """Whether ``operands`` are computed (through cheap work) from small values alone:
-    the pipeline's work on them (a zero gradient clipped by the global norm) is cheaper
-    computed again next to each user than moved."""
-    found = set().union(*(origins.get(a, {a}) for a in operands))
-    return all(math.prod(a.aval.shape) <= _SMALL for a in found)
+def _from_scalars(sources) -> bool:
+    """Whether the ``sources`` an equation is computed from (through cheap work) are all
+    small values: the pipeline's work on them (a zero gradient clipped by the global
+    norm) is cheaper computed again next to each user than moved."""
+    return all(math.prod(a.aval.shape) <= _SMALL for a in sources)
 
 
 def placement_state(program: Program) -> PlacementState:

@@ -365,11 +365,12 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
     found = _propagate(jaxpr, padded)
     free = {v for s, v in zip(in_specs, jaxpr.invars) if s is None}
+    updates = list(_updates(jaxpr))  # (the walks depend on the program alone)
     # A free input's choice can shard what another free input is combined with (a
     # parameter sharded by the batch it is added to shards its gradient, which its
     # momentum meets): choose again until no free input gains a spec.
     while free:
-        wanted = {**_wanted_by_users(jaxpr, found), **_state_of_updates(jaxpr, found, free)}
+        wanted = {**_wanted_by_users(jaxpr, found), **_state_of_updates(updates, found, free)}
         chosen = {v: wanted[v] for v in free if v in wanted}
         if not chosen:
             break
@@ -380,7 +381,8 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     # An input's update comes back sharded as the input went in (a momentum given
     # P(None, 'b') whose gradient is also split over 'a'), so a loop feeding it back
     # moves and compiles nothing.
-    for v, spec in _input_specs_of_updates(jaxpr, found).items():
+    for v, updated, _ in updates:
+        spec = _spec_of(found, updated)
         if _is_sharded(spec):
             found[v] = spec
         else:
@@ -430,18 +432,13 @@ def _updates(jaxpr: jcore.Jaxpr):
             yield v, updated, cone
 
 
-def _input_specs_of_updates(jaxpr: jcore.Jaxpr, found: dict) -> dict:
-    """``{result: spec}`` for each of ``jaxpr``'s results that updates an input
-    (:func:`_updates`): that input's spec."""
-    return {v: _spec_of(found, updated) for v, updated, _ in _updates(jaxpr)}
-
-
-def _state_of_updates(jaxpr: jcore.Jaxpr, found: dict, free: set) -> dict:
+def _state_of_updates(updates: list, found: dict, free: set) -> dict:
     """``{free input: spec}`` for free inputs that the update of a sharded input is
-    computed from (its optimizer state: ``p - lr * (0.9 * m + g)`` reads ``m``): that
-    input's spec, so state created unsharded is sharded as its parameter."""
+    computed from (its optimizer state: ``p - lr * (0.9 * m + g)`` reads ``m``; ``updates``
+    from :func:`_updates`): that input's spec, so state created unsharded is sharded as
+    its parameter."""
     out: dict = {}
-    for _, updated, cone in _updates(jaxpr):
+    for _, updated, cone in updates:
         if updated in found and updated not in free:
             for a in cone:
                 if a in free:
