@@ -53,7 +53,8 @@ depends on, so the last stage's backward shares a fragment with its forward and
 every earlier stage gets separate forward and backward fragments.
 
 Program inputs live on the mesh of their earliest user, outputs on the mesh of
-their producer.
+their producer; before anything reads an input, it counts as being where the result
+fed back for it is made.
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ class PlacementState:
         self.stage = [s if s is not None else seeds.get(i) for i, s in enumerate(self.seeded)]
         self.default = min((s for s in self.seeded if s is not None), default=0)
         self.returned = set(vars_of(program.jaxpr.jaxpr.outvars))
+        self.fed_back = _fed_back(program)
         self.depends, self.prepares = self.pipeline_work()
 
     def mesh(self, stage: int) -> int:
@@ -238,15 +240,24 @@ class PlacementState:
 
     def present(self, v) -> set[int]:
         """The meshes ``v`` is (or will be) on: its producer's and its placed users';
-        a program input's is where it lives, with its earliest placed user."""
+        a program input's is where it lives, with its earliest placed user, or before
+        anything reads it where the result fed back for it (:func:`_fed_back`) is made."""
         j = self.producer.get(v)
         if j is None:
             home = self.home(v)
+            if home is None:
+                home = self.maker_of_fed_back(v)
             return set() if home is None else {self.mesh(self.stage[home])}
         out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
         if self.stage[j] is not None:
             out.add(self.mesh(self.stage[j]))
         return out
+
+    def maker_of_fed_back(self, v):
+        """The placed equation making the result fed back for program input ``v``
+        (:func:`_fed_back`), or ``None``."""
+        j = self.producer.get(self.fed_back.get(v))
+        return None if j is None or self.stage[j] is None else j
 
     def earliest(self, js):
         """The earliest in pipeline order of the placed equations ``js``, or ``None``."""
@@ -363,6 +374,8 @@ class PlacementState:
             elif through_boundaries or not is_transposed_marker(self.eqns[j]):
                 self.suggest(candidates, [j])
                 placed = max(placed, nbytes(a.aval))
+            else:  # a cotangent leaving a stage's backward: where it goes is not known yet
+                waiting = max(waiting, nbytes(a.aval))
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet, nor for the update of a state input nothing else
         # reads (the momentum of a parameter whose gradient is zero): that waits for
@@ -464,8 +477,11 @@ def place_by_bytes(state: PlacementState, members) -> None:
         for a in state.operands(i, inputs=True):
             j = state.producer.get(a)
             if j is None:
-                # On equal costs a parameter's update goes where the parameter lives...
+                # On equal costs a parameter's update goes where the parameter lives (or,
+                # before anything reads it, where its new value is made)...
                 home = state.home(a)
+                if home is None:
+                    home = state.maker_of_fed_back(a)
                 state.suggest(out, [] if home is None else [home], rank=2)
                 continue
             if state.stage[j] is not None:
@@ -672,6 +688,30 @@ def _output_placements(outvars, eqns, producer, cheap, placement) -> list[Placem
 
 
 _PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
+
+
+def _fed_back(program: Program) -> dict:
+    """``{input: result}`` pairing each program input with the one result of its shape and
+    dtype at the same place in its pytree, below the argument or result it is in
+    (``args[1][0].mu['w']`` and ``out[2][0].mu['w']``): what a training loop passes back
+    for it, so the next call reads the input where that result is made. An argument that
+    is an array has no such place (the results may come in another order): unpaired."""
+    jaxpr = program.jaxpr.jaxpr
+    inputs = set(jaxpr.invars)
+
+    def key(path, v):
+        return tuple(_PATH_KEY.findall(path)[1:]), v.aval.shape, v.aval.dtype
+
+    results: dict = {}
+    for path, v in zip(program.out_paths, jaxpr.outvars):
+        if is_var(v) and v not in inputs:
+            results.setdefault(key(path, v), []).append(v)
+    pairs = {}
+    for path, v in zip(program.in_paths, jaxpr.invars):
+        place = key(path, v)
+        if place[0] and len(found := results.get(place, [])) == 1:
+            pairs[v] = found[0]
+    return pairs
 
 
 def _kin(paths: Sequence[str], known: Sequence) -> list:

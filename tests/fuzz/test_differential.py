@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpmdc
 from mpmdc.ir.primitives import transfer_p
+from mpmdc.ir.program import find_eqns
 from mpmdc.ir.sharding import canonical_spec
 
 pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
@@ -279,6 +280,7 @@ def make_body(desc, meshes, record):
         else:
             values, key = list(inputs), None
         values = list(values)
+        stacked = values.pop() if desc.get("stacked_param") else None
         for k, op in enumerate(desc["ops"]):
             if op[0] == "unary":
                 values.append(UNARY[op[1]](values[op[2]]))
@@ -310,7 +312,7 @@ def make_body(desc, meshes, record):
                     jax.jit(lambda v: (jax.debug.callback(callback, v), v * 2)[1])(values[i])  # noqa: B023 (called at once)
                     values.append(values[i] * 1.5)
             elif op[0] == "stack":
-                values.append(scanned_stack(op, values, key, closure_constants))
+                values.append(scanned_stack(op, values, key, closure_constants, stacked))
             else:  # noise
                 noise = jax.random.normal(
                     jax.random.fold_in(key, k), values[op[1]].shape, values[op[1]].dtype
@@ -329,14 +331,17 @@ def make_body(desc, meshes, record):
     return body
 
 
-def scanned_stack(op, values, key, closure_constants):
+def scanned_stack(op, values, key, closure_constants, stacked=None):
     """A ``scan`` over ``length`` layers ``tanh(h @ w)`` marked ``stage(h, every=...)``: the
     weights stacked from an operand (computed in the step, so a program input's gradient
-    flows through the stack) or captured; with a key, per-layer noise from split keys; the
-    result adds the final carry and the mean of the per-layer outputs."""
+    flows through the stack), the first rows of ``stacked`` (a stacked parameter, where
+    given, in place of the operand) or captured; with a key, per-layer noise from split
+    keys; the result adds the final carry and the mean of the per-layer outputs."""
     _, first, every, length, weights, i, j = op
     n = values[i].shape[0]
-    if weights == "input":
+    if weights == "input" and stacked is not None:
+        ws = stacked[:length, :n, :n]
+    elif weights == "input":
         ws = jnp.stack([values[j] * (0.3 + 0.1 * k) for k in range(length)])
     else:
         ws = jnp.stack([closure_constants[n][k % 2] * (1 + 0.1 * k) for k in range(length)])
@@ -594,28 +599,49 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 @seeded
 @settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
 @given(
-    programs().filter(lambda d: not d["with_key"]).map(lambda d: {**d, "mode": "value_and_grad"}),
+    programs()
+    .filter(lambda d: not d["with_key"])
+    .map(lambda d: {**d, "mode": "accumulate" if d["mode"] == "accumulate" else "value_and_grad"}),
     st.sampled_from(["none", "norm_outside", "norm_inside"]),
+    st.booleans(),
 )
-def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc, skip_step):
-    """Random programs as the loss of a training step with global-norm clipping and
+def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
+    desc, skip_step, stacked_param
+):
+    """Random programs as the loss of a training step (one batch, or microbatches in
+    ``accumulate`` under a random valid schedule; the layer stacks' weights computed in
+    the step or the rows of a stacked parameter) with global-norm clipping and
     momentum, the update applied in a skip-step ``lax.cond`` (on a finite loss, the
     global norm computed before it or inside its branch) or not:
     equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
-    its momentum, each with the spec it came in with (the parameter's where one is
-    given), so a loop feeding them back moves and compiles nothing. A parameter several meshes read is sent to them and its gradient
+    its momentum (under ``accumulate``, each where the next call reads it: the momentum
+    may live where the gradient's running sum is), each with the spec it came in with
+    (the parameter's where one is given), so a loop feeding them back moves and compiles
+    nothing. A parameter several meshes read is sent to them and its gradient
     contributions summed on the way back, somewhere: where is not checked."""
+    desc = {**desc, "stacked_param": stacked_param}
     _describe(desc)
     event(f"skip_step={skip_step}")
+    event(f"stacked_param={stacked_param}")
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
-    n = desc["num_inputs"]
+    n = desc["num_inputs"] + stacked_param
 
     def training_step(record, meshes_):
         body = make_body(desc, meshes_, record)
 
-        def step(params, momenta):
-            loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*ps)))(params)
+        def step(params, momenta, *batch):
+            if batch:
+                loss, grads = mpmdc.accumulate(
+                    lambda mb: jax.value_and_grad(lambda ps: jnp.sum(body(ps[0] + mb, *ps[1:])))(
+                        params
+                    ),
+                    batch[0],
+                    microbatches=desc["microbatches"],
+                    schedule=schedule_of(desc),
+                )
+            else:
+                loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*ps)))(params)
 
             def clip_scale():
                 norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
@@ -639,29 +665,40 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(desc, skip_
         return step
 
     _, args, kwargs = build(desc, meshes, seen)
-    params, momenta = args[:n], [0.5 * a for a in args[:n]]
-    specs = list(kwargs["in_specs"][:n])
-    kwargs["in_specs"] = (specs, specs)  # a momentum sharded as its parameter
+    params, batch = args[: n - stacked_param], args[n - stacked_param :]
+    if stacked_param:  # the weights of the layer stacks that read an operand
+        rng = np.random.default_rng(len(desc["ops"]))
+        longest, size = 15, max(SIZES)  # every=3 over 5 groups
+        params.append(jnp.asarray(rng.normal(size=(longest, size, size)) * 0.5, jnp.float32))
+    momenta = [0.5 * a for a in params]
+    specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
+    kwargs["in_specs"] = (specs, specs, *(None,) * len(batch))  # momenta as their parameters
     compiled = mpmdc.compile(training_step(seen, meshes), meshes, **kwargs)
-    program = compiled.lower(params, momenta).program("after-split")
+    program = compiled.lower(params, momenta, *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
-    sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
+    sent = {v for e in find_eqns(jaxpr.eqns, lambda e: e.primitive is transfer_p) for v in e.invars}
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             event("a parameter read on one mesh")
-            assert (
-                program.out_meshes[1 + k] == program.out_meshes[1 + n + k] == program.in_meshes[k]
-            ), k
-            assert program.in_meshes[n + k] == program.in_meshes[k], k
+            if batch:  # each where the next call reads it; the momentum may live with the sum
+                for j in (k, n + k):
+                    assert program.out_meshes[1 + j] == program.in_meshes[j], j
+            else:
+                assert (
+                    program.out_meshes[1 + k]
+                    == program.out_meshes[1 + n + k]
+                    == program.in_meshes[k]
+                ), k
+                assert program.in_meshes[n + k] == program.in_meshes[k], k
             for j in (k, n + k):
                 # Each comes back with the spec it came in with: the one given (the
                 # parameter's), or, where none is, the one propagation chose for it.
                 came_in = canonical_spec(program.in_specs[j])
                 assert specs[k] is None or came_in == canonical_spec(specs[k]), j
                 assert canonical_spec(program.out_specs[1 + j]) == came_in, j
-    got = jax.block_until_ready(compiled(params, momenta))
+    got = jax.block_until_ready(compiled(params, momenta, *batch))
     want = jax.block_until_ready(
-        jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta)
+        jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta, *batch)
     )
     jax.effects_barrier()
     assert_same_results(got, want)

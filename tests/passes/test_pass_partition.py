@@ -204,7 +204,9 @@ def test_place_by_bytes_puts_work_on_a_parameter_where_the_parameter_lives(meshe
 
     names, state = _state(fn, meshes2, W, X)
     for t in sorted(set(state.transpose)):
-        state.settle([i for i in _unplaced(state) if state.transpose[i] == t], False)
+        members = [i for i in _unplaced(state) if state.transpose[i] == t]
+        state.settle(members, False)
+        state.settle(members, True)
     rest = _unplaced(state)
     assert [names[i] for i in rest] == ["mul"]
     place_by_bytes(state, rest)
