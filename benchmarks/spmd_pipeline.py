@@ -31,8 +31,8 @@ parameters after one step against ``jax.jit``'s.
     python benchmarks/spmd_pipeline.py [--quick] [--L 8 32] [--M 4 8 16 32 64] [--scans shared]
 
 With ``--profile``, only where the time goes at the first of ``--L`` and ``--M``: each of
-mpmdc's distinct modules compiled alone (XLA seconds) against the SPMD step's one
-module, and per step the time until the call returns (dispatch), the process CPU time
+mpmdc's distinct modules compiled alone (XLA seconds) and called alone (wall and CPU
+milliseconds per call) against the SPMD step's one module, and per step the time until the call returns (dispatch), the process CPU time
 and each mesh's busy time (``run_timed``):
 
     python benchmarks/spmd_pipeline.py --profile --L 8 --M 32
@@ -458,14 +458,18 @@ def profile(layers: int, microbatches: int, options) -> None:
     for name, key in program.module_keys:  # one after another: XLA's seconds alone
         eqn, count = calls[key]
         start = time.perf_counter()
-        program.lowerings[key].compile()
+        module = program.lowerings[key].compile()
+        compile_seconds = time.perf_counter() - start
+        wall, cpu = call_times(module, options.steps)
         modules.append(
             {
                 "module": name,
                 "mesh": eqn.params["mesh"],
                 "calls per step": count,
                 "equations": len(eqn.params["jaxpr"].jaxpr.eqns),
-                "XLA compile s": time.perf_counter() - start,
+                "XLA compile s": compile_seconds,
+                "call ms": wall * 1e3,
+                "call CPU ms": cpu * 1e3,
             }
         )
     compiled = lowered.compile()
@@ -484,13 +488,17 @@ def profile(layers: int, microbatches: int, options) -> None:
     ).lower(*spmd_args)
     start = time.perf_counter()
     spmd_compiled = spmd_lowered.compile()
+    compile_seconds = time.perf_counter() - start
+    wall, cpu = call_times(spmd_compiled, options.steps, calls=3)
     modules.append(
         {
             "module": "SPMD pipeline (the whole step)",
             "mesh": "all",
             "calls per step": 1,
             "equations": len(jax.make_jaxpr(spmd_step(spmd_mesh, microbatches))(*spmd_args).eqns),
-            "XLA compile s": time.perf_counter() - start,
+            "XLA compile s": compile_seconds,
+            "call ms": wall * 1e3,
+            "call CPU ms": cpu * 1e3,
         }
     )
     _common.report(
@@ -546,6 +554,30 @@ def profile(layers: int, microbatches: int, options) -> None:
     _common.report(
         f"spmd_pipeline_profile_meshes_L{layers}_M{microbatches}", mesh_rows, list(mesh_rows[0])
     )
+
+
+def call_times(module, repeats: int, calls: int = 20) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call of the compiled ``module`` alone,
+    on zeros already on its devices, until its results are ready; median of
+    ``repeats`` runs of ``calls`` calls (fresh arguments each, as a module may donate
+    them)."""
+    avals = jax.tree.leaves(module.in_avals)
+    shardings = jax.tree.leaves(module.input_shardings)
+    samples = []
+    for _ in range(repeats):
+        arguments = [
+            jax.tree.unflatten(
+                module.in_tree,
+                [jax.device_put(np.zeros(a.shape, a.dtype), s) for a, s in zip(avals, shardings)],
+            )
+            for _ in range(calls + 1)
+        ]
+        args, kwargs = arguments.pop()
+        jax.block_until_ready(module(*args, **kwargs))
+        wall, cpu = time.perf_counter(), time.process_time()
+        jax.block_until_ready([module(*args, **kwargs) for args, kwargs in arguments])
+        samples.append(((time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls))
+    return tuple(statistics.median(s[i] for s in samples) for i in range(2))
 
 
 def warm_up(options) -> None:
