@@ -38,6 +38,24 @@ def clipped_momentum_step(loss):
     return step
 
 
+def assert_first_state_stays_on_mesh_0(loss, meshes, x):
+    """``clipped_momentum_step(loss)`` on two parameters: the first and its momentum go in
+    and come back on mesh 0, the results are ``jax.jit``'s, and feeding them back compiles
+    nothing."""
+    step = clipped_momentum_step(loss)
+    params, momenta = [x, x + 1], [x * 0.5, x * 0.25]
+    compiled = mpmdc.compile(step, meshes)
+    program = compiled.lower(params, momenta).program("after-split")
+    assert program.in_meshes[0] == program.in_meshes[2] == 0
+    assert program.out_meshes[1] == program.out_meshes[3] == 0
+    got = compiled(params, momenta)
+    # Noise floor: jax.jit against eager 6e-8 relative on these values; margin 20x.
+    assert_same_tree(got, jax.jit(step)(params, momenta), rtol=1.2e-6, atol=1e-7)
+    with XlaCompiles() as compiles:
+        compiled(*got[1:])
+    assert compiles.count == 0
+
+
 def unmarked_operand(x, mesh_of):
     """A shard_map on mesh 1 reads a stage-0 value that was never marked into stage 1,
     and one on mesh 0 reads a stage-1 value: the shard_map's own mesh must place it."""
@@ -525,19 +543,7 @@ def test_the_momentum_of_a_parameter_with_a_zero_gradient_stays_with_its_paramet
         h = jax.lax.stop_gradient(jnp.tanh(mpmdc.stage(x, 0) @ frozen))
         return jnp.sum(jnp.tanh(mpmdc.stage(h, 1) @ w))
 
-    step = clipped_momentum_step(loss)
-
-    params, momenta = [x, x + 1], [x * 0.5, x * 0.25]
-    compiled = mpmdc.compile(step, meshes)
-    program = compiled.lower(params, momenta).program("after-split")
-    assert program.in_meshes[0] == program.in_meshes[2] == 0
-    assert program.out_meshes[1] == program.out_meshes[3] == 0
-    got = compiled(params, momenta)
-    # Noise floor: jax.jit against eager 6e-8 relative on these values; margin 20x.
-    assert_same_tree(got, jax.jit(step)(params, momenta), rtol=1.2e-6, atol=1e-7)
-    with XlaCompiles() as compiles:
-        compiled(*got[1:])
-    assert compiles.count == 0
+    assert_first_state_stays_on_mesh_0(loss, meshes, x)
 
 
 def test_state_comes_back_with_its_spec_when_its_gradient_is_split_over_more_axes():
@@ -649,19 +655,7 @@ def test_the_momentum_of_a_parameter_whose_gradient_two_meshes_send_stays_with_i
         h = jnp.tanh(mpmdc.stage(w, 0) @ x)
         return jnp.sum(jnp.tanh(mpmdc.stage(h, 1) @ (w * 0.3)) * v)
 
-    step = clipped_momentum_step(loss)
-
-    params, momenta = [x, x + 1], [x * 0.5, x * 0.25]
-    compiled = mpmdc.compile(step, meshes)
-    program = compiled.lower(params, momenta).program("after-split")
-    assert program.in_meshes[0] == program.in_meshes[2] == 0
-    assert program.out_meshes[1] == program.out_meshes[3] == 0
-    got = compiled(params, momenta)
-    # Noise floor: jax.jit against eager 6e-8 relative on these values; margin 20x.
-    assert_same_tree(got, jax.jit(step)(params, momenta), rtol=1.2e-6, atol=1e-7)
-    with XlaCompiles() as compiles:
-        compiled(*got[1:])
-    assert compiles.count == 0
+    assert_first_state_stays_on_mesh_0(loss, meshes, x)
 
 
 @pytest.mark.slow
