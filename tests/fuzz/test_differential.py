@@ -49,7 +49,6 @@ from jax.sharding import PartitionSpec as P
 
 import mpmdc
 from mpmdc.ir.primitives import transfer_p
-from mpmdc.ir.program import find_eqns
 from mpmdc.ir.sharding import canonical_spec
 
 pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
@@ -676,7 +675,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     compiled = mpmdc.compile(training_step(seen, meshes), meshes, **kwargs)
     program = compiled.lower(params, momenta, *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
-    sent = {v for e in find_eqns(jaxpr.eqns, lambda e: e.primitive is transfer_p) for v in e.invars}
+    sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             event("a parameter read on one mesh")
