@@ -32,8 +32,9 @@ parameters after one step against ``jax.jit``'s.
 
 With ``--profile``, only where the time goes at the first of ``--L`` and ``--M``: each of
 mpmdc's distinct modules compiled alone (XLA seconds) and called alone (wall and CPU
-milliseconds per call) against the SPMD step's one module, and per step the time until the call returns (dispatch), the process CPU time
-and each mesh's busy time (``run_timed``):
+milliseconds per call) against the SPMD step's one module, and per step the time until
+the call returns (dispatch), the process CPU time and each mesh's busy time
+(``run_timed``):
 
     python benchmarks/spmd_pipeline.py --profile --L 8 --M 32
 

@@ -244,18 +244,20 @@ class PlacementState:
         anything reads it where the result fed back for it (:func:`_fed_back`) is made."""
         j = self.producer.get(v)
         if j is None:
-            home = self.home(v)
-            if home is None:
-                home = self.maker_of_fed_back(v)
+            home = self.lives_with(v)
             return set() if home is None else {self.mesh(self.stage[home])}
         out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
         if self.stage[j] is not None:
             out.add(self.mesh(self.stage[j]))
         return out
 
-    def maker_of_fed_back(self, v):
-        """The placed equation making the result fed back for program input ``v``
-        (:func:`_fed_back`), or ``None``."""
+    def lives_with(self, v):
+        """The placed equation whose mesh holds program input ``v``: its :meth:`home`, or
+        before anything reads it the one making the result fed back for it
+        (:func:`_fed_back`); ``None`` if neither is placed."""
+        home = self.home(v)
+        if home is not None:
+            return home
         j = self.producer.get(self.fed_back.get(v))
         return None if j is None or self.stage[j] is None else j
 
@@ -479,9 +481,7 @@ def place_by_bytes(state: PlacementState, members) -> None:
             if j is None:
                 # On equal costs a parameter's update goes where the parameter lives (or,
                 # before anything reads it, where its new value is made)...
-                home = state.home(a)
-                if home is None:
-                    home = state.maker_of_fed_back(a)
+                home = state.lives_with(a)
                 state.suggest(out, [] if home is None else [home], rank=2)
                 continue
             if state.stage[j] is not None:
