@@ -15,8 +15,8 @@ against a target, one training step = loss and gradient over ``M`` microbatches 
   whole loop: GPipe, every iteration's residuals kept for the backward scan, and each
   device computing its stage in every iteration, bubble iterations included.
 - **mpmdc**: the same step written once with ``mpmdc.stage(h, every=L/4)`` in the
-  scan's body and ``mpmdc.accumulate``, on ``mpmdc.make_meshes(4, {"data": 2})`` with
-  the batch sharded on ``data``, under 1F1B and GPipe.
+  scan's body and ``mpmdc.accumulate``, on 4 meshes ``{data: 2}`` (the SPMD mesh's
+  rows) with the batch sharded on ``data``, under 1F1B and GPipe.
 - **jax.jit**: that same function (markers are identities, ``accumulate`` a scan) on
   one device: the reference every result is checked against.
 
@@ -40,7 +40,10 @@ the call returns (dispatch), the process CPU time and each mesh's busy time
 
 On a machine with GPUs (``--platform gpu``, or ``auto``, the default, when
 ``nvidia-smi`` is there) it runs on the GPUs instead of 8 virtual CPU devices, with
-``data`` = devices / 4 (at least 4 devices).
+``data`` = devices / 4. On fewer than 4 devices (or ``--devices N`` of them) each device
+along ``stage`` holds several stages: mpmdc runs ``gcd(4, N)`` meshes under interleaved
+1F1B in place of 1F1B, and the SPMD pipeline shifts the activations between the stages
+a device holds.
 """
 
 # The platform must be chosen before ``_common`` starts JAX.
@@ -58,6 +61,7 @@ PARSER.add_argument("--width", type=int, default=256)
 PARSER.add_argument("--microbatch-rows", type=int, default=16)
 PARSER.add_argument("--steps", type=int, default=5, help="steps timed per program (median)")
 PARSER.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto")
+PARSER.add_argument("--devices", type=int, default=None, help="use only the first N devices")
 PARSER.add_argument(
     "--scans",
     choices=["fused", "shared"],
@@ -75,6 +79,7 @@ OPTIONS = PARSER.parse_args() if __name__ == "__main__" else PARSER.parse_args([
 if OPTIONS.platform == "gpu" or (OPTIONS.platform == "auto" and shutil.which("nvidia-smi")):
     os.environ["MPMDC_BENCHMARK_PLATFORM"] = "gpu"
 
+import math
 import statistics
 import time
 
@@ -164,7 +169,7 @@ def passes(options) -> list[str]:
 def spmd_step(mesh: Mesh, microbatches: int):
     """The SPMD pipeline's training step over ``mesh`` (axes ``stage`` and ``data``);
     parameters stacked ``(stages, layers per stage, ...)``."""
-    stages = mesh.shape["stage"]
+    stages, holders = STAGES, mesh.shape["stage"]  # holders: devices along `stage`
     state_spec = P("stage", "data")
 
     def constrain(x, spec):
@@ -174,13 +179,14 @@ def spmd_step(mesh: Mesh, microbatches: int):
         return jax.lax.scan(layer, h, (w, b))[0]
 
     # Each stage hands its output to the next; the last stage's goes nowhere, and
-    # stage 0 reads a new microbatch in place of what it receives.
-    shift = jax.shard_map(
-        lambda a: jax.lax.ppermute(a, "stage", [(i, i + 1) for i in range(stages - 1)]),
-        mesh=mesh,
-        in_specs=state_spec,
-        out_specs=state_spec,
-    )
+    # stage 0 reads a new microbatch in place of what it receives. A device holding
+    # several stages (fewer devices along `stage` than stages) shifts them in place and
+    # sends its last one on.
+    def shift_block(block):
+        sent = jax.lax.ppermute(block[-1:], "stage", [(i, i + 1) for i in range(holders - 1)])
+        return jnp.concatenate([sent, block[:-1]])
+
+    shift = jax.shard_map(shift_block, mesh=mesh, in_specs=state_spec, out_specs=state_spec)
 
     def loss_fn(params, x, y):
         rows, width = x.shape[0] // microbatches, x.shape[1]
@@ -229,14 +235,21 @@ def platform() -> str:
 
 
 def layout() -> tuple[Mesh, tuple[Mesh, ...]]:
-    """The SPMD mesh ``{stage: 4, data: n/4}`` and mpmdc's 4 meshes ``{data: n/4}`` over
-    the same devices (stage ``s`` on devices ``[s*n/4, (s+1)*n/4)`` in both)."""
-    devices = jax.devices()
-    if len(devices) < STAGES or len(devices) % STAGES:
-        raise SystemExit(f"needs a multiple of {STAGES} devices, found {len(devices)}")
-    data = len(devices) // STAGES
-    spmd = Mesh(np.array(devices).reshape(STAGES, data), ("stage", "data"))
-    return spmd, mpmdc.make_meshes(STAGES, {"data": data})
+    """The SPMD mesh ``{stage: s, data: n/s}`` and mpmdc's ``s`` meshes ``{data: n/s}``
+    over the same devices (``s`` = 4, or on fewer devices the largest divisor of 4 that
+    divides their number, each device along ``stage`` then holding ``4/s`` stages)."""
+    devices = jax.devices()[: OPTIONS.devices]
+    holders = math.gcd(STAGES, len(devices))
+    data = len(devices) // holders
+    spmd = Mesh(np.array(devices[: holders * data]).reshape(holders, data), ("stage", "data"))
+    meshes = tuple(Mesh(np.array(row), ("data",)) for row in spmd.devices)
+    return spmd, meshes
+
+
+def schedules(meshes) -> tuple[str, ...]:
+    """mpmdc's schedules: 1F1B and GPipe, interleaved 1F1B in place of 1F1B where a
+    mesh holds several stages."""
+    return ("1f1b" if len(meshes) == STAGES else "interleaved-1f1b", "gpipe")
 
 
 def resident_bytes(arrays) -> int:
@@ -373,7 +386,7 @@ def measure(layers: int, microbatches: int, options) -> list[dict]:
     )
 
     # mpmdc on 4 meshes, under each schedule.
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in schedules(meshes):
 
         def compiled_fn(schedule=schedule):
             return mpmdc.compile(
@@ -442,8 +455,9 @@ def profile(layers: int, microbatches: int, options) -> None:
     x = jax.random.normal(kx, (options.microbatch_rows * microbatches, options.width))
     y = jax.random.normal(ky, (options.microbatch_rows * microbatches, options.width))
     batch = P("data")
+    schedule = schedules(meshes)[0]
     step = mpmdc.compile(
-        pipelined_step(layers, microbatches, "1f1b"),
+        pipelined_step(layers, microbatches, schedule),
         meshes,
         in_specs=(None, batch, batch),
         passes=passes(options),
@@ -517,7 +531,7 @@ def profile(layers: int, microbatches: int, options) -> None:
 
     rows = []
     for name, fn, args in (
-        ("mpmdc 1f1b", compiled, placed),
+        (f"mpmdc {schedule}", compiled, placed),
         ("SPMD pipeline (GPipe)", spmd_compiled, spmd_args),
     ):
         jax.block_until_ready(fn(*args))
