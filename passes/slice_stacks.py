@@ -70,10 +70,17 @@ def _stage_concatenation(eqn, producers) -> Layout | None:
     return Layout(axis, tuple(bounds), tuple(placement_of(m).stage for m in made))
 
 
+# Why a stack is kept whole when every stage of it runs on one mesh: where it already
+# is, so nothing moves and nothing is worth a warning.
+ON_ONE_MESH = "all of its stages run on one mesh"
+
+
 def layout_problem(program: Program, layout: Layout) -> str | None:
     """Why a value cut by ``layout`` cannot be one array whose shards are its pieces on
     their stages' meshes (see :mod:`mpmdc.runtime.pieces`), or ``None`` if it can be."""
     meshes = [program.meshes[program.mesh_of_stage(s)] for s in layout.stages]
+    if len({id(m) for m in meshes}) == 1:
+        return ON_ONE_MESH
     rows = [hi - lo for _, lo, hi in layout.spans()]
     if len(set(rows)) > 1:
         return f"its stages hold different numbers of rows ({rows})"
@@ -182,7 +189,8 @@ def slice_stacks(program: Program) -> Program:
                 wanted.append(program.wanted_out_meshes[i])
     scans = [e for e in jaxpr.eqns if placement_of(e) is not None]
     for why, what in kept_whole.items():
-        _warn(scans[0] if scans else None, what, why)
+        if why != ON_ONE_MESH:
+            _warn(scans[0] if scans else None, what, why)
     debug = jaxpr.debug_info._replace(arg_names=tuple(in_paths), result_paths=tuple(out_paths))
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, invars, outvars, walk.eqns, debug

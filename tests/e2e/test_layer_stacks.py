@@ -301,6 +301,20 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     assert len(rows_by_mesh(w1, meshes)) == 1  # whole, on one mesh
 
 
+@pytest.mark.parametrize(
+    "schedule", ["gpipe", pytest.param("interleaved-1f1b", marks=pytest.mark.slow)]
+)
+def test_a_stack_whose_stages_all_run_on_one_mesh_stays_there_without_a_warning(meshes4, schedule):
+    # Kept whole where every stage reads it, nothing moves: no PlacementWarning.
+    step = training_step(lax_loss, schedule=schedule)
+    params = lax_params()
+    args = (params, TX.init(params), *batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        lowered = mpmdc.compile(step, meshes4[:1]).lower(*args)
+    assert not lowered.transfer_report().links  # one mesh: nothing moves
+
+
 def test_a_warning_about_an_nnx_scan_names_the_models_line_not_flaxs(meshes4):
     # Shapes alone: making the model's values would take most of the test's time.
     model = nnx.eval_shape(lambda: NnxModel(nnx.Rngs(0), every=(3, 2, 2, 1)))
