@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 import mpmdc
 from mpmdc.cli.models import (
@@ -60,6 +61,48 @@ def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b"
         params,
         adam_init(params),
         tokens,
+    )
+
+
+def residual_stack(layers: int, width: int) -> dict:
+    """Stacked parameters of a residual MLP stack: ``w`` ``(layers, width, width)``, ``b``
+    ``(layers, width)``."""
+    kw, kb = jax.random.split(jax.random.key(0))
+    return {
+        "w": jax.random.normal(kw, (layers, width, width)) * (0.5 / width**0.5),
+        "b": jax.random.normal(kb, (layers, width)) * 0.1,
+    }
+
+
+def residual_layer(h, wb):
+    """One layer of the stack, as a ``lax.scan`` body: ``h + tanh(h @ w + b)``."""
+    w, b = wb
+    return h + jnp.tanh(h @ w + b), None
+
+
+def residual_stack_loss(every: int):
+    """Mean squared error of the stack run by one ``lax.scan``, a stage beginning every
+    ``every`` layers (``mpmdc.stage(h, every=every)`` in the scan's body)."""
+
+    def loss_fn(params, x, y):
+        def marked(h, wb):
+            return residual_layer(mpmdc.stage(h, every=every), wb)
+
+        h, _ = jax.lax.scan(marked, x, (params["w"], params["b"]))
+        return jnp.mean((h - y) ** 2)
+
+    return loss_fn
+
+
+def mean_loss_and_grad(loss_fn, params, batch, microbatches: int, schedule: str):
+    """The loss and gradient of ``loss_fn`` averaged over the microbatches of ``batch``
+    (``mpmdc.accumulate``)."""
+    return mpmdc.accumulate(
+        lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
+        batch,
+        microbatches=microbatches,
+        schedule=schedule,
+        reduce="mean",
     )
 
 

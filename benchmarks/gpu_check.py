@@ -148,31 +148,20 @@ def transformer_adam(meshes):
 
 
 def scanned_stack(width=128, layers=8):
-    kw = jax.random.split(jax.random.key(3))[0]
     params = {
-        "w": jax.random.normal(kw, (layers, width, width)) / width**0.5,
+        "w": jax.random.normal(jax.random.split(jax.random.key(3))[0], (layers, width, width))
+        / width**0.5,
         "b": jnp.zeros((layers, width)),
     }
     x = jax.random.normal(jax.random.key(4), (64, width))
     y = jax.random.normal(jax.random.key(5), (64, width))
     optimizer = optax.adamw(1e-2)
+    loss_fn = _common.residual_stack_loss(every=layers // STAGES)
 
     def make(microbatches, schedule):
-        def loss_fn(params, x, y):
-            def body(h, wb):
-                h = mpmdc.stage(h, every=layers // STAGES)
-                return h + jnp.tanh(h @ wb[0] + wb[1]), None
-
-            h, _ = jax.lax.scan(body, x, (params["w"], params["b"]))
-            return jnp.mean((h - y) ** 2)
-
         def step(params, opt_state, x, y):
-            loss, grads = mpmdc.accumulate(
-                lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
-                (x, y),
-                microbatches=microbatches,
-                schedule=schedule,
-                reduce="mean",
+            loss, grads = _common.mean_loss_and_grad(
+                loss_fn, params, (x, y), microbatches, schedule
             )
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss

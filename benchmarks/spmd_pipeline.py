@@ -121,38 +121,13 @@ class XlaTimes(XlaCompiles):
 # ----------------------------------------------------------------- the model
 
 
-def init(layers: int, width: int):
-    kw, kb = jax.random.split(jax.random.key(0))
-    return {
-        "w": jax.random.normal(kw, (layers, width, width)) * (0.5 / width**0.5),
-        "b": jax.random.normal(kb, (layers, width)) * 0.1,
-    }
-
-
-def layer(h, wb):
-    w, b = wb
-    return h + jnp.tanh(h @ w + b), None
-
-
 def pipelined_step(layers: int, microbatches: int, schedule: str):
     """The training step as one writes it for mpmdc (and runs under jax.jit as is); a new
     function on each call, so that no cache of JAX's or mpmdc's serves it."""
-
-    def loss_fn(params, x, y):
-        def marked(h, wb):
-            return layer(mpmdc.stage(h, every=layers // STAGES), wb)
-
-        h, _ = jax.lax.scan(marked, x, (params["w"], params["b"]))
-        return jnp.mean((h - y) ** 2)
+    loss_fn = _common.residual_stack_loss(every=layers // STAGES)
 
     def step(params, x, y):
-        loss, grads = mpmdc.accumulate(
-            lambda mb: jax.value_and_grad(loss_fn)(params, *mb),
-            (x, y),
-            microbatches=microbatches,
-            schedule=schedule,
-            reduce="mean",
-        )
+        loss, grads = _common.mean_loss_and_grad(loss_fn, params, (x, y), microbatches, schedule)
         return loss, jax.tree.map(lambda p, g: p - LR * g, params, grads)
 
     return step
@@ -176,7 +151,7 @@ def spmd_step(mesh: Mesh, microbatches: int):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     def run_stage(w, b, h):  # one stage's layers on one microbatch
-        return jax.lax.scan(layer, h, (w, b))[0]
+        return jax.lax.scan(_common.residual_layer, h, (w, b))[0]
 
     # Each stage hands its output to the next; the last stage's goes nowhere, and
     # stage 0 reads a new microbatch in place of what it receives. A device holding
@@ -327,7 +302,7 @@ def differences(out, want, params0, flat) -> tuple[float, float]:
 def measure(layers: int, microbatches: int, options) -> list[dict]:
     spmd_mesh, meshes = layout()
     rows = options.microbatch_rows * microbatches
-    params = init(layers, options.width)
+    params = _common.residual_stack(layers, options.width)
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (rows, options.width))
     y = jax.random.normal(ky, (rows, options.width))
@@ -450,7 +425,7 @@ def measure(layers: int, microbatches: int, options) -> list[dict]:
 def profile(layers: int, microbatches: int, options) -> None:
     """Where mpmdc's time goes against the SPMD pipeline's, at one (L, M)."""
     spmd_mesh, meshes = layout()
-    params = init(layers, options.width)
+    params = _common.residual_stack(layers, options.width)
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (options.microbatch_rows * microbatches, options.width))
     y = jax.random.normal(ky, (options.microbatch_rows * microbatches, options.width))
