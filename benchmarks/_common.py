@@ -4,6 +4,7 @@ Import this first: it sets the device count before JAX starts.
 """
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
 import mpmdc
 from mpmdc.cli.models import (
@@ -62,6 +65,22 @@ def transformer_setup(layers: int, microbatches: int = 8, schedule: str = "1f1b"
         adam_init(params),
         tokens,
     )
+
+
+def stage_layout(stages: int, devices) -> tuple[Mesh, tuple[Mesh, ...]]:
+    """A mesh ``{stage: s, data: n/s}`` over the ``n`` ``devices`` and its rows as ``s``
+    meshes ``{data: n/s}`` for mpmdc: ``s`` = ``stages``, or on fewer devices the largest
+    divisor of ``stages`` that divides ``n``, a device along ``stage`` then holding
+    ``stages/s`` stages."""
+    holders = math.gcd(stages, len(devices))
+    grid = np.array(devices[: holders * (len(devices) // holders)]).reshape(holders, -1)
+    return Mesh(grid, ("stage", "data")), tuple(Mesh(row, ("data",)) for row in grid)
+
+
+def stage_schedules(stages: int, meshes) -> tuple[str, ...]:
+    """1F1B and GPipe, interleaved 1F1B in place of 1F1B where a mesh holds several
+    stages."""
+    return ("1f1b" if len(meshes) == stages else "interleaved-1f1b", "gpipe")
 
 
 def residual_stack(layers: int, width: int) -> dict:

@@ -41,14 +41,12 @@ OPTIONS = PARSER.parse_args()
 if OPTIONS.platform == "gpu" or (OPTIONS.platform == "auto" and shutil.which("nvidia-smi")):
     os.environ["MPMDC_BENCHMARK_PLATFORM"] = "gpu"
 
-import math
 
 import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
 
 import mpmdc
 from mpmdc.cli.demo import init_params, train_step
@@ -58,16 +56,8 @@ STAGES = 4
 MARGIN = 10  # a check passes within MARGIN x its measured noise floor
 
 
-def meshes_here() -> tuple[Mesh, ...]:
-    """``gcd(4, n)`` meshes over the ``n`` devices, split evenly."""
-    devices = jax.devices()
-    count = math.gcd(STAGES, len(devices))
-    rows = np.array(devices).reshape(count, len(devices) // count)
-    return tuple(Mesh(row, ("data",)) for row in rows)
-
-
 def schedules(meshes) -> tuple[str, ...]:
-    return ("1f1b" if len(meshes) == STAGES else "interleaved-1f1b", "gpipe")
+    return _common.stage_schedules(STAGES, meshes)
 
 
 def relative_error(got, want) -> float:
@@ -226,7 +216,7 @@ CHECKS = [mlp_sgd, transformer_adam, scanned_stack_optax, checkpoint]
 
 
 def main():
-    meshes = meshes_here()
+    _, meshes = _common.stage_layout(STAGES, jax.devices())
     print(
         f"{_common.machine()}; {len(meshes)} meshes of {meshes[0].size}; "
         f"default matmul precision {jax.config.jax_default_matmul_precision}"

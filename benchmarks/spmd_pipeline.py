@@ -79,7 +79,6 @@ OPTIONS = PARSER.parse_args() if __name__ == "__main__" else PARSER.parse_args([
 if OPTIONS.platform == "gpu" or (OPTIONS.platform == "auto" and shutil.which("nvidia-smi")):
     os.environ["MPMDC_BENCHMARK_PLATFORM"] = "gpu"
 
-import math
 import statistics
 import time
 
@@ -211,20 +210,12 @@ def platform() -> str:
 
 def layout() -> tuple[Mesh, tuple[Mesh, ...]]:
     """The SPMD mesh ``{stage: s, data: n/s}`` and mpmdc's ``s`` meshes ``{data: n/s}``
-    over the same devices (``s`` = 4, or on fewer devices the largest divisor of 4 that
-    divides their number, each device along ``stage`` then holding ``4/s`` stages)."""
-    devices = jax.devices()[: OPTIONS.devices]
-    holders = math.gcd(STAGES, len(devices))
-    data = len(devices) // holders
-    spmd = Mesh(np.array(devices[: holders * data]).reshape(holders, data), ("stage", "data"))
-    meshes = tuple(Mesh(np.array(row), ("data",)) for row in spmd.devices)
-    return spmd, meshes
+    over the same devices (``_common.stage_layout``)."""
+    return _common.stage_layout(STAGES, jax.devices()[: OPTIONS.devices])
 
 
 def schedules(meshes) -> tuple[str, ...]:
-    """mpmdc's schedules: 1F1B and GPipe, interleaved 1F1B in place of 1F1B where a
-    mesh holds several stages."""
-    return ("1f1b" if len(meshes) == STAGES else "interleaved-1f1b", "gpipe")
+    return _common.stage_schedules(STAGES, meshes)
 
 
 def resident_bytes(arrays) -> int:
