@@ -172,6 +172,13 @@ def copied_to(values, shardings) -> list | None:
     )
 
 
+def key_impl(dtype):
+    """The PRNG implementation of a typed key dtype (``key<fry>``), as
+    ``jax.random.wrap_key_data(..., impl=)`` takes it; the public ``jax.random.key_impl``
+    wants an array."""
+    return dtype._impl
+
+
 def with_weak_type(x, weak: bool):
     """``x`` with its type's weak flag set to ``weak`` (JAX's promotion treats a weak
     value as a Python scalar's)."""

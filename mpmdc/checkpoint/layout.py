@@ -36,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mpmdc.errors import CheckpointError
+from mpmdc.ir.keys import is_key, key_data_type
 
 FORMAT = "mpmdc-checkpoint"
 VERSION = 2  # 2: chunk shapes in the index, a CRC32C checksum after every chunk
@@ -464,17 +465,11 @@ def _divisors(n: int) -> list[int]:
     return small + [n // k for k in small]
 
 
-def is_key(x) -> bool:
-    """Whether ``x`` (an array or ``jax.ShapeDtypeStruct``) holds typed PRNG keys."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def stored_type(x) -> tuple[tuple[int, ...], np.dtype]:
     """The shape and dtype ``x`` is stored with: its own, or for typed PRNG keys their key
     data's (the key's shape, then the implementation's, in ``uint32``)."""
     if is_key(x):
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        data = key_data_type(x)
         return tuple(data.shape), np.dtype(data.dtype)
     return tuple(np.shape(x)), np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 

@@ -35,12 +35,12 @@ from mpmdc.checkpoint.layout import (
     array_names,
     chunk_shape,
     group_names,
-    is_key,
     partial_name,
     path_text,
     stored_type,
 )
 from mpmdc.errors import CheckpointError, MpmdcError, MpmdRuntimeError
+from mpmdc.ir.keys import is_key
 
 
 @dataclass

@@ -21,6 +21,7 @@ from mpmdc import _jax_compat as compat
 from mpmdc import watchdog
 from mpmdc.distributed.settings import ENV_FAILURE_DIR, fault_timeout_seconds
 from mpmdc.errors import DistributedError, MpmdRuntimeError, ProgramMismatchError
+from mpmdc.ir.keys import is_key
 
 PREFIX = "mpmdc/"
 _failed = False  # this process announced a failure: it leaves without waiting for the others
@@ -220,10 +221,11 @@ def fetch(tree):
     (for logging a loss, for checks). Every process must call it with a tree of the
     same structure, in the same order, like a collective. Values go through the
     ``jax.distributed`` key-value store: meant for losses and metrics, not for
-    gigabytes of parameters.
+    gigabytes of parameters. Typed PRNG keys come back as their key data (``uint32``,
+    as ``jax.random.key_data`` gives it): numpy has no key type.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [x for _, x in flat]
+    leaves = [jax.random.key_data(x) if is_key(x) else x for _, x in flat]
     if jax.process_count() == 1 or not any(isinstance(x, jax.Array) for x in leaves):
         return jax.tree_util.tree_unflatten(
             treedef, [np.asarray(jax.device_get(x)) for x in leaves]

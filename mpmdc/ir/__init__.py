@@ -13,6 +13,7 @@
   by primitive;
 - ``graph``: producers, readers and last uses of a program's values;
 - ``pytrees``: prefix broadcasting and the first difference between two pytrees;
+- ``keys``: typed PRNG keys, and the plain array of key data that stands for them;
 - ``sharding``: PartitionSpec checks and the mesh axes a spec entry names;
 - ``spec_rules``: batch sharding carried through equations, a rule registry keyed by
   primitive;

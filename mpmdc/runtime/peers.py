@@ -25,6 +25,7 @@ from jax.extend import core as jcore
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed, watchdog
 from mpmdc.errors import MpmdRuntimeError
+from mpmdc.ir.keys import is_key
 from mpmdc.ir.program import Program
 
 _POLL_PEERS_EVERY = 0.25  # seconds between looks at the key-value store while waiting
@@ -50,9 +51,7 @@ def program_entries(program: Program) -> list[tuple[str, str]]:
         weak = " (weak)" if v.aval.weak_type else ""
         entries.append((f"argument {path}", f"{v.aval.dtype}{list(v.aval.shape)}{weak} on {where}"))
     for v, c in zip(jaxpr.constvars, program.jaxpr.consts):
-        value = np.asarray(
-            jax.random.key_data(c) if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key) else c
-        )
+        value = np.asarray(jax.random.key_data(c) if is_key(c) else c)
         entries.append(
             (f"a constant {v.aval.str_short()} the function closes over", _digest(value.tobytes()))
         )
@@ -109,7 +108,11 @@ class Progress:
         self.in_flight: list[_InFlight] = []
 
     def add(self, step, results) -> None:
-        arrays = [r for r in results if isinstance(r, jax.Array) and r.addressable_shards]
+        arrays = [
+            jax.random.key_data(r) if is_key(r) else r
+            for r in results
+            if isinstance(r, jax.Array) and r.addressable_shards
+        ]
         if arrays:
             self.in_flight.append(_InFlight(step, arrays))
 

@@ -17,6 +17,10 @@ JAX pairs a process's cross-host sends and receives by the order they are issued
 so every process issues every ``cross`` and ``via-device`` transfer of a program, in
 program order, the processes not taking part with placeholders (arrays with no
 shard here). Issuing never blocks, so no process waits on another to issue.
+
+JAX moves only plain arrays between processes, so on every route but ``local`` a typed
+PRNG key travels as its key data (``uint32``, the key's shape and then the
+implementation's) and is wrapped again on arrival.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mpmdc import _jax_compat as compat
 from mpmdc.errors import MeshError
+from mpmdc.ir.keys import is_key, key_data_type
 
 
 def processes_of(mesh: Mesh) -> tuple[int, ...]:
@@ -41,6 +47,14 @@ def placeholder(aval, sharding) -> jax.Array:
     """A global array of ``aval`` with ``sharding`` and none of its shards on this
     process: what stands for a value that lives elsewhere."""
     return jax.make_array_from_single_device_arrays(aval.shape, sharding, [], dtype=aval.dtype)
+
+
+def key_data_on(aval, sharding: NamedSharding):
+    """The type and sharding of the key data of typed keys of ``aval`` sharded so: the
+    keys' dimensions split as they are, the implementation's whole."""
+    data = key_data_type(aval)
+    spec = (*sharding.spec, *[None] * (len(data.shape) - len(sharding.spec)))
+    return data, NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 def route(src: Mesh, dst: Mesh, where: str) -> str:
@@ -69,6 +83,15 @@ class MeshTransfer:
         self, backend, src: Mesh, dst: Mesh, dst_shardings, avals, where: str, donated_later=()
     ):
         self.kind = route(src, dst, where)
+        self.key_impls = [
+            compat.key_impl(a.dtype) if self.kind != "local" and is_key(a) else None for a in avals
+        ]
+        if any(self.key_impls):
+            typed = [
+                key_data_on(a, s) if impl else (a, s)
+                for a, s, impl in zip(avals, dst_shardings, self.key_impls)
+            ]
+            avals, dst_shardings = [t[0] for t in typed], [t[1] for t in typed]
         # JAX sends a value to another process when that process asks for it, which may be
         # after a later fragment here took the buffer by donation; such values go as copies.
         self.copies = tuple(donated_later) or (False,) * len(avals)
@@ -94,6 +117,18 @@ class MeshTransfer:
             self.stand_ins = [placeholder(a, b) for a, b in zip(self.avals, self.bridges)]
 
     def __call__(self, *values):
+        if not any(self.key_impls):
+            return self._move(values)
+        data = [
+            jax.random.key_data(x) if impl and x is not None else x
+            for x, impl in zip(values, self.key_impls)
+        ]
+        return [
+            jax.random.wrap_key_data(y, impl=impl) if impl else y
+            for y, impl in zip(self._move(data), self.key_impls)
+        ]
+
+    def _move(self, values):
         if self.kind == "local":
             return self.backend.transfer(values, self.dst_shardings)
         if self.kind == "shardwise":

@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -36,9 +35,9 @@ LIMIT = 150  # seconds any launch may take
 FULL = os.environ.get("MPMDC_MULTIPROCESS_ALL") == "1"
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "dualpipev")
 FOUR_BY_ONE = (
-    [f"{m}:{s}" for m in ("mlp", "transformer", "scanned") for s in SCHEDULES]
+    [f"{m}:{s}" for m in ("mlp", "transformer", "scanned", "dropout") for s in SCHEDULES]
     if FULL
-    else ["transformer:gpipe", "scanned:1f1b"]
+    else ["transformer:gpipe", "scanned:1f1b", "dropout:1f1b"]
 )
 TWO_BY_TWO = (
     [f"{m}:{s}" for m in ("mlp", "transformer", "scanned") for s in SCHEDULES] + ["mixed:1f1b"]
@@ -78,7 +77,7 @@ def single_process_results(case: str):
     results = []
     for _ in range(2):
         out = compiled(*args)
-        results.append([np.asarray(x) for x in jax.tree_util.tree_leaves(out)])
+        results.append(train.plain(out))
         args = feed(out, args)
     return results
 
@@ -109,7 +108,9 @@ def test_four_processes_of_one_device_train_like_jit(tmp_path):
     )
     assert status == 0, output[-3000:]
     assert "meshes on processes [[0], [1], [2], [3]]" in process_lines(output, 0)
-    check_training(tmp_path, FOUR_BY_ONE, output, bitwise=["transformer:gpipe", "scanned:1f1b"])
+    check_training(
+        tmp_path, FOUR_BY_ONE, output, bitwise=["transformer:gpipe", "scanned:1f1b", "dropout:1f1b"]
+    )
 
 
 def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):

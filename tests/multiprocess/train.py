@@ -3,7 +3,9 @@ under ``mpmdc launch`` (``test_multiprocess.py`` does).
 
 ``python train.py OUT CASE [CASE ...]`` where a case is ``mlp:<schedule>``,
 ``transformer:<schedule>``, ``scanned:<schedule>`` (a layer stack run as one scan, 2 layers
-per stage; on ``make_meshes(4, {"data": D})``, D from the devices there are) or ``mixed:<schedule>`` (a 3-stage MLP on a 2-device mesh of process 0 and two
+per stage; on ``make_meshes(4, {"data": D})``, D from the devices there are),
+``dropout:<schedule>`` (an MLP whose every stage draws dropout masks from a typed PRNG key
+of its microbatch, the step's key split and the next one returned) or ``mixed:<schedule>`` (a 3-stage MLP on a 2-device mesh of process 0 and two
 1-device meshes of process 1). Each case runs two steps fed back (the second donating its
 parameters), checks on every process that
 
@@ -23,6 +25,7 @@ import mpmdc
 mpmdc.distributed.initialize()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpmdc.cli.demo import init_params  # noqa: E402
@@ -42,6 +45,7 @@ SCHEDULE_MICROBATCHES = {"zb-v": 8, "dualpipev": 8}
 # 2.0e-06 with 4 layers and 1.4e-04 with 8 (interleaved); margin 10x.
 TOLERANCE = {
     "mlp": 0,
+    "dropout": 0,
     "scanned": 0,
     "mixed": 0,
     "transformer": 2e-5,
@@ -62,6 +66,25 @@ def mixed_meshes():
     )
 
 
+def plain(tree) -> list:
+    """The leaves of ``tree`` as numpy arrays, typed PRNG keys as their key data."""
+    return [
+        np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        )
+        for x in jax.tree_util.tree_leaves(tree)
+    ]
+
+
+def dropout_loss(params, x, y, key):
+    """The MLP's loss with a dropout mask in every stage, drawn from the microbatch's key."""
+    for i, (w, b) in enumerate(params):
+        x = mpmdc.stage(x, i)
+        x = jnp.tanh(x @ w + b)
+        x = x * jax.random.bernoulli(jax.random.fold_in(key[0], i), 0.9, x.shape) / 0.9
+    return jnp.mean((x - y) ** 2)
+
+
 def case_inputs(model: str, schedule: str):
     stages = 3 if model == "mixed" else SCHEDULE_STAGES.get(schedule, 4)
     microbatches = SCHEDULE_MICROBATCHES.get(schedule, 4)
@@ -73,6 +96,23 @@ def case_inputs(model: str, schedule: str):
             return sgd_step(params, x, y, microbatches=microbatches, schedule=schedule)
 
         return step, (params, x, y), lambda out, args: (out[1], *args[1:])
+    if model == "dropout":
+        params = init_params(jax.random.key(0), [16] * stages + [8])
+        x, y = mlp_data(32)
+
+        def step(params, x, y, key):
+            key, *keys = jax.random.split(key, microbatches + 1)
+            loss, grads = mpmdc.accumulate(
+                lambda mb: jax.value_and_grad(dropout_loss)(params, *mb),
+                (x, y, jnp.stack(keys)),
+                microbatches=microbatches,
+                schedule=schedule,
+                reduce="mean",
+            )
+            return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), key
+
+        args = (params, x, y, jax.random.key(7))
+        return step, args, lambda out, args: (out[1], *args[1:3], out[2])
     if model == "scanned":
         x, y = mlp_data(32)
 
@@ -127,9 +167,9 @@ def run(out_dir: str, case: str, meshes):
         check_placement(out, meshes)
         got = mpmdc.fetch(out)
         if checker:
-            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            for a, b in zip(plain(got), plain(ref)):
                 bound = TOLERANCE.get(case, TOLERANCE[model])
-                np.testing.assert_allclose(a, np.asarray(b), rtol=0, atol=bound)
+                np.testing.assert_allclose(a, b, rtol=0, atol=bound)
             ref_args = feed(ref, ref_args)
         results.append(got)
         args = feed(out, args)
@@ -143,11 +183,7 @@ def run(out_dir: str, case: str, meshes):
             if owner[link.src] != owner[link.dst]:
                 assert link.bytes[1] == 0, f"parameters or optimizer state cross processes: {link}"
     if jax.process_index() == 0:
-        flat = {
-            f"{i}/{k}": v
-            for i, r in enumerate(results)
-            for k, v in enumerate(jax.tree_util.tree_leaves(r))
-        }
+        flat = {f"{i}/{k}": v for i, r in enumerate(results) for k, v in enumerate(plain(r))}
         np.savez(f"{out_dir}/{case.replace(':', '-')}.npz", **flat)
     print(f"ok {case}", flush=True)
 
