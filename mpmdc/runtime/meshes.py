@@ -50,6 +50,12 @@ def make_meshes(
                 f"`import jax`, before anything starts JAX (or set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={n * per_mesh})"
             )
+        if os.environ.get(ENV_COORDINATOR) and jax.distributed.is_initialized():
+            per_process = -(-n * per_mesh // jax.process_count())
+            hint += (
+                f", or give each of the {jax.process_count()} processes {per_process} devices: "
+                f"`mpmdc launch -n {jax.process_count()} --devices-per-process {per_process} -- ...`"
+            )
         if os.environ.get(ENV_COORDINATOR) and not jax.distributed.is_initialized():
             hint = (
                 "this process was started by `mpmdc launch`, but jax.distributed is not running: call "

@@ -244,6 +244,15 @@ def test_the_demo_runs_in_four_processes():
         ), output[-3000:]
 
 
+def test_too_few_devices_across_processes_names_the_launch_that_has_enough():
+    status, output = run_launch("-n", "2", "--", sys.executable, "-m", "mpmdc", "demo")
+    assert status != 0
+    assert (
+        "need 4 devices but only 2 are available; use fewer or smaller meshes, or give each of "
+        "the 2 processes 2 devices: `mpmdc launch -n 2 --devices-per-process 2 -- ...`"
+    ) in output, output[-3000:]
+
+
 def test_launch_reports_the_first_failure_and_stops_the_rest(capsys):
     code = (
         "import os, sys, time; i = int(os.environ['MPMDC_PROCESS_ID']); print('hi', i, flush=True); "
