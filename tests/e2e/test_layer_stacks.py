@@ -301,9 +301,8 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     assert len(rows_by_mesh(w1, meshes)) == 1  # whole, on one mesh
 
 
-@pytest.mark.parametrize(
-    "schedule", ["gpipe", pytest.param("interleaved-1f1b", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
 def test_a_stack_whose_stages_all_run_on_one_mesh_stays_there_without_a_warning(meshes4, schedule):
     # Kept whole where every stage reads it, nothing moves: no PlacementWarning.
     step = training_step(lax_loss, schedule=schedule)
