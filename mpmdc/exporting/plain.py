@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from mpmdc.errors import ExportError
+from mpmdc.ir.keys import is_key, is_key_dtype, key_data_type
 
 # ----------------------------------------------------------------- specs
 
@@ -59,14 +60,10 @@ def _key_dtypes() -> dict:
     return out
 
 
-def _is_key(dtype) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def dtype_name(dtype, where: str) -> str:
     """The name of an array dtype (``float32``, ``bfloat16``, a typed PRNG key's
     ``key<fry>``); another extended dtype is an ``ExportError`` naming ``where``."""
-    if _is_key(dtype) and str(dtype) in _key_dtypes():
+    if is_key_dtype(dtype) and str(dtype) in _key_dtypes():
         return str(dtype)
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         raise ExportError(
@@ -107,7 +104,7 @@ def aval_from(data: dict) -> jax.core.ShapedArray:
 def value_data(value, where: str) -> tuple[dict, bytes]:
     """``(type, bytes)`` of an array value: its type and its raw bytes, C order (a typed
     key's: its key data's)."""
-    data = jax.random.key_data(value) if _is_key(jax.typeof(value).dtype) else value
+    data = jax.random.key_data(value) if is_key(jax.typeof(value)) else value
     host = np.ascontiguousarray(np.asarray(data))
     return aval_data(jax.typeof(value), where), host.tobytes()
 
@@ -116,9 +113,9 @@ def value_from(data: dict, raw: bytes, where: str):
     """The host value :func:`value_data` wrote (a typed key: a key array); bytes of the
     wrong length are an ``ExportError``."""
     aval = aval_from(data)
-    impl = _key_dtypes()[data["dtype"]][1] if _is_key(aval.dtype) else None
+    impl = _key_dtypes()[data["dtype"]][1] if is_key(aval) else None
     # (A typed key is stored as its key data: unsigned words, more per key.)
-    stored = aval if impl is None else jax.eval_shape(jax.random.key_data, aval)
+    stored = aval if impl is None else key_data_type(aval)
     expected = int(np.prod(stored.shape, dtype=np.int64)) * np.dtype(stored.dtype).itemsize
     if len(raw) != expected:
         raise ExportError(

@@ -7,11 +7,16 @@ from __future__ import annotations
 import jax
 
 
+def is_key_dtype(dtype) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's (``key<fry>``)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def is_key(x) -> bool:
     """Whether ``x`` (an array, an aval or a ``jax.ShapeDtypeStruct``) holds typed PRNG
     keys; anything without a dtype does not."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and is_key_dtype(dtype)
 
 
 def key_data_type(x) -> jax.ShapeDtypeStruct:

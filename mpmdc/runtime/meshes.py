@@ -56,7 +56,7 @@ def make_meshes(
                 f", or give each of the {jax.process_count()} processes {per_process} devices: "
                 f"`mpmdc launch -n {jax.process_count()} --devices-per-process {per_process} -- ...`"
             )
-        if os.environ.get(ENV_COORDINATOR) and not jax.distributed.is_initialized():
+        elif os.environ.get(ENV_COORDINATOR):
             hint = (
                 "this process was started by `mpmdc launch`, but jax.distributed is not running: call "
                 "mpmdc.distributed.initialize() first thing in the script, before anything starts JAX"

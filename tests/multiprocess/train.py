@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from mpmdc.cli.demo import init_params  # noqa: E402
 from mpmdc.cli.models import TransformerConfig, adam_init, init_transformer, transformer_step  # noqa: E402
+from mpmdc.ir.keys import is_key  # noqa: E402
 from mpmdc.ir.traffic import transfer_report  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
@@ -69,9 +70,7 @@ def mixed_meshes():
 def plain(tree) -> list:
     """The leaves of ``tree`` as numpy arrays, typed PRNG keys as their key data."""
     return [
-        np.asarray(
-            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-        )
+        np.asarray(jax.random.key_data(x) if is_key(x) else x)
         for x in jax.tree_util.tree_leaves(tree)
     ]
 
