@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -284,6 +285,13 @@ def _parse_costs(text: str | None) -> dict[str, float]:
     return costs
 
 
+def _as_flags(message: str) -> str:
+    """A schedule error's advice as this command's flag: the library names the Python
+    call (``mpmdc.compile(..., schedule='gpipe')``), this command takes ``--schedule``."""
+    message = re.sub(r"mpmdc\.compile\(\.\.\., (schedule='[\w-]+')\)", r"\1", message)
+    return re.sub(r"schedule='([\w-]+)'", r"--schedule \1", message)
+
+
 def _schedule(args) -> int:
     costs = _parse_costs(args.costs)
     try:
@@ -310,7 +318,7 @@ def _schedule(args) -> int:
         timeline = simulate(per_mesh, layout, costs)
         steady = steady_bubble(per_mesh, layout, costs)
     except ScheduleError as err:
-        raise UsageError(str(err)) from None
+        raise UsageError(_as_flags(str(err))) from None
     cost_text = " ".join(f"{k}={v:g}" for k, v in costs.items())
     if choice is not None:
         print(

@@ -371,4 +371,10 @@ def test_schedule_command(capsys, tmp_path):
     assert "costs F=1 B=4 I=2 W=2" in capsys.readouterr().out
     assert cli.main(["schedule", "--schedule", "nope", "--stages", "4", "--microbatches", "8"]) == 2
     assert "known schedules" in capsys.readouterr().err
+    # The library's advice names compile's argument; the command names its own flag.
+    argv = ["schedule", "--schedule", "1f1b", "--stages", "8", "--meshes", "4"]
+    assert cli.main([*argv, "--microbatches", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "use --schedule interleaved-1f1b, or --schedule gpipe, which" in err
+    assert "mpmdc.compile" not in err and "schedule='" not in err
     assert cli.main(["schedule", "--stages", "4", "--microbatches", "8", "--costs", "F=fast"]) == 2
