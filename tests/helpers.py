@@ -7,6 +7,7 @@ import numpy as np
 from mpmdc.passes import FunctionPass, dce, inline, partition, plan, schedule, split
 
 import mpmdc
+from mpmdc.ir.keys import is_key
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.pipeline import DEFAULT_PIPELINE
 from mpmdc.runtime.compiling import XlaCompiles  # noqa: F401 (tests import it from here)
@@ -46,7 +47,7 @@ def assert_same_array(got, want, rtol=0, atol=0):
         want_type.dtype,
         want_type.weak_type,
     ), (got_type, want_type)
-    if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
+    if is_key(got):
         got, want = jax.random.key_data(got), jax.random.key_data(want)
     np.testing.assert_allclose(
         np.asarray(got, np.float64 if got.dtype == jnp.bfloat16 else None),
