@@ -195,6 +195,27 @@ def weakly_typed(x):
     return _array.ArrayImpl(aval, x.sharding, x._arrays, committed=True)
 
 
+# Equations that change only a value's shape or type: zeros in, zeros out.
+_ZERO_PRESERVING = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims", "copy"}
+)
+
+
+def known_zero(x) -> bool:
+    """Whether ``x``, a value of the jaxpr being traced, is zeros by construction: a
+    literal zero, or one broadcast, reshaped or cast (what ``jax.grad`` makes for an
+    argument the result does not depend on). ``False`` where that is not known, such as
+    for a value of another kind of trace."""
+    while isinstance(x, _pe.DynamicJaxprTracer):
+        if isinstance(x.val, _core.Literal):
+            return bool(np.all(np.asarray(x.val.val) == 0))
+        parent = x.parent
+        if parent is None or parent.primitive.name not in _ZERO_PRESERVING:
+            return False
+        x = parent.in_tracers[0]
+    return False
+
+
 def current_trace():
     """The trace JAX binds primitives with now (an object to compare by identity)."""
     return _core.trace_ctx.trace

@@ -475,7 +475,8 @@ def place_by_bytes(state: PlacementState, members) -> None:
 
     def candidates(i, patient: bool):
         out: dict = {}
-        placed = 0  # bytes of the largest placed operand
+        placed = waiting = 0  # bytes of the largest operand placed / not placed yet
+        homed = False  # whether a program input it reads lives somewhere
         for a in state.operands(i, inputs=True):
             j = state.producer.get(a)
             if j is None:
@@ -483,17 +484,22 @@ def place_by_bytes(state: PlacementState, members) -> None:
                 # before anything reads it, where its new value is made)...
                 home = state.lives_with(a)
                 state.suggest(out, [] if home is None else [home], rank=2)
+                homed |= home is not None
                 continue
             if state.stage[j] is not None:
                 state.suggest(out, [j])
                 placed = max(placed, nbytes(a.aval))
+            else:
+                waiting = max(waiting, nbytes(a.aval))
             state.suggest(out, (k for k in state.placed_users(a) if k != i))
         # ...and other work to its users, like rule 3.
         users = [j for v in state.eqns[i].outvars for j in state.placed_users(v)]
-        # An input only this work reads (the momentum of a parameter whose gradient is
-        # zero) is not sent where a small placed operand (a global norm) is: the work
-        # waits for its users (the parameter's update) to be placed first.
-        if patient and not users and state.homeless_state(i) > placed:
+        # A small placed operand (a global norm, a bias correction) does not decide for a
+        # larger one whose place is not known yet, nor for an input only this work reads
+        # (the momentum of a parameter whose gradient is zero): the work waits for its
+        # users (the parameter's update, which goes where the parameter lives).
+        held = max(waiting, state.homeless_state(i))
+        if patient and not users and not homed and held > placed:
             return {}
         state.suggest(out, users, rank=1)
         return out

@@ -175,6 +175,10 @@ def _rolled_reduction(kind: str, value, carry: int, microbatches: int):
     running value carried from microbatch to microbatch (``carry`` numbers it)."""
     if kind == "concat":
         return loop_edge(value, LoopEdge.STACK, microbatches)
+    if kind != "max" and compat.known_zero(value):
+        # Zeros every microbatch (the gradient of a frozen parameter) sum to the start,
+        # zeros, to the bit: no running value to carry through the loop, and to place.
+        return _finish(kind, _start(kind, value), microbatches)
     running = loop_edge(_start(kind, value), LoopEdge.CARRY, microbatches, carry)
     total = _combine(kind, running, value)
     return _finish(kind, loop_edge(total, LoopEdge.RESULT, microbatches, carry), microbatches)

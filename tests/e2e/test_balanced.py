@@ -60,6 +60,7 @@ def test_balanced_mlp_runs_like_jit_with_the_grouping_shown(meshes4):
     assert step.cache_info().misses == 1  # fed back: nothing recompiles
 
 
+@pytest.mark.slow
 def test_without_balancing_the_plan_is_none(meshes4):
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
     assert mpmdc.compile(mlp_step, meshes4).lower(params, *mlp_data()).stage_plan is None
@@ -113,6 +114,7 @@ def test_every_balanced_splits_a_scanned_stack_unevenly_around_a_heavy_head(mesh
     assert_bitwise(got, jax.jit(step_fn)(params, *mlp_data()))
 
 
+@pytest.mark.slow
 def test_dump_shows_the_grouping(capsys, tmp_path):
     program = tmp_path / "balanced_mlp.py"
     program.write_text(

@@ -640,6 +640,61 @@ def test_a_frozen_parameters_clipped_zero_gradient_is_not_moved():
     assert_same_tree(compiled(params), jax.jit(step)(params), rtol=1.2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_a_frozen_parameters_adam_moments_stay_on_its_mesh(microbatches):
+    """A stage-1 parameter read through ``stop_gradient`` (frozen), trained with optax's
+    ``clip_by_global_norm`` and ``adam``, whole or under ``accumulate``: the parameter
+    and its moments go in and come back on mesh 1, not on the mesh of the global norm.
+    Whole, the moments' updates were placed by the scalars (norm, bias correction) they
+    read; under ``accumulate``, the zero gradient was summed through the loop on the
+    norm's mesh, and the parameter's update and moments followed it there."""
+    import optax
+
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    k0, k1, kx = jax.random.split(jax.random.key(0), 3)
+    params = [jax.random.normal(k0, (8, 8)) * 0.3, jax.random.normal(k1, (8, 8)) * 0.3]
+    x = jax.random.normal(kx, (8, 8))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+    def loss(params, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ params[0])
+        return jnp.mean(jnp.tanh(mpmdc.stage(h, 1) @ jax.lax.stop_gradient(params[1])) ** 2)
+
+    def step(params, state, x):
+        grad = jax.value_and_grad(loss)
+        if microbatches is None:
+            value, grads = grad(params, x)
+        else:
+            value, grads = mpmdc.accumulate(
+                lambda mb: grad(params, mb), x, microbatches=microbatches, reduce="mean"
+            )
+        updates, state = opt.update(grads, state, params)
+        return value, optax.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    compiled = mpmdc.compile(step, meshes)
+    program = compiled.lower(params, state, x).program("after-split")
+    frozen = jax.tree_util.tree_leaves((params[1], state[1][0].mu[1], state[1][0].nu[1]))
+    flat = jax.tree_util.tree_leaves((params, state, x))
+    inputs = [i for i, leaf in enumerate(flat) if any(leaf is f for f in frozen)]
+    assert [program.in_meshes[i] for i in inputs] == [1, 1, 1]
+    # The outputs: loss, then the parameters and state in the inputs' order.
+    assert [program.out_meshes[1 + i] for i in inputs] == [1, 1, 1]
+    if microbatches is not None:  # a zero every microbatch sums to zeros without a loop
+        carries = [
+            e
+            for e in compiled.lower(params, state, x).program("after-inline").jaxpr.jaxpr.eqns
+            if e.primitive.name == "loop_edge" and e.params["edge"] == "carry"
+        ]
+        assert len(carries) == 2  # the loss and the trained parameter's gradient
+    got = compiled(params, state, x)
+    # Noise floor: jax.jit against eager 6e-8 relative on these values; margin 20x.
+    assert_same_tree(got, jax.jit(step)(params, state, x), rtol=1.2e-6, atol=1e-7)
+    with XlaCompiles() as compiles:
+        compiled(*got[1:], x)
+    assert compiles.count == 0
+
+
 @pytest.mark.slow
 def test_the_momentum_of_a_parameter_whose_gradient_two_meshes_send_stays_with_it():
     """A parameter read on stage 0 alone, where it also scales the weight stage 1 reads:

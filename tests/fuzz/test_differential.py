@@ -603,18 +603,22 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     .map(lambda d: {**d, "mode": "accumulate" if d["mode"] == "accumulate" else "value_and_grad"}),
     st.sampled_from(["none", "norm_outside", "norm_inside"]),
     st.booleans(),
+    st.booleans(),
 )
 def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
-    desc, skip_step, stacked_param
+    desc, skip_step, stacked_param, frozen
 ):
     """Random programs as the loss of a training step (one batch, or microbatches in
     ``accumulate`` under a random valid schedule; the layer stacks' weights computed in
     the step or the rows of a stacked parameter) with global-norm clipping and
-    momentum, the update applied in a skip-step ``lax.cond`` (on a finite loss, the
-    global norm computed before it or inside its branch) or not:
+    momentum scaled by a scalar of the norm (as Adam's bias correction scales it), the
+    update applied in a skip-step ``lax.cond`` (on a finite loss, the global norm
+    computed before it or inside its branch) or not, the last parameter maybe frozen
+    (read through ``stop_gradient``: its gradient is zeros):
     equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
     its momentum (under ``accumulate``, each where the next call reads it: the momentum
-    may live where the gradient's running sum is), each with the spec it came in with
+    may live where the gradient's running sum is; a frozen parameter's has none, and
+    lives with it), each with the spec it came in with
     (the parameter's where one is given), so a loop feeding them back moves and compiles
     nothing. A parameter several meshes read is sent to them and its gradient
     contributions summed on the way back, somewhere: where is not checked."""
@@ -622,6 +626,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     _describe(desc)
     event(f"skip_step={skip_step}")
     event(f"stacked_param={stacked_param}")
+    event(f"frozen={frozen}")
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     n = desc["num_inputs"] + stacked_param
@@ -630,17 +635,22 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
         body = make_body(desc, meshes_, record)
 
         def step(params, momenta, *batch):
+            def trained(ps):
+                return [*ps[:-1], jax.lax.stop_gradient(ps[-1])] if frozen else ps
+
+            def microbatch_loss(ps, mb):
+                ps = trained(ps)
+                return jnp.sum(body(ps[0] + mb, *ps[1:]))
+
             if batch:
                 loss, grads = mpmdc.accumulate(
-                    lambda mb: jax.value_and_grad(lambda ps: jnp.sum(body(ps[0] + mb, *ps[1:])))(
-                        params
-                    ),
+                    lambda mb: jax.value_and_grad(microbatch_loss)(params, mb),
                     batch[0],
                     microbatches=desc["microbatches"],
                     schedule=schedule_of(desc),
                 )
             else:
-                loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*ps)))(params)
+                loss, grads = jax.value_and_grad(lambda ps: jnp.sum(body(*trained(ps))))(params)
 
             def clip_scale():
                 norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
@@ -651,7 +661,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
             def update(params, momenta):
                 s = clip_scale() if scale is None else scale
                 momenta = [0.9 * m + s * g for m, g in zip(momenta, grads)]
-                return [p - 0.1 * m for p, m in zip(params, momenta)], momenta
+                return [p - 0.1 * m / (1.0 + s) for p, m in zip(params, momenta)], momenta
 
             if skip_step == "none":
                 params, momenta = update(params, momenta)
@@ -679,7 +689,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             event("a parameter read on one mesh")
-            if batch:  # each where the next call reads it; the momentum may live with the sum
+            if batch and not (frozen and k == n - 1):  # the momentum may live with the sum
                 for j in (k, n + k):
                     assert program.out_meshes[1 + j] == program.in_meshes[j], j
             else:

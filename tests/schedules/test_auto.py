@@ -172,6 +172,7 @@ def test_a_function_chooses_from_the_pipeline_and_compile_overrides_accumulate(m
     assert pipeline.activations[0] > 0
 
 
+@pytest.mark.slow
 def test_auto_chooses_from_measured_costs(meshes4):
     """Costs from a run_timed timeline (milliseconds): each stage and kind at its mean over
     the microbatches, in seconds; the choice's step time is the chosen schedule's at them."""
@@ -193,6 +194,7 @@ def test_auto_chooses_from_measured_costs(meshes4):
     assert choice.step_time == pytest.approx(step_time(per_mesh, layout, cost))
 
 
+@pytest.mark.slow
 def test_a_timeline_of_other_stages_is_refused(meshes4):
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
     compiled = mpmdc.compile(step_with("zb-h1"), meshes4).lower(params, *mlp_data()).compile()
