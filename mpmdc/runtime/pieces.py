@@ -14,6 +14,7 @@ one array so: uneven stages, several stages on one mesh, meshes of different sha
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -26,6 +27,18 @@ def _stacked_mesh(meshes: list[Mesh]) -> Mesh:
     devices = np.stack([m.devices for m in meshes])
     types = (first.axis_types[0], *first.axis_types)
     return Mesh(devices, (STAGES_AXIS, *first.axis_names), axis_types=types)
+
+
+def stackable(shardings: list[NamedSharding], rows: list[tuple[int, int]]) -> bool:
+    """Whether pieces of ``rows`` with ``shardings`` are one array's own shards: equal
+    rows, each piece on a mesh of its own (no device twice), the meshes of one shape."""
+    meshes = [s.mesh for s in shardings]
+    devices = [d for m in meshes for d in m.devices.flat]
+    return (
+        len({hi - lo for lo, hi in rows}) == 1
+        and len(set(devices)) == len(devices)
+        and len({(m.axis_names, m.devices.shape) for m in meshes}) == 1
+    )
 
 
 def stacked_sharding(shardings: list[NamedSharding], axis: int):
@@ -46,6 +59,8 @@ class Pieces:
         self.in_groups = _groups(program.in_pieces, len(in_shardings), n_args)
         self.out_groups = _groups(program.out_pieces, len(out_shardings), n_results)
         self.trivial_in = program.in_pieces is None or all(len(g) == 1 for g in self.in_groups)
+        self.in_stacked = [_stacked(g, in_shardings) for g in self.in_groups]
+        self.out_stacked = [_stacked(g, out_shardings) for g in self.out_groups]
         self.arg_shardings = [_joined(g, in_shardings) for g in self.in_groups]
         self.result_shardings = [_joined(g, out_shardings) for g in self.out_groups]
         self._in_shardings = in_shardings
@@ -60,12 +75,16 @@ class Pieces:
         if self.trivial_in:
             return leaves
         out = [None] * sum(map(len, self.in_groups))
-        for group, sharding, x in zip(self.in_groups, self.arg_shardings, leaves):
+        for group, sharding, x, stacked in zip(
+            self.in_groups, self.arg_shardings, leaves, self.in_stacked
+        ):
             if len(group) == 1:  # (the whole array, or its one stage's rows: all of them)
                 out[group[0][0]] = x
                 continue
-            own = isinstance(x, jax.Array) and (
-                x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+            own = (
+                stacked
+                and isinstance(x, jax.Array)
+                and (x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim))
             )
             shards = {s.device: s.data for s in x.addressable_shards} if own else None
             for k, (axis, lo, hi) in group:
@@ -80,11 +99,14 @@ class Pieces:
     def results(self, values) -> list:
         """The caller's flat results from one value per program output."""
         out = []
-        for group, sharding in zip(self.out_groups, self.result_shardings):
+        for group, sharding, stacked in zip(
+            self.out_groups, self.result_shardings, self.out_stacked
+        ):
             if len(group) == 1:
                 out.append(values[group[0][0]])
                 continue
-            out.append(_assembled([values[k] for k, _ in group], sharding, group[0][1][0]))
+            pieces, axis = [values[k] for k, _ in group], group[0][1][0]
+            out.append((_assembled if stacked else _concatenated)(pieces, sharding, axis))
         return out
 
 
@@ -98,9 +120,17 @@ def _groups(pieces: tuple[Piece, ...] | None, count: int, leaves: int) -> list[l
     return groups
 
 
+def _stacked(group, shardings) -> bool:
+    """Whether the pieces ``group`` of a caller's leaf are its own shards (:func:`stackable`)."""
+    return len(group) > 1 and stackable(
+        [shardings[k] for k, _ in group], [rows[1:] for _, rows in group]
+    )
+
+
 def _joined(group, shardings):
-    """The sharding of the caller's leaf whose pieces are ``group``."""
-    if len(group) == 1:
+    """The sharding of the caller's leaf whose pieces are ``group``: the pieces' stacked,
+    else (placement put two on one mesh) the first piece's, the leaf whole there."""
+    if len(group) == 1 or not _stacked(group, shardings):
         return shardings[group[0][0]]
     return stacked_sharding([shardings[k] for k, _ in group], group[0][1][0])
 
@@ -117,6 +147,12 @@ def _own_piece(x: jax.Array, shards: dict, target: NamedSharding, axis: int, lo:
 def _rows(x, axis: int, lo: int, hi: int):
     index = (slice(None),) * axis + (slice(lo, hi),)
     return x[index]
+
+
+def _concatenated(pieces, sharding, axis: int):
+    """One array from ``pieces`` (rows along ``axis``, in order) that are not its shards,
+    joined whole on ``sharding``."""
+    return jax.device_put(jnp.concatenate(jax.device_put(pieces, sharding), axis), sharding)
 
 
 def _assembled(pieces, sharding, axis: int):

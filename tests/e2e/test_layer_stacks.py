@@ -207,6 +207,41 @@ def test_every_schedule_runs_a_scanned_stack(meshes4, schedule):
     assert largest_difference(got, want) < ATOL
 
 
+WRAPPED = {
+    "MultiSteps": lambda: optax.MultiSteps(optax.sgd(1e-2), every_k_schedule=2),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(1e-2), max_consecutive_errors=3),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPED))
+@pytest.mark.slow
+def test_a_stack_under_a_wrapping_optimizer_trains_as_under_jit(meshes4, wrapper):
+    """A scanned stack trained by an optimizer that keeps state of the stack's shape
+    outside the slices (``MultiSteps``' gradient sum) or decides the update in one
+    conditional: the stack's updated slices came back on one mesh, and the call failed
+    assembling them into the caller's array (``ValueError: Expected 2 per-device
+    arrays``). Two steps, results fed back, equal ``jax.jit``'s."""
+    tx = WRAPPED[wrapper]()
+
+    def step(params, opt_state, x, y):
+        value, grads = jax.value_and_grad(lax_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    x, y = batch()
+    outputs = []
+    for fn in (mpmdc.compile(step, meshes4), jax.jit(step)):
+        state = (lax_params(), tx.init(lax_params()))
+        with warnings.catch_warnings():  # (the stack comes back whole on one mesh)
+            warnings.simplefilter("ignore", PlacementWarning)
+            for _ in range(2):
+                loss, *state = fn(*state, x, y)
+        outputs.append((loss, state))
+    got, want = outputs
+    assert all(isinstance(a, jax.Array) for a in jax.tree_util.tree_leaves(got))
+    assert largest_difference(got, want) < ATOL
+
+
 @pytest.mark.slow
 def test_results_fed_back_move_nothing_and_compile_nothing(meshes4):
     step = mpmdc.compile(training_step(lax_loss), meshes4)
