@@ -55,7 +55,7 @@ def _where(sharding, meshes) -> str:
     ids = sorted(d.id for d in devices)
     if found is not None and devices == set(meshes[found].devices.flat):
         return f"mesh{found}"
-    return f"devices {ids}" + (f" (of mesh{found})" if found is not None else "")
+    return f"devices {ids}" + (f" (part of mesh{found})" if found is not None else "")
 
 
 def _processes(sharding) -> frozenset[int]:
@@ -95,9 +95,11 @@ class ArgumentMoves:
         if x.sharding.device_set == sharding.device_set:
             return  # laid out anew on its own devices: nothing crosses between meshes
         self._warned.add(path)
-        read = _where(sharding, self.meshes)
+        where, read = _where(x.sharding, self.meshes), _where(sharding, self.meshes)
+        if not where.startswith("mesh") and read.startswith("mesh"):  # (part of a mesh)
+            read += f" (devices {sorted(d.id for d in sharding.device_set)})"
         warnings.warn(
-            f"argument {path} is on {_where(x.sharding, self.meshes)}, but the program reads "
+            f"argument {path} is on {where}, but the program reads "
             f"it on {read}: every call moves it there first ({x.nbytes} bytes). Put it there "
             f"once (jax.device_put(args, step.input_shardings(*args)[0]) places them all), or "
             f"pass what the step returned for it (a result fed back is where the next call "

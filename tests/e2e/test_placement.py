@@ -237,6 +237,28 @@ def test_an_argument_on_devices_no_one_mesh_holds_is_counted_and_named_once(mesh
         assert_same_array(g, want)
 
 
+def test_an_argument_on_part_of_the_mesh_reading_it_is_named_with_both_device_sets(meshes4):
+    """A parameter on one device of the mesh that reads it (two devices): the warning
+    says which devices it is on and which the program reads it on, not "on mesh1 ...
+    reads it on mesh1"."""
+    step = mpmdc.compile(_sgd_step, meshes4)
+    ws = [jnp.eye(WIDTH) / 2] * STAGES
+    one, both = (
+        sorted(d.id for d in meshes4[1].devices.flat)[1:],
+        sorted(d.id for d in meshes4[1].devices.flat),
+    )
+    part = list(ws)
+    part[1] = jax.device_put(ws[1], jax.devices()[one[0]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(part, jnp.ones((8, WIDTH)))
+    (moved,) = [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
+    assert (
+        f"argument args[0][1] is on devices {one} (part of mesh1), but the program reads it "
+        f"on mesh1 (devices {both})"
+    ) in moved
+
+
 def test_a_stacked_parameter_fed_back_is_not_reported_as_moved():
     """A layer stack's stacked weights, as the step returns them (one array over all the
     stage meshes, each stage's rows on its own mesh), are handed over as pieces that
