@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from mpmdc import backends
-from mpmdc.errors import AccumulateError, IdleMeshWarning, PassError
+from mpmdc.errors import AccumulateError, IdleMeshWarning, MpmdcError, PassError
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Phase, PlanRequest, Program
 from mpmdc.ir.traffic import TransferReport, transfer_report
@@ -302,10 +302,38 @@ class Wrapped:
             # XLA compiles each module while the `lower` pass lowers the next.
             with FragmentCompiler(backend) as compiler:
                 passes = self._passes_for_call(compiler.offer)
-                lowered = self._traced(args, kwargs, passes).lower()
-                exe = lowered._compile_with(compiler)
+                try:
+                    traced = self._traced(args, kwargs, passes)
+                except Exception as err:
+                    if not isinstance(err, MpmdcError):
+                        self._note_new_types(err, key, args, kwargs)
+                    raise
+                exe = traced.lower()._compile_with(compiler)
             exe = self._cache.put(key, exe)
         return exe, leaves
+
+    def _note_new_types(self, err: Exception, key, args, kwargs) -> None:
+        """Add to ``err``, raised by ``fn`` traced for a call of new argument types, the
+        arguments whose types differ from the last call's of the same structure: the
+        function may not take the new types (a parameter of a wrong shape)."""
+        last = next(
+            (k for k in reversed(self._cache.cache_keys()) if k.treedef == key.treedef), None
+        )
+        if last is None:
+            return
+        call = split_args(self.options, args, kwargs)
+        _, paths, _ = flat_arguments(call.dynamic, call.kwargs)
+        changed = [
+            f"{path} is {now[1]}{list(now[0])} (was {then[1]}{list(then[0])})"
+            for path, now, then in zip(paths, key.types, last.types)
+            if now[:2] != then[:2]
+        ]
+        if changed:
+            err.add_note(
+                f"mpmdc: the function was traced again for new argument types, and failed: "
+                f"{'; '.join(changed)}. If that is a mistake, pass arguments of the types "
+                f"of the earlier calls."
+            )
 
     def _serving(self, key, args, kwargs):
         """``serves(exe_key, exe)``: whether an executable the cache keeps, built for other

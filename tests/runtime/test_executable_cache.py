@@ -104,3 +104,17 @@ def test_the_cache_alone_counts_hits_misses_and_evictions_and_files_what_serves(
     for k in range(100):
         unbounded.put(k, k)
     assert unbounded.cache_info().evictions == 0 and len(unbounded) == 100
+
+
+def test_a_new_argument_type_the_function_cannot_take_is_named_in_the_error(meshes2):
+    """A second call with a parameter of a wrong shape is traced again and fails in the
+    user's function, with JAX's error as ``jax.jit`` gives it; a note names the argument
+    whose type changed from the last call's, and both types."""
+    step = mpmdc.compile(STEP, meshes2)
+    step(WS, batch(4))
+    with pytest.raises(TypeError) as caught:
+        step([WS[0][:, :4], WS[1]], batch(4))
+    assert (
+        "mpmdc: the function was traced again for new argument types, and failed: "
+        "args[0][0] is float32[8, 4] (was float32[8, 8])"
+    ) in "\n".join(getattr(caught.value, "__notes__", []))
