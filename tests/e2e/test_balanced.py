@@ -131,6 +131,7 @@ def test_dump_shows_the_grouping(capsys, tmp_path):
     assert "stages balanced from 8 segments:" in out and "stage 0: segments 0" in out
 
 
+@pytest.mark.slow
 def test_balancing_errors_name_the_problem(meshes4):
     with pytest.raises(
         StageError, match=re.escape("partition must be None or 'balanced', got 'even'")

@@ -78,7 +78,10 @@ def test_sgd_step_matches_the_hand_written_loop(schedule, meshes4, sgd_runs):
     assert [mesh_index(w, meshes4) for w, _ in new_params] == placement(schedule, len(new_params))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "schedule",
+    [s if s in ("gpipe", "1f1b") else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES],
+)
 def test_each_mesh_calls_its_fragments_in_schedule_order(schedule, meshes4, sgd_runs):
     _, lowered, _, _ = run_sgd(schedule, meshes4, sgd_runs)
     program = lowered.program("after-schedule")
