@@ -29,7 +29,7 @@ def _stacked_mesh(meshes: list[Mesh]) -> Mesh:
     return Mesh(devices, (STAGES_AXIS, *first.axis_names), axis_types=types)
 
 
-def stackable(shardings: list[NamedSharding], rows: list[tuple[int, int]]) -> bool:
+def _stackable(shardings: list[NamedSharding], rows: list[tuple[int, int]]) -> bool:
     """Whether pieces of ``rows`` with ``shardings`` are one array's own shards: equal
     rows, each piece on a mesh of its own (no device twice), the meshes of one shape."""
     meshes = [s.mesh for s in shardings]
@@ -61,8 +61,12 @@ class Pieces:
         self.trivial_in = program.in_pieces is None or all(len(g) == 1 for g in self.in_groups)
         self.in_stacked = [_stacked(g, in_shardings) for g in self.in_groups]
         self.out_stacked = [_stacked(g, out_shardings) for g in self.out_groups]
-        self.arg_shardings = [_joined(g, in_shardings) for g in self.in_groups]
-        self.result_shardings = [_joined(g, out_shardings) for g in self.out_groups]
+        self.arg_shardings = [
+            _joined(g, in_shardings, s) for g, s in zip(self.in_groups, self.in_stacked)
+        ]
+        self.result_shardings = [
+            _joined(g, out_shardings, s) for g, s in zip(self.out_groups, self.out_stacked)
+        ]
         self._in_shardings = in_shardings
 
     def per_argument(self, values) -> list:
@@ -121,16 +125,17 @@ def _groups(pieces: tuple[Piece, ...] | None, count: int, leaves: int) -> list[l
 
 
 def _stacked(group, shardings) -> bool:
-    """Whether the pieces ``group`` of a caller's leaf are its own shards (:func:`stackable`)."""
-    return len(group) > 1 and stackable(
+    """Whether the pieces ``group`` of a caller's leaf are its own shards (:func:`_stackable`)."""
+    return len(group) > 1 and _stackable(
         [shardings[k] for k, _ in group], [rows[1:] for _, rows in group]
     )
 
 
-def _joined(group, shardings):
-    """The sharding of the caller's leaf whose pieces are ``group``: the pieces' stacked,
-    else (placement put two on one mesh) the first piece's, the leaf whole there."""
-    if len(group) == 1 or not _stacked(group, shardings):
+def _joined(group, shardings, stacked: bool):
+    """The sharding of the caller's leaf whose pieces are ``group``: the pieces' stacked
+    where they are its own shards (``stacked``), else the first piece's, the leaf whole
+    there (placement put two on one mesh, say)."""
+    if not stacked:
         return shardings[group[0][0]]
     return stacked_sharding([shardings[k] for k, _ in group], group[0][1][0])
 
