@@ -454,11 +454,24 @@ BFLOAT16 = {"rtol": 0.1, "atol": 0.1}
 
 
 def assert_same_results(got, want, rtol=FLOAT32["rtol"], atol=FLOAT32["atol"]):
+    """Each leaf of ``got`` equals ``want``'s to ``rtol`` of the element, or of the leaf's
+    largest magnitude where that is more: an element that cancels to near zero keeps
+    the rounding of the larger values it was computed from. (Measured on a drawn 2-stack
+    program: jax.jit against eager 2.6e-05 absolute, 3.3e-06 of the leaf's largest value
+    7.7, on an element of 0.3, which an element-wise 1e-05 would reject.)"""
     got_leaves, got_tree = jax.tree_util.tree_flatten(got)
     want_leaves, want_tree = jax.tree_util.tree_flatten(want)
     assert got_tree == want_tree
     for g, w in zip(got_leaves, want_leaves):
-        assert_same_array(g, w, rtol=rtol, atol=atol)
+        scale = _largest_magnitude(w)
+        assert_same_array(g, w, rtol=rtol, atol=max(atol, rtol * scale))
+
+
+def _largest_magnitude(value) -> float:
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return 0.0
+    values = np.abs(np.asarray(value, np.float64))
+    return float(np.max(values[np.isfinite(values)], initial=0.0))
 
 
 def reference_meshes(meshes):
