@@ -205,6 +205,7 @@ class PlacementState:
         self.default = min((s for s in self.seeded if s is not None), default=0)
         self.returned = set(vars_of(program.jaxpr.jaxpr.outvars))
         self.fed_back = _fed_back(program)
+        self.feeds = {result: v for v, result in self.fed_back.items()}
         self.depends, self.prepares = self.pipeline_work()
 
     def mesh(self, stage: int) -> int:
@@ -323,13 +324,34 @@ class PlacementState:
         at every call."""
         if v not in self.returned:
             return []
-        return [
+        homes = [
             home
             for a in self.operands(i, inputs=True)
             if a not in self.producer
             and (a.aval.shape, a.aval.dtype) == (v.aval.shape, v.aval.dtype)
-            and (home := self.home(a)) is not None
+            and (home := self.home_ahead(a)) is not None
         ]
+        # A result made from pieces (a layer stack kept whole, its rows updated per
+        # stage and joined) is read next where the input it is fed back for will live.
+        fed = self.feeds.get(v)
+        if not homes and fed is not None and (home := self.home_ahead(fed)) is not None:
+            homes.append(home)
+        return homes
+
+    def home_ahead(self, v):
+        """The :meth:`home` of program input ``v``, or while nothing reading it is placed,
+        the earliest placed user of what those readers make (the rows of a stack kept
+        whole, read by each stage): where it will live."""
+        home = self.home(v)
+        if home is not None:
+            return home
+        return self.earliest(
+            k
+            for j in self.users.get(v, ())
+            if j not in self.cheap and self.stage[j] is None
+            for w in self.eqns[j].outvars
+            for k in self.placed_users(w)
+        )
 
     def homeless_state(self, i) -> int:
         """Bytes of the largest program input that ``i`` reads (itself or through unplaced
