@@ -34,6 +34,7 @@ from jax.extend.core import primitives as jprims
 from jax.interpreters import partial_eval as pe
 from mpmdc.passes.base import Property, register
 
+from mpmdc.ir.predication import predicable
 from mpmdc.ir.program import (
     Program,
     copy_eqn,
@@ -84,32 +85,6 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
                     needed_by.setdefault(a, set()).update(results)
     found = (sorted(j for j in group if j < n) for group in groups.to_sets())
     return sorted(group for group in found if group)
-
-
-# What a predicated branch may do: arithmetic, comparisons, casts, shape changes and
-# reductions, which cost little when the branch is not taken and can neither fail nor
-# call out (no callbacks, custom calls, platform-dependent branches, loops or matrix
-# products), plus calls made of them.
-_PREDICABLE = frozenset(
-    getattr(jprims, f"{name}_p")
-    for name in (
-        "abs add and broadcast_in_dim ceil clamp convert_element_type copy cos div eq erf "
-        "exp exp2 expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max "
-        "min mul ne neg not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod "
-        "reduce_sum rem reshape round rsqrt select_n sign sin sqrt square squeeze sub tanh xor"
-    ).split()
-)
-_PREDICABLE_CALLS = frozenset({jprims.jit_p, jprims.custom_jvp_call_p})
-
-
-def _predicable(jaxprs) -> bool:
-    """Every equation of ``jaxprs`` (calls followed) is in :data:`_PREDICABLE`."""
-    return all(
-        eqn.primitive in _PREDICABLE
-        or (eqn.primitive in _PREDICABLE_CALLS and _predicable(jcore.jaxprs_in_params(eqn.params)))
-        for jaxpr in jaxprs
-        for eqn in jaxpr.eqns
-    )
 
 
 def _branches_for(branches, results: list[int]) -> tuple[tuple, list[bool]]:
@@ -175,7 +150,7 @@ def _fissioned(eqn, consts: dict) -> list:
         used = [a for a, r in zip(operands, reads) if r]
         outvars = [eqn.outvars[j] for j in results]
         split_further = sum(1 for g in finer if g[0] in results) > 1
-        if split_further and _predicable(b.jaxpr for b in new_branches):
+        if split_further and predicable(b.jaxpr for b in new_branches):
             out += _predicated(eqn, new_branches, used, outvars, consts)
         else:
             out.append(

@@ -23,7 +23,7 @@ from mpmdc.passes.base import Property, register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.program import Piece, Program, make_closed_jaxpr, placement_of, substituted, vars_of
-from mpmdc.ir.stack_rules import STACK_RULES, Layout, Stack, StackWalk, group_rows, piece_aval
+from mpmdc.ir.stack_rules import Layout, Stack, StackWalk, group_rows, piece_aval
 
 
 def _cut_inputs(jaxpr, producers) -> dict:
@@ -91,10 +91,11 @@ def layout_problem(program: Program, layout: Layout) -> str | None:
     return None
 
 
-def _walk(jaxpr, cut: dict, producers: dict, first_reader: dict):
+def _walk(jaxpr, cut: dict, producers: dict, first_reader: dict, names: dict):
     """One walk: ``(walk, new inputs per original input)`` with the inputs and running
-    values in ``cut`` in pieces (``first_reader``: input -> the first equation reading it)."""
-    walk = StackWalk(jaxpr.eqns, producers, cut)
+    values in ``cut`` in pieces (``first_reader``: input -> the first equation reading it;
+    ``names``: see :class:`StackWalk`)."""
+    walk = StackWalk(jaxpr.eqns, producers, cut, names)
     new_inputs = {}
     for v in jaxpr.invars:
         if v not in cut:
@@ -107,17 +108,12 @@ def _walk(jaxpr, cut: dict, producers: dict, first_reader: dict):
         walk.stacked(v, layout, pieces, first_reader[v])
         new_inputs[v] = pieces
     for eqn in jaxpr.eqns:
-        invars = substituted(eqn.invars, walk.env)
-        if any(a is not b for a, b in zip(invars, eqn.invars)):
-            eqn = eqn.replace(invars=invars)
         layout = _stage_concatenation(eqn, producers)
-        if layout is not None:
-            walk.stacks[eqn.outvars[0]] = Stack(layout, tuple(eqn.invars))
-            walk.emit(eqn)
+        if layout is None:
+            walk.visit(eqn)
             continue
-        rule = STACK_RULES.get(eqn.primitive)
-        if rule is None or not rule(eqn, walk):
-            walk.emit(eqn)
+        walk.stacks[eqn.outvars[0]] = Stack(layout, tuple(eqn.invars))
+        walk.emit(eqn)
     return walk, new_inputs
 
 
@@ -143,6 +139,7 @@ def slice_stacks(program: Program) -> Program:
         return program
     paths = dict(zip(jaxpr.invars, program.in_paths))
     whole = set()  # inputs whose pieces cannot make one array: they stay whole
+    names: dict = {}  # the variables of calls written in place, the same in every walk
     kept_whole: dict = {}  # why -> the arguments and results kept whole for that reason
     # Work reading a value whole beside a stacked one (an optimizer state beside a
     # gradient) asks for it in pieces; a walk with more in pieces may ask for more (what
@@ -153,7 +150,7 @@ def slice_stacks(program: Program) -> Program:
                 kept_whole.setdefault(why, []).append(f"argument {paths[v]}")
                 whole.add(v)
         cut = {v: layout for v, layout in cut.items() if v not in whole}
-        walk, new_inputs = _walk(jaxpr, cut, producers, first_reader)
+        walk, new_inputs = _walk(jaxpr, cut, producers, first_reader, names)
         asked = {v: layout for v, layout in walk.demands.items() if v not in whole}
         if not asked:
             break

@@ -6,7 +6,11 @@ axis (``Stack``: the axis, the row bounds, a variable per piece). The ``slice-st
 pass walks the program with a :class:`StackWalk`; for an equation reading a stack, the
 rule registered for its primitive in :data:`STACK_RULES` writes the same work per piece,
 so an optimizer's elementwise update of a stacked parameter runs where each piece lives,
-and a reduction over the stack (a global norm) adds per-piece partial results. Every
+and a reduction over the stack (a global norm) adds per-piece partial results. A call
+reading a stack (``jnp.where``'s ``jit``) is walked through, its body's equations
+written in its place, and a conditional reading one whose branches may all run (a
+skip-step guard: see :mod:`mpmdc.ir.predication`) becomes its branches and a
+``select_n`` per result, so the stack stays in pieces through both. Every
 original value keeps a definition (a concatenation of the pieces), so work no rule knows
 still reads the whole array; ``dce`` drops what nothing reads.
 """
@@ -22,8 +26,10 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
 
 from mpmdc import _jax_compat as compat
+from mpmdc.ir.calls import call_body
+from mpmdc.ir.predication import predicable
 from mpmdc.ir.primitives import LoopEdge, is_loop_edge, loop_edge_p
-from mpmdc.ir.program import derived_eqn, is_var
+from mpmdc.ir.program import derived_eqn, is_var, substituted
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,12 @@ class StackWalk:
     pieces where they begin (``wanted``): program inputs, running values, and the results
     of work a rule runs per piece."""
 
-    def __init__(self, eqns, producers: dict, wanted: dict):
+    def __init__(self, eqns, producers: dict, wanted: dict, names: dict):
         self.producers = producers  # variable -> the equation of ``eqns`` defining it
         self.wanted = wanted
+        # (call site, body variable) -> its variable when written in place, the same in
+        # every walk, so a demand for it names a value the next walk makes too
+        self.names = names
         self.stacks: dict = {}
         self.eqns: list = []
         self.env: dict = {}
@@ -110,6 +119,34 @@ class StackWalk:
 
     def emit(self, eqn) -> None:
         self.eqns.append(eqn)
+
+    def visit(self, eqn) -> None:
+        """Write ``eqn`` (its operands renamed): per piece where its rule can, else whole."""
+        invars = substituted(eqn.invars, self.env)
+        if any(a is not b for a, b in zip(invars, eqn.invars)):
+            eqn = eqn.replace(invars=invars)
+        rule = STACK_RULES.get(eqn.primitive)
+        if rule is None or not rule(eqn, self):
+            self.emit(eqn)
+
+    def inline(self, site, body: jcore.Jaxpr, operands) -> list:
+        """Write the equations of ``body`` on ``operands`` in place of a call (``site``:
+        what tells this call apart from others of the same body); its results."""
+        env = dict(zip(body.invars, operands))
+        for eqn in body.eqns:
+            invars = substituted(eqn.invars, env)
+            outvars = [self._name(site, v) for v in eqn.outvars]
+            env.update((v, new) for v, new in zip(eqn.outvars, outvars) if is_var(v))
+            self.visit(eqn.replace(invars=invars, outvars=outvars))
+        return substituted(substituted(body.outvars, env), self.env)
+
+    def _name(self, site, var):
+        if not is_var(var):
+            return var
+        key = (site, var)
+        if key not in self.names:
+            self.names[key] = compat.Var(var.aval)
+        return self.names[key]
 
     def stacked(self, outvar, layout: Layout, pieces, like) -> None:
         """Record ``outvar`` as held in ``pieces``, and define it as their concatenation."""
@@ -335,6 +372,52 @@ def _loop_edge(eqn, walk: StackWalk) -> bool:
     return True
 
 
+def _reads_stack(eqn, walk: StackWalk) -> bool:
+    return any(walk.stack_of(a) is not None for a in eqn.invars)
+
+
+def _call(eqn, walk: StackWalk) -> bool:
+    """A plain call reading a stack (``jnp.where`` and ``jnp.clip`` are ``jit`` calls):
+    its body, written in its place."""
+    body = call_body(eqn)
+    if body is None or body[1] or eqn.effects or not _reads_stack(eqn, walk):
+        return False
+    results = walk.inline(eqn.outvars[0], body[0], eqn.invars)
+    walk.env.update((o, r) for o, r in zip(eqn.outvars, results) if is_var(o))
+    return True
+
+
+def _cond(eqn, walk: StackWalk) -> bool:
+    """A conditional reading a stack whose branches may all run (a skip-step guard on a
+    stacked parameter's update): every branch, and a ``select_n`` on the index per
+    result, each run per piece by its rule."""
+    branches = eqn.params["branches"]
+    if (
+        eqn.effects
+        or any(b.effects or b.consts for b in branches)
+        or not _reads_stack(eqn, walk)
+        or not predicable(b.jaxpr for b in branches)
+    ):
+        return False
+    index, operands = eqn.invars[0], eqn.invars[1:]
+    # (``lax.cond`` and ``lax.switch`` clamp the index into range, where ``select_n``
+    # would not.)
+    cases = [walk.inline((eqn.outvars[0], k), b.jaxpr, operands) for k, b in enumerate(branches)]
+    for out, chosen in zip(eqn.outvars, zip(*cases)):
+        if not is_var(out):
+            continue  # (a result nothing reads)
+        walk.visit(
+            eqn.replace(
+                primitive=jprims.select_n_p,
+                invars=[index, *chosen],
+                outvars=[out],
+                params={},
+                effects=jcore.no_effects,
+            )
+        )
+    return True
+
+
 ELEMENTWISE = (
     "abs acos acosh add add_jaxvals and asin asinh atan atan2 atanh cbrt ceil clamp "
     "convert_element_type copy cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt "
@@ -350,3 +433,6 @@ STACK_RULES[jprims.transpose_p] = _transpose
 STACK_RULES[jprims.broadcast_in_dim_p] = _broadcast
 STACK_RULES[jprims.slice_p] = _slice
 STACK_RULES[loop_edge_p] = _loop_edge
+for _primitive in (jprims.jit_p, jprims.closed_call_p, jprims.custom_jvp_call_p):
+    STACK_RULES[_primitive] = _call
+STACK_RULES[jprims.cond_p] = _cond

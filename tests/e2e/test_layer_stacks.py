@@ -220,7 +220,9 @@ def test_a_stack_under_a_wrapping_optimizer_trains_as_under_jit(meshes4, wrapper
     outside the slices (``MultiSteps``' gradient sum) or decides the update in one
     conditional: the stack's updated slices came back on one mesh, and the call failed
     assembling them into the caller's array (``ValueError: Expected 2 per-device
-    arrays``). Two steps, results fed back, equal ``jax.jit``'s."""
+    arrays``); then they came back whole on mesh 0, and each call moved them out. Two
+    steps, results fed back, equal ``jax.jit``'s; the stack and its state come back in
+    per-stage rows, so the second call moves nothing."""
     tx = WRAPPED[wrapper]()
 
     def step(params, opt_state, x, y):
@@ -232,12 +234,18 @@ def test_a_stack_under_a_wrapping_optimizer_trains_as_under_jit(meshes4, wrapper
     outputs = []
     for fn in (mpmdc.compile(step, meshes4), jax.jit(step)):
         state = (lax_params(), tx.init(lax_params()))
-        with warnings.catch_warnings():  # (the stack comes back whole on one mesh)
-            warnings.simplefilter("ignore", PlacementWarning)
-            for _ in range(2):
+        for _ in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", PlacementWarning)
                 loss, *state = fn(*state, x, y)
         outputs.append((loss, state))
     got, want = outputs
+    devices = {d for m in meshes4 for d in m.devices.flat}
+    layers = len(lax_params()["layers"]["w1"])
+    stacked = [a for a in jax.tree_util.tree_leaves(got[1]) if a.ndim and len(a) == layers]
+    # (the parameters, and MultiSteps' gradient sum of their shape)
+    assert len(stacked) >= len(jax.tree_util.tree_leaves(lax_params()["layers"]))
+    assert all(a.sharding.device_set == devices for a in stacked)
     assert all(isinstance(a, jax.Array) for a in jax.tree_util.tree_leaves(got))
     assert largest_difference(got, want) < ATOL
 

@@ -88,3 +88,38 @@ def test_a_stack_that_cannot_be_one_array_stays_whole_with_one_warning(meshes4):
     with pytest.warns(PlacementWarning, match=r"different numbers of rows \(\[3, 3, 1, 1\]\)"):
         _, after = sliced(uneven, meshes4, WS, moment, X)
     assert after.in_pieces is None or all(p.rows is None for p in after.in_pieces)
+
+
+def skip_step(guard):
+    """``adam_like_step`` whose results are kept only when the update is finite, by
+    ``jnp.where`` (a ``jit`` call) or ``lax.cond``."""
+
+    def step(ws, moment, x):
+        new_ws, new_moment = adam_like_step(ws, moment, x)
+        ok = jnp.all(jnp.isfinite(new_ws))
+        if guard == "where":
+            return jnp.where(ok, new_ws, ws), jnp.where(ok, new_moment, moment)
+        return jax.lax.cond(ok, lambda: (new_ws, new_moment), lambda: (ws, moment))
+
+    return step
+
+
+@pytest.mark.parametrize("guard", ["where", "cond"])
+def test_a_skip_step_guard_on_a_stacked_update_keeps_it_in_pieces(meshes4, guard):
+    """A skip-step guard on a stack's update (optax's ``apply_if_finite`` and
+    ``MultiSteps`` decide in one ``lax.cond``) read the stack whole, so the update came
+    back on one mesh; it now runs per piece: the ``jit`` call's body and the
+    conditional's branches with one ``select_n`` per result, each piece's on its stage."""
+    moment = jnp.zeros_like(WS)
+    before, after = sliced(skip_step(guard), meshes4, WS, moment, X)
+    rows = [Piece(leaf, (0, 2 * i, 2 * i + 2)) for leaf in (0, 1) for i in range(4)]
+    assert after.in_pieces == (*rows, Piece(2))
+    assert after.out_pieces == tuple(rows)
+    names = [e.primitive.name for e in after.jaxpr.jaxpr.eqns]
+    assert "concatenate" not in names and "cond" not in names
+    assert names.count("select_n") == 8  # one per piece of each result
+    got = run(after, *pieces_of(after, (WS, moment, X)))
+    want = run(before, WS, moment, X)
+    for k, leaf in enumerate(want):
+        parts = [g for g, piece in zip(got, after.out_pieces) if piece.leaf == k]
+        assert_same_array(jnp.concatenate(parts), leaf)
