@@ -742,12 +742,13 @@ def _fed_back(program: Program) -> dict:
     return pairs
 
 
-def _kin(paths: Sequence[str], known: Sequence) -> list:
+def _kin(paths: Sequence[str], known: Sequence, merge=None) -> list:
     """For each path whose ``known`` entry is ``None``, the entry of the known path
     sharing the longest ending with it (``out[2].v_row[1]['w']`` and
-    ``out[1][1]['w']`` share ``[1]['w']``), or ``None`` where the longest endings
-    disagree. An optimizer's state mirrors its parameters' pytree: a state leaf made
-    from no parameter (adafactor's placeholder for a factored moment) belongs with the
+    ``out[1][1]['w']`` share ``[1]['w']``); where the paths with the longest ending
+    disagree, ``merge`` of their entries (``None``, its default, leaves it unknown). An
+    optimizer's state mirrors its parameters' pytree: a state leaf made from no
+    parameter (adafactor's placeholder for a factored moment) belongs with the
     parameter at the same place."""
     keys = [tuple(reversed(_PATH_KEY.findall(p))) for p in paths]
     found = [(k, x) for k, x in zip(keys, known) if x is not None]
@@ -766,14 +767,26 @@ def _kin(paths: Sequence[str], known: Sequence) -> list:
                 chosen.add(y)
         if len(chosen) == 1:
             out[i] = chosen.pop()
+        elif chosen and merge is not None:
+            out[i] = merge(chosen)
     return out
+
+
+def _earliest_of_one_stage(placements: set[Placement]) -> Placement | None:
+    """The earliest of ``placements`` if they are all of one stage (a parameter read in
+    its forward and its moment in its update), else ``None``."""
+    if len({p.stage for p in placements}) != 1:
+        return None
+    return min(placements, key=Placement.order_key)
 
 
 def _with_kin(placements, paths, default) -> list[Placement]:
     """``placements`` (of a program's inputs or outputs) where an unplaced one (an output
-    made from nothing placed, an input nobody reads) goes with its kin (:func:`_kin`),
-    else with the earliest stage."""
-    return [default if p is None else p for p in _kin(paths, placements)]
+    made from nothing placed, an input nobody reads) goes with its kin (:func:`_kin`;
+    kin of one stage read at several places count as that stage's earliest), else with
+    the earliest stage."""
+    kin = _kin(paths, placements, merge=_earliest_of_one_stage)
+    return [default if p is None else p for p in kin]
 
 
 def clone_small_values(eqns, reads, outvars, producer, cheap, placement, out_placement):
@@ -812,10 +825,14 @@ def clone_small_values(eqns, reads, outvars, producer, cheap, placement, out_pla
     return new_eqns, new_outvars
 
 
-def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], list[int]]:
+def _io_meshes(
+    program, new_eqns, out_placement, default, fed_back: dict
+) -> tuple[list[int], list[int]]:
     """Each input lives on the mesh of its earliest user, each output where it is made
     (an input returned as is stays where it is), unless ``out_shardings`` says; an input
-    nobody reads lives with its kin."""
+    nobody reads lives where the result fed back for it is made (``fed_back``, from
+    :func:`_fed_back`: a schedule's learning rate that the step recomputes), else with
+    its kin."""
     jaxpr = program.jaxpr.jaxpr
     in_index = {v: k for k, v in enumerate(jaxpr.invars)}
     input_users: dict = {}
@@ -824,6 +841,10 @@ def _io_meshes(program, new_eqns, out_placement, default) -> tuple[list[int], li
             p = placement_of(eqn)
             for a in read:
                 input_users.setdefault(a, []).append(p)
+    made = {v: p for v, p in zip(jaxpr.outvars, out_placement) if is_var(v)}
+    for v, result in fed_back.items():
+        if v not in input_users and result in made:
+            input_users[v] = [made[result]]
     for v, p in zip(jaxpr.outvars, out_placement):
         if is_var(v) and v in in_index and v not in input_users:
             input_users[v] = [p]
@@ -912,7 +933,7 @@ def partition(program: Program) -> Program:
     new_eqns, outvars = clone_small_values(
         eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
     )
-    in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default)
+    in_meshes, out_meshes = _io_meshes(program, new_eqns, out_placement, default, state.fed_back)
     staged = {e.outvars[0] for e, s in zip(eqns, state.seeded) if s is not None and e.outvars}
     _warn_of_control_flow_across_meshes(program, new_eqns, in_meshes, staged)
     closed = make_closed_jaxpr(

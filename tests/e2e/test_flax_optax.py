@@ -12,6 +12,7 @@ fragment boundary, rounds each intermediate to bfloat16.
 
 import importlib.util
 import pathlib
+import warnings
 
 import flax.linen as nn
 import jax
@@ -24,6 +25,7 @@ from helpers import largest_difference, mesh_index
 from test_placement import WIDTH, batch, init, residual_loss, training_step
 
 import mpmdc
+from mpmdc.errors import PlacementWarning
 
 _spec = importlib.util.spec_from_file_location(
     "nnx_gpt", pathlib.Path(__file__).parents[2] / "examples" / "nnx_gpt.py"
@@ -147,9 +149,15 @@ def test_optax_optimizers_keep_their_state_with_its_parameter(meshes2, name):
     opt_state = optimizer.init(params)
     step = training_step(optimizer, microbatches=2)
     want = train(jax.jit(step), params, opt_state, *batch(), steps=2)
-    got = train(
-        mpmdc.compile(step, meshes2, donate_argnums=(0, 1)), params, opt_state, *batch(), steps=2
-    )
+    with warnings.catch_warnings():  # (results fed back are where the next call reads them)
+        warnings.simplefilter("error", PlacementWarning)
+        got = train(
+            mpmdc.compile(step, meshes2, donate_argnums=(0, 1)),
+            params,
+            opt_state,
+            *batch(),
+            steps=2,
+        )
     # Noise floor 6.0e-08 (jax.jit against eager over the two steps, the largest over the
     # optimizers; 0 against jax.jit with the microbatches swapped), margin 10x.
     assert largest_difference(got, want) <= 6e-7

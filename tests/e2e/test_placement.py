@@ -68,6 +68,9 @@ OPTIMIZERS = {
     "sgd+clip": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)),
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+    # factored second moments: a weight's `v` and a bias's `v_row`/`v_col` are (1,)
+    # placeholders that nothing reads, yet must stay with their parameter
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
 }
 
 
@@ -85,7 +88,7 @@ def stage_mesh_of_leaves(tree, params):
 
 @pytest.mark.parametrize(
     "name,microbatches",
-    [("sgd+clip", None), ("adamw", None), ("clip+adamw", 4), ("sgd", 4)],
+    [("sgd+clip", None), ("adamw", None), ("clip+adamw", 4), ("sgd", 4), ("adafactor", None)],
 )
 @pytest.mark.slow
 def test_parameters_and_optimizer_state_stay_on_their_stage_mesh(meshes4, name, microbatches):
