@@ -40,8 +40,8 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "plan",  # first: the stages and schedule every later pass works to
     "inline",  # first: markers hidden in nested jit/custom_vjp calls must be visible
     "split-scans",  # needs top-level scans; a stage per group of a layer stack's iterations
-    "slice-stacks",  # needs the per-stage scans: stacked values held as one piece per stage
     "cond-fission",  # before placement: an optimizer in one cond must not land on one mesh
+    "slice-stacks",  # needs the per-stage scans, and conds cut: a stack's conditional alone
     "dce",  # before placement: dead work must not decide where a value lives
     "partition",  # needs every marker at top level; decides stage and mesh per equation
     "vma-typecheck",  # checks types, specs against the chosen meshes, shard_map meshes

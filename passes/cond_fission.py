@@ -34,7 +34,7 @@ from jax.extend.core import primitives as jprims
 from jax.interpreters import partial_eval as pe
 from mpmdc.passes.base import Property, register
 
-from mpmdc.ir.predication import predicable
+from mpmdc.ir.predication import predicable, selections
 from mpmdc.ir.program import (
     Program,
     copy_eqn,
@@ -107,8 +107,6 @@ def _predicated(eqn, branches, operands, outvars, consts: dict) -> list:
     the branches' elementwise work runs whichever is taken, so ``partition`` places each
     value's share of it (and of any reduction across values) on that value's mesh.
     ``consts`` gathers the branches' constants as new top-level constants."""
-    # (``lax.cond`` and ``lax.switch`` clamp the index into range, where ``select_n`` and
-    # XLA's case op would disagree on an index out of it.)
     eqns, cases = [], []
     for branch in branches:
         env = {}
@@ -118,17 +116,7 @@ def _predicated(eqn, branches, operands, outvars, consts: dict) -> list:
         env.update(zip(branch.jaxpr.invars, operands))
         eqns += [copy_eqn(e, env) for e in branch.jaxpr.eqns]
         cases.append(substituted(branch.jaxpr.outvars, env))
-    for out, chosen in zip(outvars, zip(*cases)):
-        eqns.append(
-            eqn.replace(
-                primitive=jprims.select_n_p,
-                invars=[eqn.invars[0], *chosen],
-                outvars=[out],
-                params={},
-                effects=jcore.no_effects,
-            )
-        )
-    return eqns
+    return eqns + selections(eqn, cases, outvars)
 
 
 def _fissioned(eqn, consts: dict) -> list:

@@ -3,7 +3,8 @@
 Nested ``jit``, ``closed_call``, ``checkpoint`` and custom-derivative calls whose
 bodies contain a ``stage`` marker (or an ``accumulate`` loop's edges) are inlined so
 the markers become top-level equations that ``partition`` can see. Calls without
-markers stay whole (they are one unit of work on one mesh). A scan holding
+markers stay whole (they are one unit of work on one mesh) here; ``slice-stacks``
+writes in place those that read a layer stack. A scan holding
 ``stage(h, every=k)`` markers stays whole too, for ``split-scans`` to cut. Any other
 marker inside a loop, conditional or ``shard_map`` body cannot be placed and is
 reported with its source line.

@@ -107,11 +107,12 @@ def _walk(jaxpr, cut: dict, producers: dict, first_reader: dict, names: dict):
         ]
         walk.stacked(v, layout, pieces, first_reader[v])
         new_inputs[v] = pieces
-    for eqn in jaxpr.eqns:
+    for i, eqn in enumerate(jaxpr.eqns):
         layout = _stage_concatenation(eqn, producers)
         if layout is None:
-            walk.visit(eqn)
+            walk.visit(eqn, (i,))
             continue
+        # (its operands are the per-stage scans' results, which no rule renames)
         walk.stacks[eqn.outvars[0]] = Stack(layout, tuple(eqn.invars))
         walk.emit(eqn)
     return walk, new_inputs

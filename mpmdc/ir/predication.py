@@ -34,3 +34,22 @@ def predicable(jaxprs) -> bool:
         for jaxpr in jaxprs
         for eqn in jaxpr.eqns
     )
+
+
+def selections(eqn, cases, outvars) -> list:
+    """For a conditional ``eqn`` whose branches, written out, give ``cases`` (per
+    branch, its results): one ``select_n`` on its index per result in ``outvars`` that
+    something reads."""
+    # (``lax.cond`` and ``lax.switch`` clamp the index into range, where ``select_n`` and
+    # XLA's case op would disagree on an index out of it.)
+    return [
+        eqn.replace(
+            primitive=jprims.select_n_p,
+            invars=[eqn.invars[0], *chosen],
+            outvars=[out],
+            params={},
+            effects=jcore.no_effects,
+        )
+        for out, chosen in zip(outvars, zip(*cases))
+        if not isinstance(out, jcore.DropVar)
+    ]

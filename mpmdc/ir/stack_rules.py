@@ -11,8 +11,8 @@ reading a stack (``jnp.where``'s ``jit``) is walked through, its body's equation
 written in its place, and a conditional reading one whose branches may all run (a
 skip-step guard: see :mod:`mpmdc.ir.predication`) becomes its branches and a
 ``select_n`` per result, so the stack stays in pieces through both. Every
-original value keeps a definition (a concatenation of the pieces), so work no rule knows
-still reads the whole array; ``dce`` drops what nothing reads.
+value held in pieces keeps a definition (a concatenation of the pieces), so work no rule
+knows still reads the whole array; ``dce`` drops what nothing reads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.extend.core import primitives as jprims
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.calls import call_body
-from mpmdc.ir.predication import predicable
+from mpmdc.ir.predication import predicable, selections
 from mpmdc.ir.primitives import LoopEdge, is_loop_edge, loop_edge_p
 from mpmdc.ir.program import derived_eqn, is_var, substituted
 
@@ -94,8 +94,10 @@ class StackWalk:
         self.producers = producers  # variable -> the equation of ``eqns`` defining it
         self.wanted = wanted
         # (call site, body variable) -> its variable when written in place, the same in
-        # every walk, so a demand for it names a value the next walk makes too
+        # every walk, so a demand for it names a value the next walk makes too. A site
+        # is where the equation is: its index in the program, then in each body.
         self.names = names
+        self.site: tuple = ()
         self.stacks: dict = {}
         self.eqns: list = []
         self.env: dict = {}
@@ -120,29 +122,31 @@ class StackWalk:
     def emit(self, eqn) -> None:
         self.eqns.append(eqn)
 
-    def visit(self, eqn) -> None:
-        """Write ``eqn`` (its operands renamed): per piece where its rule can, else whole."""
+    def visit(self, eqn, site: tuple) -> None:
+        """Write ``eqn`` (its operands renamed), found at ``site``: per piece where its
+        rule can, else whole."""
         invars = substituted(eqn.invars, self.env)
         if any(a is not b for a, b in zip(invars, eqn.invars)):
             eqn = eqn.replace(invars=invars)
+        self.site = site
         rule = STACK_RULES.get(eqn.primitive)
         if rule is None or not rule(eqn, self):
             self.emit(eqn)
 
-    def inline(self, site, body: jcore.Jaxpr, operands) -> list:
-        """Write the equations of ``body`` on ``operands`` in place of a call (``site``:
-        what tells this call apart from others of the same body); its results."""
+    def inline(self, site: tuple, body: jcore.Jaxpr, operands) -> list:
+        """Write the equations of ``body`` on ``operands`` in place of the call at
+        ``site``; its results."""
         env = dict(zip(body.invars, operands))
-        for eqn in body.eqns:
+        for j, eqn in enumerate(body.eqns):
             invars = substituted(eqn.invars, env)
             outvars = [self._name(site, v) for v in eqn.outvars]
             env.update((v, new) for v, new in zip(eqn.outvars, outvars) if is_var(v))
-            self.visit(eqn.replace(invars=invars, outvars=outvars))
+            self.visit(eqn.replace(invars=invars, outvars=outvars), (*site, j))
         return substituted(substituted(body.outvars, env), self.env)
 
-    def _name(self, site, var):
+    def _name(self, site: tuple, var):
         if not is_var(var):
-            return var
+            return var  # (a dropped output: nothing reads it)
         key = (site, var)
         if key not in self.names:
             self.names[key] = compat.Var(var.aval)
@@ -382,7 +386,7 @@ def _call(eqn, walk: StackWalk) -> bool:
     body = call_body(eqn)
     if body is None or body[1] or eqn.effects or not _reads_stack(eqn, walk):
         return False
-    results = walk.inline(eqn.outvars[0], body[0], eqn.invars)
+    results = walk.inline(walk.site, body[0], eqn.invars)
     walk.env.update((o, r) for o, r in zip(eqn.outvars, results) if is_var(o))
     return True
 
@@ -399,22 +403,11 @@ def _cond(eqn, walk: StackWalk) -> bool:
         or not predicable(b.jaxpr for b in branches)
     ):
         return False
-    index, operands = eqn.invars[0], eqn.invars[1:]
-    # (``lax.cond`` and ``lax.switch`` clamp the index into range, where ``select_n``
-    # would not.)
-    cases = [walk.inline((eqn.outvars[0], k), b.jaxpr, operands) for k, b in enumerate(branches)]
-    for out, chosen in zip(eqn.outvars, zip(*cases)):
-        if not is_var(out):
-            continue  # (a result nothing reads)
-        walk.visit(
-            eqn.replace(
-                primitive=jprims.select_n_p,
-                invars=[index, *chosen],
-                outvars=[out],
-                params={},
-                effects=jcore.no_effects,
-            )
-        )
+    site = walk.site
+    operands = eqn.invars[1:]
+    cases = [walk.inline((*site, k), b.jaxpr, operands) for k, b in enumerate(branches)]
+    for k, selection in enumerate(selections(eqn, cases, eqn.outvars)):
+        walk.visit(selection, (*site, len(branches), k))
     return True
 
 

@@ -208,8 +208,12 @@ def test_every_schedule_runs_a_scanned_stack(meshes4, schedule):
 
 
 WRAPPED = {
-    "MultiSteps": lambda: optax.MultiSteps(optax.sgd(1e-2), every_k_schedule=2),
+    "MultiSteps": lambda: optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), every_k_schedule=2
+    ),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(1e-2), max_consecutive_errors=3),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
 }
 
 
@@ -217,12 +221,11 @@ WRAPPED = {
 @pytest.mark.slow
 def test_a_stack_under_a_wrapping_optimizer_trains_as_under_jit(meshes4, wrapper):
     """A scanned stack trained by an optimizer that keeps state of the stack's shape
-    outside the slices (``MultiSteps``' gradient sum) or decides the update in one
-    conditional: the stack's updated slices came back on one mesh, and the call failed
-    assembling them into the caller's array (``ValueError: Expected 2 per-device
-    arrays``); then they came back whole on mesh 0, and each call moved them out. Two
-    steps, results fed back, equal ``jax.jit``'s; the stack and its state come back in
-    per-stage rows, so the second call moves nothing."""
+    outside the slices (``MultiSteps``' gradient sum), decides the update in one
+    conditional, or scales it by per-leaf norms (``lamb``, ``adafactor``). Two steps,
+    results fed back, equal ``jax.jit``'s; the stack and its state come back in
+    per-stage rows (the caller's arrays, assembled from them), so the second call moves
+    nothing."""
     tx = WRAPPED[wrapper]()
 
     def step(params, opt_state, x, y):

@@ -90,26 +90,35 @@ def test_a_stack_that_cannot_be_one_array_stays_whole_with_one_warning(meshes4):
     assert after.in_pieces is None or all(p.rows is None for p in after.in_pieces)
 
 
+@jax.jit
+def keep_if(ok, new, old):
+    """``new`` if ``ok`` else ``old``, by a conditional whose first result nothing reads
+    (a dropped output in the body of a call made twice with one jaxpr)."""
+    return jax.lax.cond(ok, lambda: (new + 1.0, new), lambda: (old + 1.0, old))[1]
+
+
 def skip_step(guard):
     """``adam_like_step`` whose results are kept only when the update is finite, by
-    ``jnp.where`` (a ``jit`` call) or ``lax.cond``."""
+    ``jnp.where`` (a ``jit`` call), ``lax.cond``, or a jitted guard called per result."""
 
     def step(ws, moment, x):
         new_ws, new_moment = adam_like_step(ws, moment, x)
         ok = jnp.all(jnp.isfinite(new_ws))
         if guard == "where":
             return jnp.where(ok, new_ws, ws), jnp.where(ok, new_moment, moment)
+        if guard == "jitted_cond":
+            return keep_if(ok, new_ws, ws), keep_if(ok, new_moment, moment)
         return jax.lax.cond(ok, lambda: (new_ws, new_moment), lambda: (ws, moment))
 
     return step
 
 
-@pytest.mark.parametrize("guard", ["where", "cond"])
+@pytest.mark.parametrize("guard", ["where", "cond", "jitted_cond"])
 def test_a_skip_step_guard_on_a_stacked_update_keeps_it_in_pieces(meshes4, guard):
     """A skip-step guard on a stack's update (optax's ``apply_if_finite`` and
-    ``MultiSteps`` decide in one ``lax.cond``) read the stack whole, so the update came
-    back on one mesh; it now runs per piece: the ``jit`` call's body and the
-    conditional's branches with one ``select_n`` per result, each piece's on its stage."""
+    ``MultiSteps`` decide in one ``lax.cond``) runs per piece: the ``jit`` call's body,
+    and the conditional's branches with one ``select_n`` per result, each piece's on its
+    stage; nothing reads the stack whole."""
     moment = jnp.zeros_like(WS)
     before, after = sliced(skip_step(guard), meshes4, WS, moment, X)
     rows = [Piece(leaf, (0, 2 * i, 2 * i + 2)) for leaf in (0, 1) for i in range(4)]
