@@ -55,6 +55,7 @@ def peaks(loss, meshes2):
     return [m.peak_bytes for m in exe.memory]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_around_the_stages_remats_each_stage_as_one_around_each_stage(meshes2):
     inside, outside, plain = (
         peaks(markers_inside(), meshes2),

@@ -113,7 +113,14 @@ def skip_step(guard):
     return step
 
 
-@pytest.mark.parametrize("guard", ["where", "cond", "jitted_cond"])
+@pytest.mark.parametrize(
+    "guard",
+    [
+        pytest.param("where", marks=pytest.mark.slow),
+        "cond",
+        pytest.param("jitted_cond", marks=pytest.mark.slow),
+    ],
+)
 def test_a_skip_step_guard_on_a_stacked_update_keeps_it_in_pieces(meshes4, guard):
     """A skip-step guard on a stack's update (optax's ``apply_if_finite`` and
     ``MultiSteps`` decide in one ``lax.cond``) runs per piece: the ``jit`` call's body,

@@ -32,6 +32,7 @@ def live_executables() -> int:
     return len(jax.devices()[0].client.live_executables())
 
 
+@pytest.mark.slow
 def test_the_lru_drops_the_least_recently_used_signature_and_keeps_reused_ones(meshes2):
     step = mpmdc.compile(STEP, meshes2, cache_size=2)
     xs = {rows: batch(rows) for rows in (2, 4, 6)}

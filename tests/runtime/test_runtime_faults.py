@@ -125,6 +125,7 @@ except mpmdc.errors.MpmdRuntimeError:
 """
 
 
+@pytest.mark.slow
 def test_a_caught_fragment_failure_is_not_raised_again_at_exit():
     # JAX keeps the failed fragment's effect token (on meshes of 2 devices) and waits on
     # it at exit; the error must not be printed a second time as "Exception ignored in

@@ -27,6 +27,7 @@ def test_under_jit_it_is_the_per_microbatch_loop():
     assert "scan[" in jaxpr  # one loop body, not eight copies
 
 
+@pytest.mark.slow
 def test_four_stage_sgd_step_under_mpmdc(meshes4):
     params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
     loss, new_params = mpmdc.compile(sgd_step, meshes4)(params, *mlp_data())
