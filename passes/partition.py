@@ -742,11 +742,11 @@ def _fed_back(program: Program) -> dict:
     return pairs
 
 
-def _kin(paths: Sequence[str], known: Sequence, merge=None) -> list:
+def _kin(paths: Sequence[str], known: Sequence, merge) -> list:
     """For each path whose ``known`` entry is ``None``, the entry of the known path
     sharing the longest ending with it (``out[2].v_row[1]['w']`` and
     ``out[1][1]['w']`` share ``[1]['w']``); where the paths with the longest ending
-    disagree, ``merge`` of their entries (``None``, its default, leaves it unknown). An
+    disagree, ``merge`` of their entries (``None`` leaves it unknown). An
     optimizer's state mirrors its parameters' pytree: a state leaf made from no
     parameter (adafactor's placeholder for a factored moment) belongs with the
     parameter at the same place."""
@@ -767,7 +767,7 @@ def _kin(paths: Sequence[str], known: Sequence, merge=None) -> list:
                 chosen.add(y)
         if len(chosen) == 1:
             out[i] = chosen.pop()
-        elif chosen and merge is not None:
+        elif chosen:
             out[i] = merge(chosen)
     return out
 
