@@ -22,7 +22,15 @@ from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
-from mpmdc.ir.program import Piece, Program, make_closed_jaxpr, placement_of, substituted, vars_of
+from mpmdc.ir.program import (
+    Piece,
+    Program,
+    find_eqns,
+    make_closed_jaxpr,
+    placement_of,
+    substituted,
+    vars_of,
+)
 from mpmdc.ir.stack_rules import Layout, Stack, StackWalk, group_rows, piece_aval
 
 
@@ -144,8 +152,12 @@ def slice_stacks(program: Program) -> Program:
     kept_whole: dict = {}  # why -> the arguments and results kept whole for that reason
     # Work reading a value whole beside a stacked one (an optimizer state beside a
     # gradient) asks for it in pieces; a walk with more in pieces may ask for more (what
-    # computed it). Each walk asks for new values or is the last.
-    while True:
+    # computed it). Each walk asks for new values or is the last. What a walk asks for is
+    # an input or a value named by its position, the same in every walk, so the walks are
+    # no more than the program's values; more would mean a rule asks each walk for a
+    # value of that walk's own making, which no later walk can give.
+    values = len(jaxpr.invars) + sum(len(e.outvars) for e in find_eqns(jaxpr.eqns, lambda e: True))
+    for _ in range(values + 1):
         for v in [v for v in cut if v in paths and v not in whole]:
             if (why := layout_problem(program, cut[v])) is not None:
                 kept_whole.setdefault(why, []).append(f"argument {paths[v]}")
@@ -156,6 +168,11 @@ def slice_stacks(program: Program) -> Program:
         if not asked:
             break
         cut.update(asked)
+    else:
+        raise RuntimeError(
+            f"the values asked for in pieces never settle: after {values + 1} walks the "
+            f"last still asked for {_named(asked, producers)}, values no walk gives"
+        )
     invars, in_pieces, in_specs, in_paths, donated = [], [], [], [], []
     for i, v in enumerate(jaxpr.invars):
         pieces = new_inputs[v]
@@ -204,6 +221,21 @@ def slice_stacks(program: Program) -> Program:
         donated=tuple(donated),
         wanted_out_meshes=tuple(wanted) if program.wanted_out_meshes is not None else None,
     )
+
+
+def _named(asked: dict, producers: dict) -> str:
+    """Up to three of the values ``asked`` for, each with the equation that made it
+    where the program has one."""
+    named = [
+        f"a {v.aval.str_short()} value"
+        + (
+            f" (from {producers[v].primitive} at {compat.source_line(producers[v])})"
+            if v in producers
+            else ""
+        )
+        for v in list(asked)[:3]
+    ]
+    return ", ".join(named) + (f" and {len(asked) - 3} more" if len(asked) > 3 else "")
 
 
 def _spans(layout: Layout) -> list:

@@ -10,6 +10,8 @@ axis adds per-piece partial results; a stacked result is returned in pieces
 array over the stage meshes (uneven groups), the input stays whole with one warning.
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -19,6 +21,9 @@ from mpmdc.passes import dce, inline, slice_stacks, split_scans
 import mpmdc
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.program import Piece
+
+# (the package's ``slice_stacks`` is the pass; its module holds the walk)
+slice_stacks_module = importlib.import_module("mpmdc.passes.slice_stacks")
 
 WS = jax.random.normal(jax.random.key(0), (8, 4, 4)) * 0.5
 X = jnp.ones((2, 4))
@@ -88,6 +93,26 @@ def test_a_stack_that_cannot_be_one_array_stays_whole_with_one_warning(meshes4):
     with pytest.warns(PlacementWarning, match=r"different numbers of rows \(\[3, 3, 1, 1\]\)"):
         _, after = sliced(uneven, meshes4, WS, moment, X)
     assert after.in_pieces is None or all(p.rows is None for p in after.in_pieces)
+
+
+def test_walks_that_keep_asking_for_values_of_their_own_making_stop_with_an_error(
+    meshes4, monkeypatch
+):
+    """A walk asking for a value only that walk made (a rule's fresh variable) would be
+    asked again by every later walk: the pass stops, naming it, rather than loop."""
+    walk_once = slice_stacks_module._walk
+
+    def asking_for_its_own(*args):
+        walk, new_inputs = walk_once(*args)
+        fresh = jax.extend.core.Var(WS.aval)  # made by this walk, unknown to the next
+        walk.demands[fresh] = next(iter(walk.stacks.values())).layout
+        return walk, new_inputs
+
+    monkeypatch.setattr(slice_stacks_module, "_walk", asking_for_its_own)
+    with pytest.raises(
+        RuntimeError, match=r"never settle: .* still asked for a float32\[8,4,4\] value"
+    ):
+        sliced(adam_like_step, meshes4, WS, jnp.zeros_like(WS), X)
 
 
 @jax.jit
