@@ -19,6 +19,7 @@ from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
 from jax._src import util as _util
 from jax._src import xla_bridge as _xla_bridge
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
 from jax._src.lib import xla_client as _xc
@@ -296,3 +297,65 @@ def distributed_client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def hook_custom_differentiation(hooks) -> None:
+    """Have JAX call ``hooks`` where it differentiates a function by a rule of its own:
+
+    - ``hooks.vjp_forward(primals_in, bwd, differentiate)`` for a ``custom_vjp`` function,
+      where ``differentiate()`` is JAX's own handling (which runs the forward rule) and
+      what it returns is returned;
+    - ``hooks.vjp_backward(bwd, in_zeros, cotangents)`` on the cotangents that the
+      backward rule ``bwd`` returned for the inputs with nonzero tangents, returning the
+      ones to use;
+    - ``hooks.jvp_forward(primals_in, jvp, differentiate)`` likewise for a ``custom_jvp``
+      function and its tangent rule ``jvp``;
+    - ``hooks.jvp_tangents(rule_info, tangents)`` on the input tangents (``ad.Zero``
+      where zero) that a ``custom_jvp``'s linearized tangent rule, told by its debug
+      info, is about to read, returning the ones it reads (under ``jax.linearize``, and
+      so ``jax.grad``, with direct linearization on; elsewhere JAX runs the rule on the
+      tangents with its primal work, and this is not called).
+
+    Each hook sees every such function differentiated in this process, so each must leave
+    alone what is not its own. JAX has no public hook there: the rules are user code.
+    """
+    for trace in (_ad.JVPTrace, _ad.LinearizeTrace):
+        trace.process_custom_vjp_call = _hooked(trace.process_custom_vjp_call, hooks.vjp_forward)
+        trace.process_custom_jvp_call = _hooked(trace.process_custom_jvp_call, hooks.jvp_forward)
+    transpose = _ad.primitive_transposes[_ad.custom_lin_p]
+
+    def custom_lin_transpose(cts_out, *invals, num_res, bwd, in_zeros, **params):
+        cts = transpose(cts_out, *invals, num_res=num_res, bwd=bwd, in_zeros=in_zeros, **params)
+        return cts[:num_res] + list(hooks.vjp_backward(bwd, in_zeros, cts[num_res:]))
+
+    _ad.primitive_transposes[_ad.custom_lin_p] = custom_lin_transpose
+    linearize_from_jvp = _ad.linearize_from_jvp
+
+    def linearize_with_hook(jvp, *args, **kwargs):
+        *rest, linearized = linearize_from_jvp(jvp, *args, **kwargs)
+
+        def hooked(residuals, *tangents):
+            return linearized(residuals, *hooks.jvp_tangents(jvp.debug_info, tangents))
+
+        return (*rest, hooked)
+
+    _ad.linearize_from_jvp = linearize_with_hook
+
+
+def _hooked(process, forward):
+    """``process`` (a trace's ``process_custom_{vjp,jvp}_call``, whose arguments end with
+    the rule its hook is told of and the input tracers) run through ``forward``."""
+
+    def process_custom_call(self, primitive, *rules_and_tracers, **params):
+        *_, rule, tracers = rules_and_tracers
+        primals = [self.to_primal_tangent_pair(t)[0] for t in tracers]
+        return forward(
+            primals, rule, lambda: process(self, primitive, *rules_and_tracers, **params)
+        )
+
+    return process_custom_call
+
+
+def is_symbolic_zero(x) -> bool:
+    """True for JAX's symbolic zero (``ad.Zero``), which stands for an all-zero value."""
+    return isinstance(x, _ad.Zero)

@@ -19,6 +19,7 @@ import jax
 
 from mpmdc import backends
 from mpmdc.errors import AccumulateError, IdleMeshWarning, MpmdcError, PassError
+from mpmdc.ir.custom_rules import placing
 from mpmdc.ir.primitives import fragment_p
 from mpmdc.ir.program import Phase, PlanRequest, Program
 from mpmdc.ir.traffic import TransferReport, transfer_report
@@ -456,7 +457,7 @@ class Wrapped:
             full = list(dyn)
             for i, value in call.static_args:  # in increasing order of i
                 full.insert(i, value)
-            with recording_loops() as out_store["loops"]:
+            with recording_loops() as out_store["loops"], placing():
                 out = self.fn(*full, **kw, **dict(call.static_kwargs))
             out_leaves, out_store["paths"], out_store["tree"] = checked_outputs(out)
             return out_leaves

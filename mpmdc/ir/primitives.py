@@ -39,6 +39,7 @@ from jax.interpreters import partial_eval as pe
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import StageError
+from mpmdc.ir import custom_rules
 
 # --------------------------------------------------------------------- stage
 
@@ -127,6 +128,7 @@ def stage(x, index=None, *, every=None, first=0):
     index = _checked_stage_index(index)
     if not leaves:
         return x
+    custom_rules.RULES.entering(leaves, index)
     out = stage_p.bind(*leaves, stage=index, transpose=0)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -463,3 +465,8 @@ transfer_p.def_abstract_eval(lambda *avals, **_: list(avals))
 pe.dce_rules[transfer_p] = _elementwise_dce(("src_specs", "dst_specs", "carries"))
 compat.custom_typechecks[transfer_p] = _transfer_typecheck
 mlir.register_lowering(transfer_p, lambda ctx, *args, **_: list(args))
+
+
+custom_rules.RULES.mark = lambda x, stage, transpose: stage_p.bind(
+    x, stage=stage, transpose=transpose
+)[0]

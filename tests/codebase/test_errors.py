@@ -22,11 +22,13 @@ PYTHON_PROTOCOL = {"NotImplementedError", "StopIteration", "KeyboardInterrupt", 
 # Raised to be caught one frame up and turned into an MpmdcError there: pydantic
 # validators must raise ValueError (the CLI turns it into a UsageError), and prefix
 # broadcasting's ValueError becomes the SpecError or AccumulateError of its caller, and
-# an unbalanced bracket in option text the PassError or UsageError of its caller.
+# an unbalanced bracket in option text the PassError or UsageError of its caller; a
+# pass's broken invariant becomes the pipeline's InternalError naming the pass.
 CAUGHT_BY_CALLER = {
     ("parsing.py", "ValueError"),
     ("pytrees.py", "ValueError"),
     ("_text.py", "ValueError"),
+    ("slice_stacks.py", "RuntimeError"),
 }
 
 

@@ -1,12 +1,16 @@
 """Control flow, remat, custom derivatives, nested jit and shard_map inside stages."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import assert_same_as_jit, clipped_tanh, mesh_index
+import pytest
+from helpers import assert_same_as_jit, assert_same_tree, clipped_tanh, mesh_index
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+from mpmdc.errors import PlacementWarning
 
 
 def params_and_data():
@@ -41,6 +45,82 @@ def test_while_loop_forward(meshes2):
         return mpmdc.stage(x, 1) * 2
 
     assert_same_as_jit(fn, meshes2, jnp.ones((4, 8)))
+
+
+def block_with_its_own_rule(kind, marked="input"):
+    """``tanh(stage(h, 1) @ w)`` as a function with a derivative rule of its own, the
+    marker on its input ``h`` (in the forward or tangent rule JAX differentiates by), or
+    on a value the function computes from it."""
+
+    def forward(w, h):
+        h = mpmdc.stage(h if marked == "input" else h * 1.0, 1)
+        t = jnp.tanh(h @ w)
+        return t, (w, h, t)
+
+    if kind == "custom_vjp":
+        block = jax.custom_vjp(lambda w, h: forward(w, h)[0])
+
+        def backward(res, g):
+            w, h, t = res
+            g = g * (1 - t**2)
+            return h.T @ g, g @ w.T
+
+        block.defvjp(forward, backward)
+        return block
+    block = jax.custom_jvp(lambda w, h: forward(w, h)[0])
+
+    @block.defjvp
+    def tangent_rule(primals, tangents):
+        (w, h), (dw, dh) = primals, tangents
+        t, (w, h, _) = forward(w, h) if marked != "nested" else (block(w, h), (w, h, None))
+        return t, (1 - t**2) * (dh @ w + h @ dw)
+
+    return block
+
+
+def two_stage_sgd(block):
+    def loss(ws, x):
+        x = jnp.tanh(mpmdc.stage(x, 0) @ ws[0])
+        return jnp.sum(block(ws[1], x) ** 2)
+
+    def step(ws, x):
+        value, grads = jax.value_and_grad(loss)(ws, x)
+        return value, [w - 0.1 * g for w, g in zip(ws, grads)]
+
+    return step
+
+
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+def test_a_marker_on_the_input_of_a_function_with_its_own_rule_ends_its_backward(meshes2, kind):
+    """JAX differentiates such a function by the user's rule, which has no marker: the
+    input's cotangent still leaves stage 1's backward there, so stage 0's backward and
+    update run on mesh 0, and the updated weights come back where the next call reads
+    them."""
+    ws, x = params_and_data()
+    step = two_stage_sgd(block_with_its_own_rule(kind))
+    compiled = mpmdc.compile(step, meshes2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        _, new = compiled(ws[:2], x)
+        again = compiled(new, x)
+    assert [mesh_index(w, meshes2) for w in new] == [0, 1]
+    assert_same_tree(again, jax.jit(step)(jax.jit(step)(ws[:2], x)[1], x))
+
+
+@pytest.mark.parametrize(
+    "kind, marked",
+    [("custom_vjp", "computed"), ("custom_jvp", "computed"), ("custom_jvp", "nested")],
+)
+def test_a_marker_whose_backward_a_custom_rule_hides_is_warned_about(meshes2, kind, marked):
+    """A marker on a value the function computed, or inside a call its tangent rule
+    makes, has no input whose cotangent could be marked: a warning names its line."""
+    ws, x = params_and_data()
+    step = two_stage_sgd(block_with_its_own_rule(kind, marked))
+    with pytest.warns(
+        PlacementWarning,
+        match=rf"mpmdc.stage at .*test_inside_stages.py:\d+.* inside a {kind} function .* cannot mark",
+    ):
+        mpmdc.compile(step, meshes2).lower(ws[:2], x)
 
 
 @jax.jit
