@@ -1,0 +1,201 @@
+"""Property: a model whose layers are one scanned stack cut into stages
+(``stage(h, every=k)``), trained by a real optimizer, matches ``jax.jit``; each stage's
+rows of the stacked parameters and of their optimizer state come back on that stage's
+mesh; and a second call, the results fed back, moves and compiles nothing.
+
+Drawn: 2 or 4 meshes of 2 devices, one stage on each; 1 or 2 layers per stage; the layer
+(a residual MLP, or one with a layer norm before it); what comes before and after the
+stack (an embedding and a head of their own, or one matrix tied between them); the
+optimizer (from SGD to optax's wrappers that keep state of the stack's shape, decide the
+update in a conditional, scale it by per-leaf norms or factor its moments); a skip-step
+guard or none; one batch or microbatches under a random schedule; the batch replicated
+or split on ``data``.
+
+Tolerance: the noise floor is measured on each example, as ``jax.jit`` of the same steps
+on the batch with its rows reversed (every sum over rows taken in another order) against
+``jax.jit``. Each leaf may differ from ``jax.jit``'s by ten times that floor plus 1e-6
+of its largest value (a float32 ulp or so of a value the reversal happened not to move;
+mpmdc sums a global norm per stage, which the reversal does not reorder).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from test_differential import EXAMPLES, FUZZ_SETTINGS, seeded
+
+import mpmdc
+from mpmdc.errors import PlacementWarning
+
+pytestmark = pytest.mark.slow  # the heavy tier: `pytest -m slow`
+
+WIDTH, OUT, ROWS = 6, 3, 8  # the width differs from every layer count drawn (2 to 8)
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(1e-2),
+    "momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    "adamw schedule": lambda: optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=1e-2),
+    "MultiSteps": lambda: optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), every_k_schedule=2
+    ),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "multi_transform": lambda: optax.multi_transform(
+        {"stack": optax.adam(1e-2), "rest": optax.sgd(1e-2, momentum=0.9)},
+        lambda params: {k: ("stack" if k == "layers" else "rest") for k in params},
+    ),
+}
+
+
+@st.composite
+def models(draw):
+    """A random model and training setup, as a plain dict."""
+    meshes = draw(st.sampled_from([4, 2]))
+    accumulate = draw(st.booleans())
+    return dict(
+        meshes=meshes,
+        every=draw(st.sampled_from([1, 2])),
+        norm=draw(st.booleans()),
+        tied=draw(st.booleans()),
+        optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
+        guard=draw(st.booleans()),
+        microbatches=draw(st.sampled_from([2, 4])) if accumulate else None,
+        schedule=draw(st.sampled_from(["1f1b", "gpipe", "zb-h1"])) if accumulate else None,
+        split_batch=draw(st.booleans()),
+    )
+
+
+def init(model, key):
+    layers = model["meshes"] * model["every"]
+    k = jax.random.split(key, 5)
+    params = {
+        "embed": jax.random.normal(k[0], (WIDTH, WIDTH)) * 0.4,
+        "layers": {
+            "w1": jax.random.normal(k[1], (layers, WIDTH, WIDTH)) * 0.4,
+            "b1": jnp.full((layers, WIDTH), 0.1),
+            "w2": jax.random.normal(k[2], (layers, WIDTH, WIDTH)) * 0.4,
+        },
+    }
+    if model["norm"]:
+        params["layers"]["scale"] = 1.0 + 0.1 * jax.random.normal(k[3], (layers, WIDTH))
+    if not model["tied"]:
+        params["head"] = jax.random.normal(k[4], (WIDTH, OUT)) * 0.4
+    return params
+
+
+def loss_fn(model):
+    def layer(h, w):
+        h = mpmdc.stage(h, every=model["every"])
+        a = h
+        if model["norm"]:
+            a = a - a.mean(-1, keepdims=True)
+            a = a * jax.lax.rsqrt((a * a).mean(-1, keepdims=True) + 1e-5) * w["scale"]
+        return h + jnp.tanh(a @ w["w1"] + w["b1"]) @ w["w2"], None
+
+    def loss(params, x, y):
+        h, _ = jax.lax.scan(layer, x @ params["embed"], params["layers"])
+        head = params["embed"].T if model["tied"] else params["head"]
+        return jnp.mean((h @ head - y) ** 2)
+
+    return loss
+
+
+def training_step(model):
+    loss, tx = loss_fn(model), OPTIMIZERS[model["optimizer"]]()
+
+    def step(params, opt_state, x, y):
+        if model["microbatches"]:
+            value, grads = mpmdc.accumulate(
+                lambda mb: jax.value_and_grad(loss)(params, *mb),
+                (x, y),
+                microbatches=model["microbatches"],
+                reduce="mean",
+                schedule=model["schedule"],
+            )
+        else:
+            value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if model["guard"]:  # skip the step on a non-finite loss
+            ok = jnp.isfinite(value)
+            new_params, new_state = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old),
+                (new_params, new_state),
+                (params, opt_state),
+            )
+        return value, new_params, new_state
+
+    return step, tx
+
+
+def rows_by_mesh(array, meshes):
+    """``{mesh index: sorted row ranges of axis 0 its devices hold}`` of ``array``."""
+    where = {}
+    for shard in array.addressable_shards:
+        mesh = next(i for i, m in enumerate(meshes) if shard.device in set(m.devices.flat))
+        index = shard.index[0]
+        where.setdefault(mesh, set()).add((index.start or 0, index.stop or array.shape[0]))
+    return {m: sorted(r) for m, r in where.items()}
+
+
+def run(fn, state, x, y, steps=2):
+    for _ in range(steps):
+        loss, *state = fn(*state, x, y)
+    return loss, state
+
+
+def within_noise(got, want, floor):
+    """Each leaf of ``got`` within ten times the noise floor's difference plus 1e-6 of
+    its largest value, of ``want``'s."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)]
+    leaves = (jax.tree.leaves(t) for t in (got, want, floor))
+    for path, g, w, f in zip(paths, *leaves, strict=True):
+        g, w, f = (np.asarray(a, np.float64) for a in (g, w, f))
+        bound = 10 * np.max(np.abs(f - w), initial=0) + 1e-6 * np.max(np.abs(w), initial=0)
+        difference = np.max(np.abs(g - w), initial=0)
+        assert difference <= bound, (path, difference, bound)
+
+
+@seeded
+@settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
+@given(models())
+def test_a_layer_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(model):
+    for name, value in model.items():
+        event(f"{name}={value}")
+    meshes = mpmdc.make_meshes(model["meshes"], {"data": 2})
+    step, tx = training_step(model)
+    params = init(model, jax.random.key(0))
+    kx, ky = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (ROWS, WIDTH))
+    y = jax.random.normal(ky, (ROWS, WIDTH if model["tied"] else OUT))
+    batch = jax.sharding.PartitionSpec("data") if model["split_batch"] else None
+    compiled = mpmdc.compile(step, meshes, in_specs=(None, None, batch, batch))
+
+    state = (params, tx.init(params))
+    got = run(compiled, state, x, y)
+    want = run(jax.jit(step), state, x, y)
+    floor = run(jax.jit(step), state, x[::-1], y[::-1])
+    within_noise(got, want, floor)
+
+    layers = model["meshes"] * model["every"]
+    stacked = [a for a in jax.tree.leaves(got[1]) if a.ndim and a.shape[0] == layers]
+    assert len(stacked) >= len(params["layers"])
+    for leaf in stacked:  # the parameters, and the state of their shape
+        assert rows_by_mesh(leaf, meshes) == {
+            m: [(m * model["every"], (m + 1) * model["every"])] for m in range(model["meshes"])
+        }
+
+    misses = compiled.cache_info().misses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        again = compiled(*got[1], x, y)
+    assert compiled.cache_info().misses == misses
+    for new, old in zip(jax.tree.leaves(again), jax.tree.leaves((got[0], *got[1]))):
+        assert new.sharding == old.sharding
