@@ -286,9 +286,12 @@ class PlacementState:
     def cheapest(self, i, candidates: dict, with_users: bool):
         """The candidate stage where running ``i`` moves the fewest bytes: operands not
         already on its mesh and, ``with_users``, results its placed users read elsewhere.
-        ``candidates`` maps each stage to the highest rank of the equations that
-        suggested it; ties go to the higher rank, then to the latest placement in
-        pipeline order (``i``'s transpose count in each candidate stage)."""
+        First, though, a returned update it makes stays where the next call reads it
+        (:meth:`read_next`): moved back, it would hold up every call's start, where an
+        operand moved inside the step overlaps other work. ``candidates`` maps each stage
+        to the highest rank of the equations that suggested it; ties go to the higher
+        rank, then to the latest placement in pipeline order (``i``'s transpose count in
+        each candidate stage)."""
         if len(candidates) == 1:  # (most of the pipeline's work: nothing to weigh)
             return next(iter(candidates))
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
@@ -300,6 +303,7 @@ class PlacementState:
             )
             for v in self.eqns[i].outvars
         ]
+        homes = [(v, self.read_next(i, v)) for v in self.eqns[i].outvars]
         # Inside the microbatch loop a program input is moved once for every microbatch,
         # a result once per microbatch.
         shared = (self.program.microbatches or 1) if self.microbatch[i] is not None else 1
@@ -312,10 +316,16 @@ class PlacementState:
             moved = sum(size(a) for a, where in operands if m not in where)
             return moved + sum(nbytes(v.aval) * len(where - {m}) for v, where in outputs)
 
+        def away(s):
+            """Bytes of returned updates made away from where the next call reads them:
+            moved before that call can start (nothing overlaps them), every call."""
+            m = self.mesh(s)
+            return sum(nbytes(v.aval) for v, where in homes if where and m not in where)
+
         def order(s):  # the later a placement comes in the pipeline, the smaller
             return tuple(-k for k in self.key(s, self.transpose[i]))
 
-        return min(candidates, key=lambda s: (cost(s), -candidates[s], order(s)))
+        return min(candidates, key=lambda s: (away(s), cost(s), -candidates[s], order(s)))
 
     def homes_read_next(self, i, v) -> list[int]:
         """The homes (:meth:`home`) of the inputs ``i`` reads (through cheap operands, such
@@ -341,17 +351,28 @@ class PlacementState:
     def home_ahead(self, v):
         """The :meth:`home` of program input ``v``, or while nothing reading it is placed,
         the earliest placed user of what those readers make (the rows of a stack kept
-        whole, read by each stage): where it will live."""
+        whole, read by each stage), else the home of its kin (:func:`_input_kin`: the
+        parameter of an optimizer state that only its update reads) where they agree:
+        where it will live."""
         home = self.home(v)
         if home is not None:
             return home
-        return self.earliest(
+        home = self.earliest(
             k
             for j in self.users.get(v, ())
             if j not in self.cheap and self.stage[j] is None
             for w in self.eqns[j].outvars
             for k in self.placed_users(w)
         )
+        if home is not None:
+            return home
+        homes = {h for kin in self.kin.get(v, ()) if (h := self.home(kin)) is not None}
+        return homes.pop() if len({self.stage[h] for h in homes}) == 1 else None
+
+    @functools.cached_property
+    def kin(self) -> dict:
+        """:func:`_input_kin` of the program (made when first asked for)."""
+        return _input_kin(self.program)
 
     def homeless_state(self, i) -> int:
         """Bytes of the largest program input that ``i`` reads (itself or through unplaced
@@ -742,6 +763,41 @@ def _fed_back(program: Program) -> dict:
     return pairs
 
 
+def _ending(path: str) -> tuple[str, ...]:
+    """The keys of pytree ``path``, last first (``args[1].mu['w']``: ``['w']``, ``.mu``,
+    ``[1]``)."""
+    return tuple(reversed(_PATH_KEY.findall(path)))
+
+
+def _shared(a: tuple, b: tuple) -> int:
+    """How many keys two :func:`_ending` s share from the end of their paths."""
+    return next((d for d, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _input_kin(program: Program) -> dict:
+    """``{input: its kin}``: for each program input, the other inputs of its shape and
+    dtype whose paths share the longest ending with its own (``args[1][0]['w']``, a
+    moment, and ``args[0]['w']``, its parameter, share ``['w']``)."""
+    by_type: dict = {}
+    for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars):
+        by_type.setdefault((v.aval.shape, v.aval.dtype), []).append((_ending(path), v))
+    kin = {}
+    for group in by_type.values():
+        for key, v in group:
+            best, found = 0, []
+            for other_key, other in group:
+                if other is v:
+                    continue
+                n = _shared(key, other_key)
+                if n > best:
+                    best, found = n, [other]
+                elif n == best and n:
+                    found.append(other)
+            if found:
+                kin[v] = found
+    return kin
+
+
 def _kin(paths: Sequence[str], known: Sequence, merge) -> list:
     """For each path whose ``known`` entry is ``None``, the entry of the known path
     sharing the longest ending with it (``out[2].v_row[1]['w']`` and
@@ -750,7 +806,7 @@ def _kin(paths: Sequence[str], known: Sequence, merge) -> list:
     optimizer's state mirrors its parameters' pytree: a state leaf made from no
     parameter (adafactor's placeholder for a factored moment) belongs with the
     parameter at the same place."""
-    keys = [tuple(reversed(_PATH_KEY.findall(p))) for p in paths]
+    keys = [_ending(p) for p in paths]
     found = [(k, x) for k, x in zip(keys, known) if x is not None]
     out = list(known)
     for i, x in enumerate(known):
@@ -758,9 +814,7 @@ def _kin(paths: Sequence[str], known: Sequence, merge) -> list:
             continue
         best, chosen = 0, set()
         for k, y in found:
-            n = next(
-                (d for d, (a, b) in enumerate(zip(k, keys[i])) if a != b), min(len(k), len(keys[i]))
-            )
+            n = _shared(k, keys[i])
             if n > best:
                 best, chosen = n, {y}
             elif n == best and n:

@@ -7,7 +7,9 @@ marked into that stage or not), and what real code does besides:
 
 * captured constants: module-level jax and numpy arrays, arrays made in a closure, a
   jitted helper closing over its own array; "layers" (marker, matmul with a constant,
-  tanh) give several stages bodies that differ only in the array they capture;
+  tanh) give several stages bodies that differ only in the array they capture, and
+  some are functions with a derivative rule of their own (``custom_vjp``,
+  ``custom_jvp``) whose rule marks their input;
 * effects: ``debug.callback`` in the program and inside a jitted helper whose result
   is never used (each callback records its own tag, so two callbacks sharing an
   executable would be seen);
@@ -159,7 +161,7 @@ def programs(draw):
             st.sampled_from(
                 ["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
                 + ["noise"] * with_key
-                + ["stack"]
+                + ["stack", "custom_layer"]
             )
         )
         if kind == "unary":
@@ -191,6 +193,16 @@ def programs(draw):
                     "layer",
                     draw(st.integers(0, stages - 1)),
                     draw(st.sampled_from(CONSTANT_KINDS)),
+                    draw(st.integers(0, 1)),
+                    draw(operand),
+                )
+            )
+        elif kind == "custom_layer":  # a layer with a derivative rule of its own
+            ops.append(
+                (
+                    "custom_layer",
+                    draw(st.integers(0, stages - 1)),
+                    draw(st.sampled_from(["custom_vjp", "custom_jvp"])),
                     draw(st.integers(0, 1)),
                     draw(operand),
                 )
@@ -301,6 +313,10 @@ def make_body(desc, meshes, record):
             elif op[0] == "layer":
                 _, stage, kind, index, i = op
                 values.append(apply_constant(kind, index, "matmul", mpmdc.stage(values[i], stage)))
+            elif op[0] == "custom_layer":
+                _, stage, rule, index, i = op
+                c = closure_constants[values[i].shape[0]][index]
+                values.append(custom_layer(rule, stage, c)(values[i]))
             elif op[0] == "effect":
                 _, live, i = op
                 callback = (lambda tag: lambda v: record(tag, v))(k)
@@ -328,6 +344,28 @@ def make_body(desc, meshes, record):
         return values[-1]
 
     return body
+
+
+def custom_layer(rule, stage, c):
+    """``tanh(stage(x, stage) @ c)`` as a function JAX differentiates by a rule of its own
+    (``custom_vjp`` or ``custom_jvp``), which marks the function's input."""
+
+    def forward(x):
+        t = jnp.tanh(mpmdc.stage(x, stage) @ c.astype(x.dtype))
+        return t, t
+
+    if rule == "custom_vjp":
+        layer = jax.custom_vjp(lambda x: forward(x)[0])
+        layer.defvjp(forward, lambda t, g: ((g * (1 - t * t)) @ c.astype(g.dtype).T,))
+        return layer
+    layer = jax.custom_jvp(lambda x: forward(x)[0])
+
+    @layer.defjvp
+    def tangent_rule(primals, tangents):
+        t, _ = forward(primals[0])
+        return t, (1 - t * t) * (tangents[0] @ c.astype(t.dtype))
+
+    return layer
 
 
 def scanned_stack(op, values, key, closure_constants, stacked=None):
@@ -498,7 +536,7 @@ def _describe(desc):
     event(f"in_specs={sorted({str(s) for s in desc['in_specs']})}")
     event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
     event(f"key={desc['with_key']}")
-    for kind in ("shard_map", "constant", "layer", "effect"):
+    for kind in ("shard_map", "constant", "layer", "custom_layer", "effect"):
         event(f"{kind}={any(op[0] == kind for op in desc['ops'])}")
     event(f"markers={min(len(desc['markers']), 3)}{'+' if len(desc['markers']) >= 3 else ''}")
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")
@@ -671,10 +709,10 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
 
             scale = clip_scale() if skip_step != "norm_inside" else None
 
-            def update(params, momenta):
+            def update(params, momenta):  # (momenta as optax keeps them: {"mu": ...})
                 s = clip_scale() if scale is None else scale
-                momenta = [0.9 * m + s * g for m, g in zip(momenta, grads)]
-                return [p - 0.1 * m / (1.0 + s) for p, m in zip(params, momenta)], momenta
+                mu = [0.9 * m + s * g for m, g in zip(momenta["mu"], grads)]
+                return [p - 0.1 * m / (1.0 + s) for p, m in zip(params, mu)], {"mu": mu}
 
             if skip_step == "none":
                 params, momenta = update(params, momenta)
@@ -692,13 +730,15 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
         rng = np.random.default_rng(len(desc["ops"]))
         longest, size = 15, max(SIZES)  # every=3 over 5 groups
         params.append(jnp.asarray(rng.normal(size=(longest, size, size)) * 0.5, jnp.float32))
-    momenta = [0.5 * a for a in params]
+    momenta = {"mu": [0.5 * a for a in params]}
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
-    kwargs["in_specs"] = (specs, specs, *(None,) * len(batch))  # momenta as their parameters
+    kwargs["in_specs"] = (specs, {"mu": specs}, *(None,) * len(batch))  # as their parameters
     compiled = mpmdc.compile(training_step(seen, meshes), meshes, **kwargs)
     program = compiled.lower(params, momenta, *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
     sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
+    for j in range(2 * n):  # fed back, each is where the next call reads it
+        assert program.out_meshes[1 + j] == program.in_meshes[j], j
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             event("a parameter read on one mesh")
