@@ -93,7 +93,7 @@ def layout_problem(program: Program, layout: Layout) -> str | None:
     if len(set(rows)) > 1:
         return f"its stages hold different numbers of rows ({rows})"
     if len({id(m) for m in meshes}) < len(meshes):
-        return "several of its stages run on one mesh (interleaved stages)"
+        return "several of its stages run on one mesh"
     if len({(m.axis_names, m.devices.shape) for m in meshes}) > 1:
         return "its stages' meshes differ in shape"
     return None

@@ -20,7 +20,9 @@ def broadcast_prefix(prefix, tree, is_leaf) -> list:
     except ValueError:
         # JAX's own message is about `broadcast_prefix` arguments the caller never wrote,
         # and prints both whole structures.
-        found = first_difference(prefix, tree, is_prefix_leaf=is_leaf)
+        found = first_difference(
+            prefix, tree, is_prefix_leaf=is_leaf, labels=("{} not in the tree", "{} not in it")
+        )
         if found is None:
             raise
         detail = f" ({found.entries})" if found.entries else ""
@@ -85,12 +87,15 @@ class Difference(NamedTuple):
         return jax.tree_util.keystr(self.path) or "the top"
 
 
-def first_difference(want, got, is_prefix_leaf=None, path=()) -> Difference | None:
+def first_difference(
+    want, got, is_prefix_leaf=None, path=(), labels=("missing {}", "unexpected {}")
+) -> Difference | None:
     """Where pytree ``got`` first differs in structure from ``want``, or ``None``.
 
     Leaves are not compared, so ``want`` may be a :func:`skeleton`. With
     ``is_prefix_leaf``, ``want`` is a prefix of ``got``: a node of ``want`` it accepts
-    stands for a whole subtree of ``got``.
+    stands for a whole subtree of ``got``. ``labels`` word the entries only ``want`` has
+    and those only ``got`` has (from ``got``'s side by default: missing, unexpected).
     """
     if is_prefix_leaf is not None and is_prefix_leaf(want):
         return None
@@ -103,13 +108,13 @@ def first_difference(want, got, is_prefix_leaf=None, path=()) -> Difference | No
     if want_keys != got_keys:
         missing = [k for k in want_keys if k not in got_keys]
         extra = [k for k in got_keys if k not in want_keys]
-        parts = [f"missing {_shown(missing)}"] if missing else []
-        parts += [f"unexpected {_shown(extra)}"] if extra else []
+        parts = [labels[0].format(_shown(missing))] if missing else []
+        parts += [labels[1].format(_shown(extra))] if extra else []
         return Difference(
             path, _what(want), _what(got), "; ".join(parts) or "the same entries in another order"
         )
     for (key, w), (_, g) in zip(want_children, got_children):
-        found = first_difference(w, g, is_prefix_leaf, (*path, key))
+        found = first_difference(w, g, is_prefix_leaf, (*path, key), labels)
         if found is not None:
             return found
     if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(got):

@@ -231,6 +231,18 @@ MISTAKES = [
         lambda w: lower(two_stage, w, in_specs=([P(), P()], P())),
     ),
     Mistake(
+        "in_specs missing an entry of a dict argument",
+        errors.SpecError,
+        r"in_specs\[0\] does not match .* \(\['n'\] not in it\)",
+        lambda w: lower(
+            lambda state, x: two_stage(state["w"], x),
+            w,
+            {"w": w.w, "n": w.w},
+            w.x,
+            in_specs=({"w": P()}, P()),
+        ),
+    ),
+    Mistake(
         "in_specs with the wrong number of entries",
         errors.SpecError,
         "one entry per argument",
