@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 _WAITING = "mpmdc/waiting/"  # + process: the waits of that process that have lasted a beat
+# What a process whose script returned waits for, at the exit all processes take together.
+LEAVING = "the others at the end of the run (its script returned)"
 _BEAT = "mpmdc/{exchange}/beat/{process}"  # a save's beat, while the process works on it
 
 # The waits in progress in this process, by thread: (what it waits for, on whom), since when.
@@ -114,6 +116,7 @@ class Stuck:
     process: int | None
     chain: tuple[tuple[int, int, str], ...]
     computing: str = ""
+    left: bool = False  # its script returned: it waits only at the exit
 
     def reason(self, seconds: float) -> str:
         """The end of the chain, for the error of the process that gave up waiting."""
@@ -121,6 +124,11 @@ class Stuck:
         if self.process is None:
             return f"the processes wait for each other: {links}"
         via = f"{links}; " if links else ""
+        if self.left:
+            return (
+                f"{via}process {self.process} has left the run (its script returned) while "
+                f"the others still call the program: every process must make the same calls"
+            )
         if self.computing:
             return (
                 f"{via}process {self.process} is still computing {self.computing}, longer than "
@@ -133,11 +141,12 @@ class Stuck:
 
     def blame(self, seconds: float, waiter: int, what: str) -> str:
         """What :attr:`process` did, for ``mpmdc launch`` to say when it blames it."""
-        did = (
-            f"it was still computing {self.computing} after {seconds:g} s"
-            if self.computing
-            else f"it made no progress for {seconds:g} s"
-        )
+        if self.left:
+            did = "it left the run (its script returned)"
+        elif self.computing:
+            did = f"it was still computing {self.computing} after {seconds:g} s"
+        else:
+            did = f"it made no progress for {seconds:g} s"
         links = "".join(f" and process {a} for {link}" for a, _, link in self.chain)
         return f"{did} while process {waiter} waited for {what}{links}"
 
@@ -161,6 +170,8 @@ def stuck(client, here: int, peers: Iterable[int]) -> Stuck:
             if not waits:
                 return Stuck(process, chain)
             for what, on in waits:
+                if what == LEAVING:
+                    return Stuck(process, chain, left=True)
                 if not on:
                     return Stuck(process, chain, what)
         following = []
@@ -172,6 +183,13 @@ def stuck(client, here: int, peers: Iterable[int]) -> Stuck:
         level = following
     circle = ((p, entries[p][0][1][0], entries[p][0][0]) for p in sorted(seen - {here}))
     return Stuck(None, tuple(circle))
+
+
+def publish_leaving(client, here: int, processes: int) -> None:
+    """Say that process ``here``'s script returned and it now waits for the others at the
+    exit, so that a peer still waiting for it names that, not a stale wait of its."""
+    others = [p for p in range(processes) if p != here]
+    client.key_value_set(f"{_WAITING}{here}", json.dumps([[LEAVING, others]]), allow_overwrite=True)
 
 
 def main_thread_stack() -> str:

@@ -297,16 +297,24 @@ def _supervise(
                 f"{first.index} failed)",
                 file=err,
             )
-            return first.popen.returncode if first.popen.returncode > 0 else 1
+            return _status(culprit, first)
         time.sleep(0.05)
     if first is not None:
         culprit, what = _first_failure(processes, (first_seen, first), failure_dir)
         others = [p.index for p in processes if p is not culprit and p.popen.returncode != 0]
         also = f"; {_processes(others)} failed too" if others else ""
         print(f"mpmdc launch: process {culprit.index} failed first: {what}{also}", file=err)
-        status = culprit.popen.returncode
-        return status if status and status > 0 else 1
+        return _status(culprit, first)
     return 0
+
+
+def _status(culprit: _Process, first: _Process) -> int:
+    """The launcher's status: the blamed process's, else the first failed one's, as a
+    positive number (a process killed by a signal has a negative one)."""
+    for process in (culprit, first):
+        if process.popen.returncode is not None and process.popen.returncode > 0:
+            return process.popen.returncode
+    return 1
 
 
 def _processes(indices: list[int]) -> str:

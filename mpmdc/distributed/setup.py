@@ -169,6 +169,7 @@ def _leave_together() -> None:
     kv = client()
     try:
         if not failed:
+            watchdog.publish_leaving(kv, jax.process_index(), jax.process_count())
             kv.wait_at_barrier(f"{PREFIX}exit", int(fault_timeout_seconds() * 1000))
         if jax.process_index() != 0:
             jax.distributed.shutdown()

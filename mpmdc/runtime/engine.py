@@ -350,7 +350,14 @@ def fault(step: Step, err: Exception, among_processes: bool = False) -> MpmdRunt
 def announced_fault(step: Step, err: Exception) -> MpmdRuntimeError:
     """``fault``, also told to the other processes (which may be waiting on this one)."""
     error = fault(step, err, among_processes=True)
-    distributed.announce_failure(f"{error}")
+    if len(step.senders) == 1:  # (the receiving end of a broken connection: the sender)
+        distributed.announce_failure(
+            f"{error}",
+            culprit=step.senders[0],
+            blame=f"it stopped sending {step.name} (its connection broke)",
+        )
+    else:
+        distributed.announce_failure(f"{error}")
     return error
 
 

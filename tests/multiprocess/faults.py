@@ -6,6 +6,8 @@
 - ``kill``: process 1 kills itself (SIGKILL) inside its stage's fragment, in step 2;
 - ``raise``: a callback in process 1's fragment raises, in step 2;
 - ``uncaught``: process 1's script raises an exception of its own before step 2;
+- ``exit``: process 1 ends at once (``os._exit(4)``), saying nothing, before step 2;
+- ``leave``: process 1 leaves its training loop after step 1, ending well (status 0);
 - ``code``: process 1 traces a different function (``code-timed``: and the first call is
   ``run_timed``);
 - ``arguments``: process 1 passes an argument of another shape;
@@ -73,6 +75,10 @@ def main():
     for k in range(3):
         if MODE == "uncaught" and HERE == 1 and k == 1:
             raise ValueError("a mistake in the training loop")
+        if MODE == "exit" and HERE == 1 and k == 1:
+            os._exit(4)
+        if MODE == "leave" and HERE == 1 and k == 1:
+            return
         start = time.monotonic()
         try:
             if MODE == "code-timed":

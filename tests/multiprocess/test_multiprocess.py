@@ -184,6 +184,32 @@ def test_a_process_that_raises_fails_the_others_naming_it():
     assert "process 1 failed: " in message and "failed on purpose" in message
 
 
+def test_a_process_that_ends_saying_nothing_is_blamed_with_its_status():
+    """Process 1 exits at once (no error to announce): process 0, whose transfer from
+    it broke, fails and may exit first, yet the launcher blames process 1 and ends
+    with its status."""
+    status, output = faults("exit")
+    assert status == 4, output[-3000:]
+    assert re.search(
+        r"mpmdc launch: process 1 failed first: (it stopped sending transfer mesh1->mesh0 "
+        r"\(its connection broke\); )?it exited with status 4",
+        output,
+    ), output[-3000:]
+
+
+def test_a_process_that_leaves_the_loop_early_is_blamed():
+    """Process 1's script returns after one step while process 0 waits for its second:
+    process 0 names that, not a stale wait of process 1's, and so does the launcher."""
+    status, output = faults("leave")
+    assert status != 0
+    assert (
+        "mpmdc launch: process 1 failed first: it left the run (its script returned) while "
+        "process 0 waited for process 1 to reach the program they compiled" in output
+    ), output[-3000:]
+    _, message = caught(output, 0)
+    assert "process 1 has left the run (its script returned)" in message, message
+
+
 def test_an_uncaught_error_in_one_script_fails_the_others_naming_it():
     _status, output = faults("uncaught")
     # Process 0 may exit before process 1 (it is told at once); the launcher still
