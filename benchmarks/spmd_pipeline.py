@@ -90,6 +90,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
+import mpmdc.backends
 import mpmdc.pipeline
 from mpmdc.ir.program import fragment_key
 from mpmdc.runtime.compiling import XlaCompiles
@@ -485,6 +486,8 @@ def profile(layers: int, microbatches: int, options) -> None:
     _common.report(
         f"spmd_pipeline_profile_modules_L{layers}_M{microbatches}", modules, list(modules[0])
     )
+    fixed = fixed_costs(meshes, options)
+    _common.report(f"spmd_pipeline_profile_fixed_costs_W{options.width}", fixed, list(fixed[0]))
 
     def split_times(fn, args):
         """(seconds until the call returns, having dispatched everything; seconds until
@@ -535,6 +538,43 @@ def profile(layers: int, microbatches: int, options) -> None:
     _common.report(
         f"spmd_pipeline_profile_meshes_L{layers}_M{microbatches}", mesh_rows, list(mesh_rows[0])
     )
+
+
+def fixed_costs(meshes, options) -> list[dict]:
+    """What one call and one transfer cost whatever the work: ``x + 1`` on one
+    microbatch's activation compiled for one device and for a whole mesh, and that
+    activation moved to the next mesh as the runtime moves it (each median of
+    ``--steps`` runs of 200, until the results are ready)."""
+    rows, width = options.microbatch_rows, options.width
+    activation = jnp.zeros((rows, width), jnp.float32)
+    one_device = NamedSharding(Mesh(meshes[0].devices.flat[:1], ("one",)), P())
+    on_mesh = NamedSharding(meshes[0], P("data"))
+    on_next = NamedSharding(meshes[1], P("data"))
+    backend = mpmdc.backends.get(mpmdc.backends.for_platform(meshes[0].devices.flat[0].platform))
+    runs = []
+    for what, sharding in (("call on 1 device", one_device), ("call on a mesh", on_mesh)):
+        x = jax.device_put(activation, sharding)
+        add_one = jax.jit(lambda a: a + 1).lower(x).compile()
+        runs.append((what, sharding, lambda add_one=add_one, x=x: add_one(x)))
+    x = jax.device_put(activation, on_mesh)
+    runs.append(("transfer to the next mesh", on_mesh, lambda: backend.transfer([x], [on_next])))
+    table = []
+    for what, sharding, run in runs:
+        jax.block_until_ready(run())
+        samples = []
+        for _ in range(options.steps):
+            wall, cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready([run() for _ in range(200)])
+            samples.append(((time.perf_counter() - wall) / 200, (time.process_time() - cpu) / 200))
+        table.append(
+            {
+                "what": what,
+                "devices": len(sharding.device_set),
+                "ms": statistics.median(s[0] for s in samples) * 1e3,
+                "CPU ms": statistics.median(s[1] for s in samples) * 1e3,
+            }
+        )
+    return table
 
 
 def call_times(module, repeats: int, calls: int = 20) -> tuple[float, float]:
