@@ -74,6 +74,16 @@ def mesh_index(array, meshes):
     raise AssertionError(f"array lives on devices {ids}, which are no mesh")
 
 
+def rows_by_mesh(array, meshes):
+    """``{mesh index: sorted row ranges of axis 0 its devices hold}`` of ``array``."""
+    where = {}
+    for shard in array.addressable_shards:
+        mesh = next(i for i, m in enumerate(meshes) if shard.device in set(m.devices.flat))
+        index = shard.index[0]
+        where.setdefault(mesh, set()).add((index.start or 0, index.stop or array.shape[0]))
+    return {m: sorted(r) for m, r in where.items()}
+
+
 @jax.custom_vjp
 def clipped_tanh(x):
     """``tanh`` whose gradient is clipped to [-0.5, 0.5]: a ``custom_vjp`` for tests."""

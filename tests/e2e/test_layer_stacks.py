@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_same_tree, largest_difference
+from helpers import assert_same_tree, largest_difference, rows_by_mesh
 
 import mpmdc
 from mpmdc.errors import IdleMeshWarning, PlacementWarning, StageError
@@ -158,16 +158,6 @@ def run_steps(step, params, steps=2):
 @pytest.fixture(scope="module")
 def meshes4():
     return mpmdc.make_meshes(4, {"data": 2})
-
-
-def rows_by_mesh(array, meshes):
-    """``{mesh index: sorted row ranges of axis 0 its devices hold}`` of ``array``."""
-    where = {}
-    for shard in array.addressable_shards:
-        mesh = next(i for i, m in enumerate(meshes) if shard.device in set(m.devices.flat))
-        index = shard.index[0]
-        where.setdefault(mesh, set()).add((index.start or 0, index.stop or array.shape[0]))
-    return {m: sorted(r) for m, r in where.items()}
 
 
 SETUPS = {

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import rows_by_mesh
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_differential import EXAMPLES, FUZZ_SETTINGS, seeded
@@ -133,16 +134,6 @@ def training_step(model):
         return value, new_params, new_state
 
     return step, tx
-
-
-def rows_by_mesh(array, meshes):
-    """``{mesh index: sorted row ranges of axis 0 its devices hold}`` of ``array``."""
-    where = {}
-    for shard in array.addressable_shards:
-        mesh = next(i for i, m in enumerate(meshes) if shard.device in set(m.devices.flat))
-        index = shard.index[0]
-        where.setdefault(mesh, set()).add((index.start or 0, index.stop or array.shape[0]))
-    return {m: sorted(r) for m, r in where.items()}
 
 
 def run(fn, state, x, y, steps=2):
