@@ -354,8 +354,3 @@ def _hooked(process, forward):
         )
 
     return process_custom_call
-
-
-def is_symbolic_zero(x) -> bool:
-    """True for JAX's symbolic zero (``ad.Zero``), which stands for an all-zero value."""
-    return isinstance(x, _ad.Zero)

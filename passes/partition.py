@@ -295,15 +295,15 @@ class PlacementState:
         if len(candidates) == 1:  # (most of the pipeline's work: nothing to weigh)
             return next(iter(candidates))
         operands = [(a, self.present(a)) for a in self.operands(i, inputs=with_users)]
+        homes = [(v, self.read_next(i, v)) for v in self.eqns[i].outvars]
         outputs = [
             (
                 v,
                 ({self.mesh(self.stage[j]) for j in self.placed_users(v)} if with_users else set())
-                | self.read_next(i, v),
+                | where,
             )
-            for v in self.eqns[i].outvars
+            for v, where in homes
         ]
-        homes = [(v, self.read_next(i, v)) for v in self.eqns[i].outvars]
         # Inside the microbatch loop a program input is moved once for every microbatch,
         # a result once per microbatch.
         shared = (self.program.microbatches or 1) if self.microbatch[i] is not None else 1

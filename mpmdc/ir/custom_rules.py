@@ -66,7 +66,9 @@ class CustomRuleStages:
     LIMIT = 256  # backward rules remembered per thread (each kept alive until dropped)
 
     def __init__(self, mark=None):
-        self.mark = mark  # (value, stage, transpose) -> the value marked; set by primitives
+        # (value, stage, transpose) -> the value marked (a symbolic zero as it is); set
+        # by primitives
+        self.mark = mark
         self._local = threading.local()
 
     @property
@@ -158,9 +160,7 @@ class CustomRuleStages:
 
     def _marked(self, entered: dict, inputs, values, transpose: int) -> list:
         return [
-            self.mark(v, entered[k][0], transpose)
-            if k in entered and v is not None and not compat.is_symbolic_zero(v)
-            else v
+            self.mark(v, entered[k][0], transpose) if k in entered and v is not None else v
             for k, v in zip(inputs, values)
         ]
 

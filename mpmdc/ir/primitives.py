@@ -467,6 +467,6 @@ compat.custom_typechecks[transfer_p] = _transfer_typecheck
 mlir.register_lowering(transfer_p, lambda ctx, *args, **_: list(args))
 
 
-custom_rules.RULES.mark = lambda x, stage, transpose: stage_p.bind(
-    x, stage=stage, transpose=transpose
+custom_rules.RULES.mark = lambda x, stage, transpose: _bind_nonzero(
+    stage_p, [x], stage=stage, transpose=transpose
 )[0]
