@@ -37,6 +37,30 @@ def assert_same_tree(got, want, rtol=0, atol=0):
         assert_same_array(g, w, rtol=rtol, atol=atol)
 
 
+def buffers(x) -> set[int]:
+    """The device buffers holding ``x``'s shards on this process."""
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def assert_results_own_their_buffers(results, arguments=()):
+    """No array leaf of ``results`` shares a device buffer with another or with an array
+    leaf of ``arguments``, as ``jax.jit`` returns them (donating one would delete the
+    other). Typed keys are left out: their buffers are not the user's to hold."""
+    seen: dict[int, str] = {}
+    for what, tree in (("argument", arguments), ("result", results)):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if not isinstance(leaf, jax.Array) or jax.dtypes.issubdtype(
+                leaf.dtype, jax.dtypes.prng_key
+            ):
+                continue
+            name = f"{what} {jax.tree_util.keystr(path)}"
+            for buffer in buffers(leaf):
+                assert what == "argument" or buffer not in seen, (
+                    f"{name} shares {seen[buffer]}'s buffer"
+                )
+                seen.setdefault(buffer, name)
+
+
 def assert_same_array(got, want, rtol=0, atol=0):
     """``got`` is a ``jax.Array`` of ``want``'s type (shape, dtype, weak type) and values
     (bit for bit unless the caller passes a tolerance measured for its program)."""

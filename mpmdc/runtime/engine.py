@@ -151,12 +151,17 @@ class Engine:
             (st.call, st.inputs, st.outputs, st.release or None, st.effectful) for st in self.steps
         ]
         self._out_shardings, self._outputs = [], []
-        for v, m, spec in zip(program.jaxpr.jaxpr.outvars, program.out_meshes, program.out_specs):
+        owned = _owned_outputs(program)
+        for v, m, spec, own in zip(
+            program.jaxpr.jaxpr.outvars, program.out_meshes, program.out_specs, owned
+        ):
             sharding = named(program.meshes[m], spec, v.aval.ndim, forms)
             self._out_shardings.append(sharding)
             # An output living elsewhere is a global array with no shard here.
             self._outputs.append(
-                (slots(v), sharding) if here[m] else (None, placeholder(v.aval, sharding))
+                (slots(v), sharding, own)
+                if here[m]
+                else (None, placeholder(v.aval, sharding), True)
             )
         self._initial = slots.initial
         self.pieces = Pieces(
@@ -313,8 +318,15 @@ class Engine:
 
     def finish(self, env):
         outs = []
-        for v, target in self._outputs:
-            outs.append(target if v is None else placed(env[v], target))
+        for v, target, owned in self._outputs:
+            if v is None:
+                outs.append(target)
+            elif owned:
+                outs.append(placed(env[v], target))
+            else:
+                # Placed first: a put that moves a value may still reuse its buffers
+                # where devices overlap, whatever ``may_alias`` says.
+                outs.append(jax.device_put(placed(env[v], target), target, may_alias=False))
         return jax.tree_util.tree_unflatten(self.signature.out_tree, self.pieces.results(outs))
 
 
@@ -359,6 +371,24 @@ def announced_fault(step: Step, err: Exception) -> MpmdRuntimeError:
     else:
         distributed.announce_failure(f"{error}")
     return error
+
+
+def _owned_outputs(program: Program) -> list[bool]:
+    """Per output, whether the call may hand its value over as it is: a value a step of
+    this call made, at its first place among the outputs, or a donated argument passed
+    through. Any other (an argument, a constant, a value returned twice) is copied, as
+    ``jax.jit`` returns fresh buffers: handed over, it would share its buffer with the
+    caller's argument, the next call's constant or another result, and donating the
+    result would delete those."""
+    jaxpr = program.jaxpr.jaxpr
+    made = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+    made.update(v for v, donated in zip(jaxpr.invars, program.donated) if donated)
+    owned, seen = [], set()
+    for v in jaxpr.outvars:
+        owned.append(is_var(v) and v in made and v not in seen)
+        if is_var(v):
+            seen.add(v)
+    return owned
 
 
 def placed(x, sharding):

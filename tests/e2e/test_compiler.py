@@ -14,7 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_as_jit, mlp_loss
+from helpers import (
+    assert_results_own_their_buffers,
+    assert_same_as_jit,
+    assert_same_tree,
+    mlp_loss,
+)
 
 import mpmdc
 from mpmdc import backends
@@ -298,12 +303,38 @@ def test_input_shardings_say_where_each_argument_runs(meshes4):
         np.testing.assert_allclose(g, w, rtol=1.2e-6)
 
 
-def test_an_argument_already_where_it_runs_is_not_copied():
+def test_an_argument_already_where_it_runs_is_not_copied(monkeypatch):
     mesh = mpmdc.make_meshes(1, {"data": 1})
     x = jax.device_put(X, mesh[0].devices.flat[0])  # one device: the same placement as the mesh's
-    same, doubled = mpmdc.compile(lambda x: (x, 2 * x), mesh).lower(x).compile()(x)
-    assert same is x
+    compiled = mpmdc.compile(lambda x: 2 * x, mesh).lower(x).compile()
+    puts = []
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a))
+    doubled = compiled(x)
+    assert puts == []
     np.testing.assert_array_equal(doubled, 2 * X)
+
+
+def test_results_share_no_buffer_with_arguments_constants_or_each_other(meshes2):
+    """A result that is an argument, a constant or another result is a copy, as under
+    ``jax.jit``: donating it deletes nothing else, and the next call still runs."""
+    constant = jnp.arange(4.0)
+
+    def f(w, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ w)
+        h = mpmdc.stage(h, 1) * 2
+        return {"h": h, "again": h, "w": w, "constant": constant}
+
+    step = mpmdc.compile(f, meshes2)
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    want = jax.jit(f)(w, x)
+    consume = jax.jit(lambda a: a * 2, donate_argnums=0)
+    for name in want:
+        out = step(w, x)
+        assert_results_own_their_buffers(out, (w, x, constant))
+        others = [w, x, constant] + [out[k] for k in out if k != name]
+        consume(out[name])
+        assert not any(o.is_deleted() for o in others), name
+    assert_same_tree(step(w, x), want)
 
 
 @pytest.mark.slow
