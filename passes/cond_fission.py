@@ -119,21 +119,41 @@ def _predicated(eqn, branches, operands, outvars, consts: dict) -> list:
     return eqns + selections(eqn, cases, outvars)
 
 
-def _fissioned(eqn, consts: dict) -> list:
+def _forwarded(branches) -> dict[int, int]:
+    """``{result: operand}`` for the results every branch returns as one operand, the
+    same in each, untouched (a residual JAX's linearization passes through a
+    conditional: a weight the branches read)."""
+    found = {}
+    for j in range(len(branches[0].jaxpr.outvars)):
+        operands = {
+            b.jaxpr.invars.index(b.jaxpr.outvars[j]) if b.jaxpr.outvars[j] in b.jaxpr.invars else -1
+            for b in branches
+        }
+        if len(operands) == 1 and -1 not in operands:
+            found[j] = operands.pop()
+    return found
+
+
+def _fissioned(eqn, consts: dict, renamed: dict) -> list:
     """``eqn`` (a ``cond``) as one conditional per group of its results, or as selects
-    where a group shares only scalar reductions between its arrays."""
+    where a group shares only scalar reductions between its arrays. A result every
+    branch returns as one of its operands is that operand (recorded in ``renamed``): a
+    conditional of its own would be placed by its index alone, away from its users."""
     branches = eqn.params["branches"]
     if eqn.effects or any(b.effects for b in branches):
         return [eqn]
+    index, operands = eqn.invars[0], eqn.invars[1:]
+    forwarded = _forwarded(branches)
+    for j, k in forwarded.items():
+        renamed[eqn.outvars[j]] = operands[k]
     groups = _result_groups(branches)
     finer = _result_groups(branches, scalars_shared=True)
-    if len(groups) == len(finer) == 1:
+    if len(groups) == len(finer) == 1 and not forwarded:
         return [eqn]
-    index, operands = eqn.invars[0], eqn.invars[1:]
     out = []
     for results in groups:
-        if all(isinstance(eqn.outvars[j], jcore.DropVar) for j in results):
-            continue  # nothing reads these results: no conditional for them
+        if all(isinstance(eqn.outvars[j], jcore.DropVar) or j in forwarded for j in results):
+            continue  # nothing reads these results, or they are operands: no conditional
         new_branches, reads = _branches_for(branches, results)
         used = [a for a, r in zip(operands, reads) if r]
         outvars = [eqn.outvars[j] for j in results]
@@ -160,9 +180,11 @@ def cond_fission(program: Program) -> Program:
     """Replace each top-level ``cond`` by one conditional per group of results that share
     no non-scalar work (see the module docstring)."""
     closed = program.jaxpr
-    eqns, consts, changed = [], {}, False
+    eqns, consts, renamed, changed = [], {}, {}, False
     for eqn in closed.jaxpr.eqns:
-        replaced = _fissioned(eqn, consts) if eqn.primitive is jprims.cond_p else [eqn]
+        if renamed:
+            eqn = eqn.replace(invars=substituted(eqn.invars, renamed))
+        replaced = _fissioned(eqn, consts, renamed) if eqn.primitive is jprims.cond_p else [eqn]
         changed |= len(replaced) != 1 or replaced[0] is not eqn
         eqns.extend(replaced)
     if not changed:
@@ -172,7 +194,7 @@ def cond_fission(program: Program) -> Program:
         [*jaxpr.constvars, *consts],
         [*closed.consts, *consts.values()],
         jaxpr.invars,
-        jaxpr.outvars,
+        substituted(jaxpr.outvars, renamed),
         eqns,
         jaxpr.debug_info,
     )

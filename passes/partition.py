@@ -409,6 +409,7 @@ class PlacementState:
         ``through_boundaries``, cotangents leaving a stage's backward suggest nothing;
         after, so do the other places their values go."""
         candidates: dict = {}
+        leaving: dict = {}  # (the stages cotangents read here leave)
         operands = self.operands(i, inputs=False)
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
         for a in operands:
@@ -416,11 +417,18 @@ class PlacementState:
             if self.stage[j] is None:
                 if j in self.depends:  # (work reading inputs alone follows its users)
                     waiting = max(waiting, nbytes(a.aval))
-            elif through_boundaries or not is_transposed_marker(self.eqns[j]):
+            elif not is_transposed_marker(self.eqns[j]):
                 self.suggest(candidates, [j])
+                placed = max(placed, nbytes(a.aval))
+            elif through_boundaries:
+                self.suggest(leaving, [j])
                 placed = max(placed, nbytes(a.aval))
             else:  # a cotangent leaving a stage's backward: where it goes is not known yet
                 waiting = max(waiting, nbytes(a.aval))
+        # A cotangent leaves its marker's stage: work reading it there as well as a value
+        # of another stage (a dropout mask, a residual) runs in that other stage, where
+        # the cotangent goes anyway; the stage it leaves is the hint of last resort.
+        candidates = candidates or leaving
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet, nor for the update of a state input nothing else
         # reads (the momentum of a parameter whose gradient is zero): that waits for
@@ -955,7 +963,7 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> Non
                     f"or have effects, is one piece of work on one mesh. Compute what reads "
                     f"each stage's arrays outside it to keep each stage's work on its mesh.",
                     PlacementWarning,
-                    stacklevel=1,  # (the message names the user's line; no frame of theirs is on the stack)
+                    stacklevel=compat.user_stacklevel(),
                 )
         if is_marker(eqn):
             crossing.update(eqn.outvars)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_same_array, mesh_index, mlp_loss
+from helpers import assert_same_array, assert_same_tree, mesh_index, mlp_loss
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -509,3 +509,59 @@ def test_an_update_in_a_skip_step_conditional_returns_where_its_parameter_is_rea
     # leaf is 5.3e-7 from itself; the bound is ten times that floor.
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_same_array(g, w, rtol=5.3e-6)
+
+
+def test_dropout_in_a_stage_moves_no_mask_and_each_cotangent_once(meshes4):
+    """A stage's dropout mask (made from the key) is a value of that stage: the backward
+    of its ``where`` runs in the stage's backward, where the cotangent leaving the next
+    stage goes anyway; run there with the cotangent, it would pull the mask forward and
+    send back two cotangents (the masked one and the residual's)."""
+
+    def loss(ws, x, key):
+        h = x
+        for i, w in enumerate(ws):
+            h = mpmdc.stage(h, i)
+            z = jnp.tanh(h @ w)
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, z.shape)
+            h = h + jnp.where(keep, z / 0.8, 0.0)
+        return jnp.mean(h**2)
+
+    step = jax.value_and_grad(loss)
+    ws = [jnp.eye(WIDTH) * (1 + i / 10) for i in range(STAGES)]
+    x, key = jnp.ones((8, WIDTH)), jax.random.key(0)
+    lowered = mpmdc.compile(step, meshes4).lower(ws, x, key)
+    report = lowered.transfer_report()
+    activation = 8 * WIDTH * 4
+    assert report.total("activations/cotangents") == 2 * (STAGES - 1) * activation
+    assert report.total() == report.total("activations/cotangents") + (STAGES - 1) * 8  # keys
+    got = lowered.compile()(ws, x, key)
+    assert_same_tree(got, jax.jit(step)(ws, x, key))
+
+
+def test_a_conditional_in_a_stage_on_a_predicate_from_an_earlier_one_differentiates_there(
+    meshes4,
+):
+    """``lax.cond`` in stage 1 on a predicate computed in stage 0: its backward runs on
+    stage 1's mesh with its forward. JAX's linearization passes the weight through the
+    conditional as a residual; kept as a conditional of its own, the predicate alone
+    placed it in stage 0, whose backward then pulled in the rest and the weight."""
+
+    def loss(ws, x):
+        h0 = jnp.tanh(mpmdc.stage(x, 0) @ ws[0])
+        h1 = mpmdc.stage(h0, 1)
+        h1 = jax.lax.cond(
+            jnp.mean(h0) > 0, lambda h: jnp.tanh(h @ ws[1]), lambda h: jnp.sin(h @ ws[1]), h1
+        )
+        return jnp.mean(jnp.tanh(mpmdc.stage(h1, 2) @ ws[2]) ** 2)
+
+    step = jax.value_and_grad(loss)
+    k = jax.random.split(jax.random.key(0), 4)
+    ws = [jax.random.normal(k[i], (WIDTH, WIDTH)) / 4 for i in range(3)]
+    x = jax.random.normal(k[3], (8, WIDTH))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        lowered = mpmdc.compile(step, meshes4[:3]).lower(ws, x)
+    program = lowered.program("after-split")
+    assert program.in_meshes[:3] == program.out_meshes[1:4] == (0, 1, 2)
+    got = lowered.compile()(ws, x)
+    assert_same_tree(got, jax.jit(step)(ws, x))

@@ -13,7 +13,8 @@ marked into that stage or not), and what real code does besides:
 * effects: ``debug.callback`` in the program and inside a jitted helper whose result
   is never used (each callback records its own tag, so two callbacks sharing an
   executable would be seen);
-* a typed PRNG key among the inputs, used for noise and carried across stages;
+* a typed PRNG key among the inputs, used for noise and dropout masks and carried
+  across stages;
 * scanned layer stacks marked ``stage(h, every=k, first=f)`` (even or uneven groups), their
   weights stacked from a value of the step or captured, per-layer keys split in the step.
 
@@ -21,8 +22,11 @@ Stage markers go at random places (non-monotonic, repeated, skipped, on pytrees,
 key included), over 1 to 4 meshes of 1 or 2 devices or 1 to 2 meshes of two axes of 2, stages mapped to meshes by
 default or by a random ``stage_to_mesh`` (several stages on one mesh), with random
 ``in_specs``, plain, under ``value_and_grad`` or inside ``accumulate`` under a random
-valid schedule. Results must equal ``jax.jit``'s: dtype, shape and weak type exactly,
-values to rtol 1e-5; callbacks must record the same values per tag. A second test
+valid schedule; a plain program may also return some of its inputs, earlier values and
+captured constants as they are. Results must equal ``jax.jit``'s: dtype, shape and weak
+type exactly, values to rtol 1e-5; each must own its buffers (none shared with an
+argument or another result, as under ``jax.jit``); callbacks must record the same
+values per tag. A second test
 calls one compiled function again and again with new argument types (weak and strong
 scalars, float32 and bfloat16, two sizes, tuple, list and dict containers), each call
 against ``jax.jit`` of the same arguments; a result computed in a stage from the scalar
@@ -43,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_array, clipped_tanh
+from helpers import assert_results_own_their_buffers, assert_same_array, clipped_tanh
 from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 from jax.experimental.xla_metadata import set_xla_metadata
@@ -113,6 +117,7 @@ MODULE_NUMPY = _module_constants(
     lambda n, seed: np.random.default_rng(seed + 10).normal(size=(n, n)).astype(np.float32) * 0.5
 )
 CONSTANT_KINDS = ("module_jax", "module_numpy", "closure", "jitted_helper")
+ECHOED_CONSTANTS = CONSTANT_KINDS[:3]  # the arrays themselves, returned as they are
 
 # Mesh shapes (axis name, size) and the in_specs drawn for each: one axis of 2 or 1
 # devices, or two axes of 2 (an FSDP x tensor-parallel layout), each dimension of a
@@ -160,7 +165,7 @@ def programs(draw):
         kind = draw(
             st.sampled_from(
                 ["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
-                + ["noise"] * with_key
+                + ["noise", "dropout"] * with_key
                 + ["stack", "custom_layer"]
             )
         )
@@ -222,8 +227,8 @@ def programs(draw):
             kind == "effect"
         ):  # a callback recording the operand, live or inside a dead jitted call
             ops.append(("effect", draw(st.booleans()), draw(operand)))
-        else:  # noise drawn from the key input
-            ops.append(("noise", draw(operand)))
+        else:  # noise or a dropout mask drawn from the key input
+            ops.append((kind, draw(operand)))
     markers = {}
     for k in draw(st.lists(st.integers(0, len(ops) - 1), max_size=8)):
         group = draw(st.lists(st.integers(0, num_inputs + k), min_size=1, max_size=2))
@@ -237,6 +242,16 @@ def programs(draw):
         # Some value must reach the last stage so that every mesh has exactly one stage.
         markers[len(ops) - 1] = (stages - 1, [num_inputs + len(ops) - 1], False)
     in_specs = [draw(st.sampled_from(INPUT_SPECS[mesh_axes])) for _ in range(num_inputs)]
+    # What a plain program returns besides its last value: inputs, earlier values (the
+    # last one again among them) and captured constants, each of which the call must
+    # return in a buffer of its own.
+    echo = st.one_of(
+        st.tuples(st.just("value"), st.integers(0, num_inputs - 1)),  # an input
+        st.just(("value", num_inputs + len(ops) - 1)),  # the last value again
+        st.tuples(st.just("value"), st.integers(0, num_inputs + len(ops) - 1)),
+        st.tuples(st.just("constant"), st.sampled_from(ECHOED_CONSTANTS), st.integers(0, 1)),
+    )
+    echoes = draw(st.lists(echo, max_size=3)) if mode == "plain" else []
     return dict(
         num_inputs=num_inputs,
         ops=ops,
@@ -251,6 +266,7 @@ def programs(draw):
         stacked_loss=stacked_loss,
         stage_to_mesh=stage_to_mesh,
         with_key=with_key,
+        echoes=echoes,
     )
 
 
@@ -328,6 +344,9 @@ def make_body(desc, meshes, record):
                     values.append(values[i] * 1.5)
             elif op[0] == "stack":
                 values.append(scanned_stack(op, values, key, closure_constants, stacked))
+            elif op[0] == "dropout":  # the mask is made from the key alone
+                keep = jax.random.bernoulli(jax.random.fold_in(key, k), 0.75, values[op[1]].shape)
+                values.append(jnp.where(keep, values[op[1]] / 0.75, 0.0))
             else:  # noise
                 noise = jax.random.normal(
                     jax.random.fold_in(key, k), values[op[1]].shape, values[op[1]].dtype
@@ -341,7 +360,13 @@ def make_body(desc, meshes, record):
                 for i, v in zip(group, marked):
                     values[i] = v
                 key = key_marked if with_the_key else key
-        return values[-1]
+        if not desc.get("echoes"):
+            return values[-1]
+        n = values[-1].shape[0]
+        return values[-1], *(
+            values[e[1]] if e[0] == "value" else constant(e[1], e[2], n, closure_constants)
+            for e in desc["echoes"]
+        )
 
     return body
 
@@ -522,12 +547,16 @@ def check(desc):
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     fn, args, kwargs = build(desc, meshes, seen)
-    got = jax.block_until_ready(mpmdc.compile(fn, meshes, **kwargs)(*args))
+    compiled = mpmdc.compile(fn, meshes, **kwargs)
+    got = jax.block_until_ready(compiled(*args))
     reference, _, _ = build(desc, reference_meshes(meshes), expected)
     want = jax.block_until_ready(jax.jit(reference)(*args))
     jax.effects_barrier()
     assert_same_results(got, want)
     seen.assert_same_as(expected, **FLOAT32)
+    assert_results_own_their_buffers(got, args)
+    if desc["echoes"]:  # nor with the next call's (a constant returned each time)
+        assert_results_own_their_buffers(jax.block_until_ready(compiled(*args)), (args, got))
 
 
 def _describe(desc):
@@ -536,7 +565,8 @@ def _describe(desc):
     event(f"in_specs={sorted({str(s) for s in desc['in_specs']})}")
     event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
     event(f"key={desc['with_key']}")
-    for kind in ("shard_map", "constant", "layer", "custom_layer", "effect"):
+    event(f"echoes={sorted({e[0] for e in desc['echoes']})}")
+    for kind in ("shard_map", "constant", "layer", "custom_layer", "effect", "dropout"):
         event(f"{kind}={any(op[0] == kind for op in desc['ops'])}")
     event(f"markers={min(len(desc['markers']), 3)}{'+' if len(desc['markers']) >= 3 else ''}")
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")

@@ -3,7 +3,8 @@ optimizer wrapped in one conditional keeps every stage's state on its own mesh.
 
 What it promises: a ``cond`` whose results share no non-scalar work becomes one
 conditional per group of results, each reading only what its branches need, with the
-same values (scalar work repeated); arrays sharing only scalar reductions (a global
+same values (scalar work repeated), and a result every branch returns as one operand
+is that operand; arrays sharing only scalar reductions (a global
 norm) in elementwise branches become selects; results sharing an array, and
 conditionals with effects, stay together; a conditional left reading several meshes' arrays is a
 ``PlacementWarning`` naming it. With ``partition``'s placement of state made from no
@@ -51,6 +52,28 @@ def test_independent_results_become_conditionals_of_their_own(meshes2):
     assert [len(e.invars) for e in conds(after)] == [3, 3, 2]
     for flag in (True, False):
         for got, want in zip(run(after, flag, *args[1:]), run(before, flag, *args[1:])):
+            assert_same_array(got, want, rtol=0, atol=0)
+
+
+def test_a_result_every_branch_returns_as_one_operand_is_that_operand(meshes2):
+    """A weight both branches pass through (a residual JAX's linearization forwards) is
+    the operand itself: a conditional of its own would be placed by its index alone.
+    The rest stays one conditional, and later readers read the operand."""
+
+    def fn(flag, a, b):
+        out, kept = jax.lax.cond(
+            flag, lambda a, b: (jnp.tanh(a), b), lambda a, b: (jnp.sin(a), b), a, b
+        )
+        return out, kept * 2.0, kept
+
+    before = input_program(fn, meshes2, True, A, B)
+    after = cond_fission(before)
+    assert [len(e.outvars) for e in conds(after)] == [1]
+    b = after.jaxpr.jaxpr.invars[2]
+    assert after.jaxpr.jaxpr.outvars[2] is b
+    assert any(b in e.invars for e in after.jaxpr.jaxpr.eqns if e.primitive.name == "mul")
+    for flag in (True, False):
+        for got, want in zip(run(after, flag, A, B), run(before, flag, A, B)):
             assert_same_array(got, want, rtol=0, atol=0)
 
 
