@@ -5,6 +5,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 """
 
 import io
+import sys
 
 import numpy as np
 from jax._src import array as _array
@@ -70,6 +71,16 @@ def exclude_from_source_lines(path: str) -> None:
 def source_line(eqn) -> str:
     """Return ``file:line (function)`` of the user code that created ``eqn``."""
     return _source_info_util.summarize(eqn.source_info)
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` naming the innermost frame of the user's code
+    (outside JAX, mpmdc and the libraries left out of source lines), counted from the
+    caller; 1, the caller, where no such frame is on the stack."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and not _source_info_util.is_user_filename(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def user_line() -> str:

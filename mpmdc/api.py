@@ -17,10 +17,11 @@ from typing import Any
 
 import jax
 
+from mpmdc import _jax_compat as compat
 from mpmdc import backends
 from mpmdc.errors import AccumulateError, IdleMeshWarning, MpmdcError, PassError
 from mpmdc.ir.custom_rules import placing
-from mpmdc.ir.primitives import fragment_p
+from mpmdc.ir.primitives import fragment_p, is_marker, is_transposed_marker
 from mpmdc.ir.program import Phase, PlanRequest, Program
 from mpmdc.ir.traffic import TransferReport, transfer_report
 from mpmdc.options import CompileOptions
@@ -86,15 +87,39 @@ def _warn_of_idle_meshes(lowered: Lowered) -> None:
             stages.setdefault(eqn.params["mesh"], set()).add(eqn.params["stage"])
     n = len(split.meshes)
     running = ", ".join(f"{sorted(stages[m])} on mesh{m}" for m in sorted(stages))
+    marked = _marked_stages(lowered)
     for m in sorted(set(range(n)) - set(stages)):
+        advice = (
+            f"Mark a stage for it (stage s runs on meshes[s % {n}] unless stage_to_mesh "
+            f"says otherwise) or compile over fewer meshes."
+        )
+        if marked.get(m):
+            s, line = marked[m]
+            advice = (
+                f"Stage {s} is marked for it (at {line}), but no work reads what enters it "
+                f"there: its readers run in other stages (a shard_map runs in the stage of "
+                f"the mesh it is built for; build it with meshes[{m}] to run it on mesh{m})."
+            )
         warnings.warn(
             f"mesh{m} {dict(split.meshes[m].shape)} runs no stage and sits idle every step: "
-            f"the program runs stages {running}. Mark a stage for it (stage s runs on "
-            f"meshes[s % {n}] unless stage_to_mesh says otherwise) or compile over fewer "
-            f"meshes.",
+            f"the program runs stages {running}. {advice}",
             IdleMeshWarning,
-            stacklevel=2,
+            stacklevel=compat.user_stacklevel(),
         )
+
+
+def _marked_stages(lowered: Lowered) -> dict[int, tuple[int, str]]:
+    """Per mesh, the first stage a forward marker of the placed program enters on it, and
+    the marker's source line."""
+    if "after-partition" not in lowered.stages:
+        return {}
+    placed = lowered.program("after-partition")
+    out: dict[int, tuple[int, str]] = {}
+    for eqn in placed.jaxpr.jaxpr.eqns:
+        if is_marker(eqn) and not is_transposed_marker(eqn):
+            stage = eqn.params["stage"]
+            out.setdefault(placed.mesh_of_stage(stage), (stage, compat.source_line(eqn)))
+    return out
 
 
 class Lowered:

@@ -81,7 +81,7 @@ def _marker_inside(eqn, marker) -> PlacementError:
         f"inside `{name}` (at {compat.source_line(eqn)}); a stage marker must be outside "
         f"loops, conditionals and shard_map bodies."
     )
-    if eqn.primitive in (jprims.scan_p, jprims.while_p):
+    if eqn.primitive is jprims.scan_p:
         message += (
             " To pipeline a scan over layers, write mpmdc.stage(h, every=k) in its body: "
             "iteration j then enters stage j // k, and the scan runs as one scan per stage."

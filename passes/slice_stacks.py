@@ -252,5 +252,5 @@ def _warn(scan, what: list[str], why: str) -> None:
         f"stage's rows to it and back. Give every stage the same number of layers, one "
         f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
         PlacementWarning,
-        stacklevel=1,  # (the message names the scan; no frame of the user's is near)
+        stacklevel=compat.user_stacklevel(),
     )

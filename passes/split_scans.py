@@ -131,7 +131,7 @@ def _warn_of_whole_stacks(eqn, paths: dict) -> None:
                 f"all of it, and its gradient is summed whole. Pass stacked parameters as "
                 f"the scan's xs, jax.lax.scan(body, h, params), to give each stage its rows.",
                 PlacementWarning,
-                stacklevel=1,  # (the message names the scan; no frame of the user's is near)
+                stacklevel=compat.user_stacklevel(),
             )
 
 

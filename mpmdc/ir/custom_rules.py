@@ -150,7 +150,7 @@ class CustomRuleStages:
             f"with its primal work): the backward of the stages before stage {stage} runs "
             f"in stage {stage}'s. Mark the value before calling the function instead.",
             PlacementWarning,
-            stacklevel=2,
+            stacklevel=compat.user_stacklevel(),
         )
 
     def _run(self, primals, rule) -> _Running:

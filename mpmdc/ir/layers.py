@@ -101,7 +101,9 @@ def scan_split(eqn) -> ScanSplit | None:
 
 
 def _uneven_example(length: int, every: int) -> tuple[int, ...]:
-    groups = max(1, round(length / every))
+    """``length`` iterations in as few groups of at most ``every`` as can hold them, the
+    groups' sizes differing by at most one."""
+    groups = -(-length // every)
     base, extra = divmod(length, groups)
     return tuple(base + (1 if g < extra else 0) for g in range(groups))
 

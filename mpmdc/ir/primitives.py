@@ -33,6 +33,7 @@ import enum
 import operator
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
@@ -99,6 +100,23 @@ def _checked_every(every, first):
     )
 
 
+_VALUE_TYPES = (jax.Array, jax.core.Tracer, np.ndarray, np.generic, int, float, complex)
+
+
+def _checked_leaves(x, leaves) -> None:
+    """A ``StageError`` naming the first leaf of ``x`` that is not a JAX value."""
+    if all(isinstance(leaf, _VALUE_TYPES) or hasattr(leaf, "__jax_array__") for leaf in leaves):
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+        if not (isinstance(leaf, _VALUE_TYPES) or hasattr(leaf, "__jax_array__")):
+            where = f"x{jax.tree_util.keystr(path)}" if path else "x"
+            raise _stage_error(
+                f"{where} is a {type(leaf).__name__}, not an array: mark arrays (a pytree of "
+                f"them), and pass anything else around the marker, or register its type as a "
+                f"pytree node."
+            )
+
+
 def stage(x, index=None, *, every=None, first=0):
     """Mark that the pytree ``x`` enters pipeline stage ``index``.
 
@@ -119,6 +137,7 @@ def stage(x, index=None, *, every=None, first=0):
             "mpmdc.stage(x, every=k) (not both)."
         )
     leaves, treedef = jax.tree_util.tree_flatten(x)
+    _checked_leaves(x, leaves)
     if every is not None:
         every, first = _checked_every(every, first)
         if not leaves:

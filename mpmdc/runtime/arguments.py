@@ -13,13 +13,12 @@ global array), so they all decide alike without meeting.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import jax
 from jax.sharding import NamedSharding
 
+from mpmdc import _jax_compat as compat
 from mpmdc.errors import ArgumentError, MeshError, PlacementWarning
 from mpmdc.runtime.transfers import MeshTransfer
 
@@ -62,18 +61,6 @@ def _processes(sharding) -> frozenset[int]:
     return frozenset(d.process_index for d in sharding.device_set)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the innermost frame outside mpmdc, counted from the caller:
-    a warning names the user's call of the step, however mpmdc reached it."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 class ArgumentMoves:
     """Where a compiled program reads each argument, and what a call placed elsewhere
     costs: ``warn`` names a moved argument once; ``across_processes`` moves the
@@ -105,7 +92,7 @@ class ArgumentMoves:
             f"pass what the step returned for it (a result fed back is where the next call "
             f"reads it).",
             PlacementWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=compat.user_stacklevel(),
         )
 
     def across_processes(self, leaves) -> list:

@@ -181,6 +181,12 @@ MISTAKES = [
         lambda w: mpmdc.stage(w.x, 1.5),
     ),
     Mistake(
+        "a marked value that is no array",
+        errors.StageError,
+        r"x\['label'\] is a str, not an array",
+        lambda w: mpmdc.stage({"h": w.x, "label": "hidden"}, 0),
+    ),
+    Mistake(
         "a stage index that is a traced value",
         errors.StageError,
         "depends on a traced value",
