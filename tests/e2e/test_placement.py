@@ -6,6 +6,7 @@ Each case is an Optax optimizer on a residual model whose blocks end in a bias (
 """
 
 import math
+import re
 import warnings
 
 import jax
@@ -303,6 +304,34 @@ def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", mpmdc.errors.IdleMeshWarning)
         mpmdc.compile(gapped, meshes[:2], stage_to_mesh=(0, 0, 1)).lower(w, x)
+
+
+def test_a_marked_stage_whose_work_a_shard_map_takes_elsewhere_is_named_at_the_users_line():
+    """A shard_map built for mesh1 right after stage 0's marker runs in stage 1 (a
+    shard_map's mesh places it), leaving mesh0 idle: the warning names stage 0's marker
+    and the cause, and points at the user's line, not mpmdc's."""
+    meshes = mpmdc.make_meshes(2, {"data": 2})
+
+    def loss(w, x):
+        h = mpmdc.stage(x, 0)
+        h = jax.shard_map(
+            lambda h, w: jnp.tanh(h @ w),
+            mesh=meshes[1],
+            in_specs=(P("data"), P()),
+            out_specs=P("data"),
+        )(h, w)
+        return jnp.mean(mpmdc.stage(h, 1) ** 2)
+
+    w, x = jnp.full((4, 4), 0.25), jnp.ones((4, 4))
+    with pytest.warns(mpmdc.errors.IdleMeshWarning) as caught:
+        mpmdc.compile(loss, meshes).lower(w, x)
+    (warning,) = caught
+    assert re.search(
+        r"mesh0 .* runs no stage .* Stage 0 is marked for it \(at .*test_placement.py:\d+:\d+ "
+        r"\(.*loss\)\), .* build it with meshes\[0\]",
+        str(warning.message),
+    )
+    assert warning.filename == __file__
 
 
 VOCAB = 32
