@@ -23,6 +23,11 @@ work that costs less than moving its state. Results sharing costly work stay in 
 conditional; ``partition`` warns where such a conditional reads several meshes'
 arrays. A conditional with effects (callbacks, ordered effects) stays whole, so its
 effects happen once.
+
+A result every branch returns as the same operand, untouched (a weight JAX's
+linearization passes through a conditional as a residual), is that operand: as a
+conditional of its own its only placed operand would be the index, which would place it
+and, through it, the differentiated conditional reading it.
 """
 
 from __future__ import annotations

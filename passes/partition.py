@@ -410,6 +410,7 @@ class PlacementState:
         after, so do the other places their values go."""
         candidates: dict = {}
         leaving: dict = {}  # (the stages cotangents read here leave)
+        residual = False  # (whether ``i`` reads a value of an earlier transpose count)
         operands = self.operands(i, inputs=False)
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
         for a in operands:
@@ -420,15 +421,18 @@ class PlacementState:
             elif not is_transposed_marker(self.eqns[j]):
                 self.suggest(candidates, [j])
                 placed = max(placed, nbytes(a.aval))
+                residual |= self.transpose[j] < self.transpose[i]
             elif through_boundaries:
                 self.suggest(leaving, [j])
                 placed = max(placed, nbytes(a.aval))
             else:  # a cotangent leaving a stage's backward: where it goes is not known yet
                 waiting = max(waiting, nbytes(a.aval))
-        # A cotangent leaves its marker's stage: work reading it there as well as a value
-        # of another stage (a dropout mask, a residual) runs in that other stage, where
-        # the cotangent goes anyway; the stage it leaves is the hint of last resort.
-        candidates = candidates or leaving
+        # A cotangent leaves its marker's stage: work reading it there and a residual of
+        # another stage's forward (a dropout mask) is that stage's backward, where the
+        # cotangent goes anyway. Without a residual, the stages compete by bytes.
+        if not (residual and candidates):
+            for stage, rank in leaving.items():
+                candidates[stage] = max(rank, candidates.get(stage, rank))
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet, nor for the update of a state input nothing else
         # reads (the momentum of a parameter whose gradient is zero): that waits for

@@ -33,7 +33,6 @@ import enum
 import operator
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
@@ -100,20 +99,28 @@ def _checked_every(every, first):
     )
 
 
-_VALUE_TYPES = (jax.Array, jax.core.Tracer, np.ndarray, np.generic, int, float, complex)
+def _is_value(leaf) -> bool:
+    """Whether JAX takes ``leaf`` as a value (an array, a number, a key)."""
+    try:
+        jax.typeof(leaf)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _checked_leaves(x, leaves) -> None:
     """A ``StageError`` naming the first leaf of ``x`` that is not a JAX value."""
-    if all(isinstance(leaf, _VALUE_TYPES) or hasattr(leaf, "__jax_array__") for leaf in leaves):
+    if all(map(_is_value, leaves)):
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
-        if not (isinstance(leaf, _VALUE_TYPES) or hasattr(leaf, "__jax_array__")):
+        if not _is_value(leaf):
             where = f"x{jax.tree_util.keystr(path)}" if path else "x"
+            dtype = getattr(leaf, "dtype", None)
+            of = f" of dtype {dtype}" if dtype is not None else ""
             raise _stage_error(
-                f"{where} is a {type(leaf).__name__}, not an array: mark arrays (a pytree of "
-                f"them), and pass anything else around the marker, or register its type as a "
-                f"pytree node."
+                f"{where} is a {type(leaf).__name__}{of}, which is no array type: mark arrays "
+                f"(a pytree of them), and pass anything else around the marker, or register "
+                f"its type as a pytree node."
             )
 
 

@@ -183,7 +183,7 @@ MISTAKES = [
     Mistake(
         "a marked value that is no array",
         errors.StageError,
-        r"x\['label'\] is a str, not an array",
+        r"x\['label'\] is a str, which is no array type",
         lambda w: mpmdc.stage({"h": w.x, "label": "hidden"}, 0),
     ),
     Mistake(
