@@ -70,7 +70,10 @@ def _why_none(wanted: str) -> str:
         glob.escape(wanted) + PARTIAL_SUFFIX
     )
     if partials and not os.path.exists(wanted):
-        return f"only {partials[0]} is there: a save to it has not finished, or died"
+        return (
+            f"only {partials[0]} is there: a save to it has not finished, or died (its "
+            f"process killed); a folder no save is writing may be removed"
+        )
     if os.path.isdir(wanted):
         if not os.access(wanted, os.R_OK | os.X_OK):
             return "permission denied"

@@ -93,6 +93,11 @@ def read_bytes(path: str) -> bytes:
             raise CheckpointError(
                 f"{path} is a link; a checkpoint holds only its own files."
             ) from None
+        if isinstance(err, FileNotFoundError):  # (in a checkpoint a save committed)
+            raise CheckpointError(
+                f"cannot read {path}: it is not there, so the checkpoint is damaged (a file "
+                f"of it was removed after its save committed). Restore another checkpoint."
+            ) from None
         raise CheckpointError(f"cannot read {path}: {reason(err)}.") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_DOCUMENT_BYTES:

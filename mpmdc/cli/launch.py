@@ -235,16 +235,24 @@ def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process]
     """``(process, what happened)`` of the failure to blame.
 
     ``first_exit`` is the first process seen exiting with an error (when, and which).
-    Killed by a signal, it could not say why and is the one to blame. Otherwise the
+    Killed by a signal, it could not say why and is the one to blame, with what a peer
+    announced of it (that it made no progress). Otherwise the
     earliest error a process announced may be older than that exit: a process raising
     tells its peers at once, and they can exit before it does. An announcement that
     blames another process (one that made no progress while the announcer waited for
     it) blames that one.
     """
     seen, process = first_exit
+    announcements = _announcements(failure_dir)
     if process.popen.returncode < 0:
-        return process, f"it {_how(process.popen.returncode)}"
-    events = [(seen, process.index, None), *_announcements(failure_dir)]
+        # (Also where what killed it reacted to its peers' announcement: JAX's
+        # coordination service aborts a process another one reported stuck.)
+        blames = sorted(
+            (when, r["blame"]) for when, _, r in announcements if r["culprit"] == process.index
+        )
+        ending = f"it {_how(process.popen.returncode)}"
+        return process, f"{blames[0][1].rstrip('.')}; {ending}" if blames else ending
+    events = [(seen, process.index, None), *announcements]
     _, index, record = min(events, key=lambda event: event[:2])
     message = ""
     if record is not None:

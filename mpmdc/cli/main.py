@@ -7,10 +7,12 @@ request, 2 for a usage mistake. Every failure prints one line, never a traceback
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import jax
@@ -582,6 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(command, message, category, filename, lineno, file=None, line=None):
+    """A warning as the command says it: its category and text, without a source line."""
+    print(f"{command}: warning: {category.__name__}: {message}", file=file or sys.stderr)
+
+
 def main(argv=None) -> int:
     """Entry point of the ``mpmdc`` console script; returns the exit status."""
     parser = build_parser()
@@ -589,7 +596,11 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         command = f"mpmdc {args.command}"
-        status = args.handler(args)
+        with warnings.catch_warnings():
+            # (No frame of the user's is on the stack once their program is traced: a
+            # warning's file and line would be this script's.)
+            warnings.showwarning = functools.partial(_show_warning, command)
+            status = args.handler(args)
         sys.stdout.flush()
         return status
     except BrokenPipeError:

@@ -127,9 +127,13 @@ def _failed_peer(what: str, exchange: str = "") -> MpmdRuntimeError | None:
     failed = peer_failures(exchange)
     if not failed:
         return None
-    first = min(failed)
+    here, first = jax.process_index(), min(failed)
+    who = "this process" if first == here else f"process {first}"
+    culprit = announced().get(first, (None, None))[1]
+    if culprit is not None and culprit != first:  # (it failed for want of another)
+        who += f", blaming process {culprit},"
     return MpmdRuntimeError(
-        f"process {jax.process_index()} stopped waiting for {what}: process {first} failed: {failed[first]}"
+        f"process {here} stopped waiting for {what}: {who} failed: {failed[first]}"
     )
 
 

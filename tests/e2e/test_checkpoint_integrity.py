@@ -299,6 +299,17 @@ def test_a_chunk_changed_in_place_fails_its_checksum_naming_leaf_and_chunk(saved
         restore(saved, {"w": jnp.zeros((4, 6)), "k": jax.random.key(0)})
 
 
+@pytest.mark.parametrize("name", ["zarr.json", "w/zarr.json"])
+def test_a_file_removed_after_the_save_committed_says_the_checkpoint_is_damaged(saved, name):
+    os.remove(saved / name)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"cannot read .*{name}: it is not there, so the checkpoint is damaged .* "
+        r"Restore another checkpoint",
+    ):
+        restore(saved)
+
+
 def test_a_truncated_chunk_is_an_error(saved):
     [chunk] = chunk_files(saved / "w")
     os.truncate(chunk, 10)

@@ -181,6 +181,22 @@ def test_plain_function_with_args_and_meshes(capsys, plain_file):
     assert "b:float32[4,8] @mesh0 P()  # args[1]" in out
 
 
+def test_a_warning_is_said_by_the_command_not_at_a_line_of_it(capsys, plain_file):
+    """Once the program is traced no frame of the user's is on the stack: a warning says
+    the command's name, its category and text, not the console script's line."""
+    status, _, err = run(
+        capsys,
+        "dump",
+        f"{plain_file}:loss",
+        "--args",
+        "f32[8,16], f32[4,8]",
+        "--meshes",
+        "3x(data=2)",
+    )
+    assert status == 0
+    assert re.search(r"^mpmdc dump: warning: IdleMeshWarning: mesh2 .* runs no stage", err, re.M)
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [

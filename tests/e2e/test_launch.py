@@ -53,6 +53,29 @@ def test_a_run_that_always_fails_ends_after_its_restarts_with_each_cause_printed
     assert re.findall(r"^\[0\] attempt (\d)", out, re.M) == ["0", "1", "2"]
 
 
+def test_a_process_killed_after_a_peer_reported_it_stuck_is_blamed_with_the_report(capsys):
+    """Process 0 announces that process 1 made no progress (as its watchdog does), then
+    process 1 is killed by a signal (JAX's coordination service aborts it) before process
+    0 exits: the launcher blames process 1 with the report, not with the signal alone."""
+    code = SAYS_ATTEMPT + (
+        "import json, signal, time, pathlib\n"
+        "folder = pathlib.Path(os.environ['MPMDC_FAILURE_DIR'])\n"
+        "if i == 0:\n"
+        "    record = dict(time=time.time(), message='waited', culprit=1, "
+        "blame='it made no progress for 20 s while process 0 waited for it')\n"
+        "    (folder / '0').write_text(json.dumps(record)); time.sleep(2); raise SystemExit(1)\n"
+        "while not (folder / '0').exists(): time.sleep(0.01)\n"
+        "os.kill(os.getpid(), signal.SIGABRT)\n"
+    )
+    status = launch([sys.executable, "-c", code], 2, grace=5, timeout=60)
+    _, err = capsys.readouterr()
+    assert status != 0
+    assert (
+        "mpmdc launch: process 1 failed first: it made no progress for 20 s while process 0 "
+        "waited for it; it was killed by SIGABRT" in err
+    ), err
+
+
 @pytest.mark.slow
 def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
     code = "import time; time.sleep(0.3); raise SystemExit(1)"
