@@ -245,10 +245,13 @@ def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process]
     seen, process = first_exit
     announcements = _announcements(failure_dir)
     if process.popen.returncode < 0:
-        # (Also where what killed it reacted to its peers' announcement: JAX's
-        # coordination service aborts a process another one reported stuck.)
+        # A peer's report of it made before it was seen killed is why it was (JAX's
+        # coordination service aborts a process another one reported stuck); one made
+        # after is the peer noticing that it died.
         blames = sorted(
-            (when, r["blame"]) for when, _, r in announcements if r["culprit"] == process.index
+            (when, r["blame"])
+            for when, _, r in announcements
+            if r["culprit"] == process.index and when <= seen
         )
         ending = f"it {_how(process.popen.returncode)}"
         return process, f"{blames[0][1].rstrip('.')}; {ending}" if blames else ending

@@ -159,7 +159,12 @@ def caught(output: str, index: int) -> tuple[float, str]:
 def test_a_process_killed_mid_step_fails_the_others_quickly():
     status, output = faults("kill")
     assert status != 0
-    assert "mpmdc launch: process 1 failed first: it was killed by SIGKILL" in output
+    # (With what process 0 reported of it, when that came before the launcher saw it die.)
+    assert re.search(
+        r"mpmdc launch: process 1 failed first: (it stopped sending transfer mesh1->mesh0 "
+        r"\(its connection broke\); )?it was killed by SIGKILL",
+        output,
+    ), output[-3000:]
     seconds, message = caught(output, 0)
     assert seconds < 10 + 2, message  # within the fault timeout
     assert message.startswith("MpmdRuntimeError: process 0: transfer mesh1->mesh0")
