@@ -166,16 +166,15 @@ def plain_file(tmp_path):
     return path
 
 
-def test_plain_function_with_args_and_meshes(capsys, plain_file):
-    status, out, _ = run(
-        capsys,
-        "dump",
-        f"{plain_file}:loss",
-        "--args",
-        "f32[8,16], f32[4,8]",
-        "--meshes",
-        "2x(data=2)",
+def dump_plain(capsys, plain_file, meshes):
+    """``mpmdc dump`` of the plain file's ``loss`` on ``meshes``: (status, stdout, stderr)."""
+    return run(
+        capsys, "dump", f"{plain_file}:loss", "--args", "f32[8,16], f32[4,8]", "--meshes", meshes
     )
+
+
+def test_plain_function_with_args_and_meshes(capsys, plain_file):
+    status, out, _ = dump_plain(capsys, plain_file, "2x(data=2)")
     assert status == 0
     assert "name=s0_fwd" in out and "name=s1_fwd" in out and "transfer[" in out
     assert "b:float32[4,8] @mesh0 P()  # args[1]" in out
@@ -184,15 +183,7 @@ def test_plain_function_with_args_and_meshes(capsys, plain_file):
 def test_a_warning_is_said_by_the_command_not_at_a_line_of_it(capsys, plain_file):
     """Once the program is traced no frame of the user's is on the stack: a warning says
     the command's name, its category and text, not the console script's line."""
-    status, _, err = run(
-        capsys,
-        "dump",
-        f"{plain_file}:loss",
-        "--args",
-        "f32[8,16], f32[4,8]",
-        "--meshes",
-        "3x(data=2)",
-    )
+    status, _, err = dump_plain(capsys, plain_file, "3x(data=2)")
     assert status == 0
     assert re.search(r"^mpmdc dump: warning: IdleMeshWarning: mesh2 .* runs no stage", err, re.M)
 
