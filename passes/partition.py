@@ -21,7 +21,9 @@ Rules, in the order they apply:
    with the earliest of its users. Rules 2 and 3 repeat until nothing changes, one
    transpose count at a time (forward first); then a cotangent leaving a transposed
    marker also counts, at its source and wherever else it is going (a bias gradient
-   summed from the cotangent entering a stage runs in that stage).
+   summed from the cotangent entering a stage runs in that stage), except that work
+   reading it and a residual of another stage's forward (a dropout mask) runs in that
+   stage's backward: the cotangent leaves its marker's stage anyway.
 4. The rest: work that reads program inputs and the pipeline's results, such as the
    optimizer update, runs where its operands (program inputs where they are used)
    and its users cost the fewest bytes to move, and joins the fragment of its earliest
