@@ -22,8 +22,8 @@ Rules, in the order they apply:
    transpose count at a time (forward first); then a cotangent leaving a transposed
    marker also counts, at its source and wherever else it is going (a bias gradient
    summed from the cotangent entering a stage runs in that stage), except that work
-   reading it and a residual of another stage's forward (a dropout mask) runs in that
-   stage's backward: the cotangent leaves its marker's stage anyway.
+   reading it and a residual of an earlier stage's forward (a dropout mask) runs in
+   that stage's backward: the cotangent leaves its marker's stage for it anyway.
 4. The rest: work that reads program inputs and the pipeline's results, such as the
    optimizer update, runs where its operands (program inputs where they are used)
    and its users cost the fewest bytes to move, and joins the fragment of its earliest
@@ -412,7 +412,7 @@ class PlacementState:
         after, so do the other places their values go."""
         candidates: dict = {}
         leaving: dict = {}  # (the stages cotangents read here leave)
-        residual = False  # (whether ``i`` reads a value of an earlier transpose count)
+        residuals = []  # (the stages of values of an earlier transpose count ``i`` reads)
         operands = self.operands(i, inputs=False)
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
         for a in operands:
@@ -423,16 +423,19 @@ class PlacementState:
             elif not is_transposed_marker(self.eqns[j]):
                 self.suggest(candidates, [j])
                 placed = max(placed, nbytes(a.aval))
-                residual |= self.transpose[j] < self.transpose[i]
+                if self.transpose[j] < self.transpose[i]:
+                    residuals.append(self.stage[j])
             elif through_boundaries:
                 self.suggest(leaving, [j])
                 placed = max(placed, nbytes(a.aval))
             else:  # a cotangent leaving a stage's backward: where it goes is not known yet
                 waiting = max(waiting, nbytes(a.aval))
-        # A cotangent leaves its marker's stage: work reading it there and a residual of
-        # another stage's forward (a dropout mask) is that stage's backward, where the
-        # cotangent goes anyway. Without a residual, the stages compete by bytes.
-        if not (residual and candidates):
+        # A cotangent leaves its marker's stage for earlier ones: work reading it and a
+        # residual of an earlier stage's forward (a dropout mask) is that stage's
+        # backward, where the cotangent goes anyway. Otherwise (a later stage's cotangent
+        # summed with it: a skip connection, whose last-stage backward shares the
+        # forward's transpose count) the stages compete by bytes.
+        if not (leaving and residuals and min(residuals) < min(leaving)):
             for stage, rank in leaving.items():
                 candidates[stage] = max(rank, candidates.get(stage, rank))
         # A small placed operand (a global norm) does not decide for a large one whose

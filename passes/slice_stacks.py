@@ -249,7 +249,8 @@ def _warn(scan, what: list[str], why: str) -> None:
     warnings.warn(
         f"a layer stack{where} cannot be one array over the stage meshes: {why}. Its "
         f"stacked arrays ({named}) are kept whole on one mesh, and each step moves every "
-        f"stage's rows to it and back. Give every stage the same number of layers, one "
+        f"stage's rows to it and back. Give every stage the same number of layers (a "
+        f"fixed every=k dividing the stack, where every='balanced' splits it unevenly), one "
         f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
         PlacementWarning,
         stacklevel=compat.user_stacklevel(),

@@ -21,7 +21,7 @@ import numpy as np
 
 from mpmdc import backends, schedules
 from mpmdc.errors import PassError
-from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p
+from mpmdc.ir.primitives import LOOP, ActionKind, LoopEdge, fragment_p, is_loop_edge
 from mpmdc.ir.program import Phase, Program, is_var, nbytes
 from mpmdc.ir.sharding import program_spec_forms
 from mpmdc.lowering import lower_fragment
@@ -120,6 +120,7 @@ def estimate(program: Program, num_stages: int) -> Estimate:
     # value -> (stage, kind, in the loop) of the fragment that made it
     producer: dict = {}
     inputs = set(program.jaxpr.jaxpr.invars)
+    rows: set = set()  # (a microbatch's rows of the batch, and their copies on other meshes)
     counted: set = set()
     kept: set = set()
     for eqn in program.jaxpr.jaxpr.eqns:
@@ -129,6 +130,8 @@ def estimate(program: Program, num_stages: int) -> Estimate:
                     producer[v] = producer[a]
                 elif is_var(a) and a in inputs:
                     inputs.add(v)
+                if is_var(a) and (a in rows or is_loop_edge(eqn, LoopEdge.SLICE)):
+                    rows.add(v)
             continue
         s, kind = eqn.params["stage"], eqn.params["kind"]
         # Without a microbatch loop every fragment is the one microbatch's.
@@ -143,6 +146,11 @@ def estimate(program: Program, num_stages: int) -> Estimate:
         else:
             after_loop[s] += took
         for a in filter(is_var, eqn.invars):
+            if a in rows and in_loop and (a, s) not in kept:
+                # A microbatch's rows are held from the loop's start of it to the last
+                # call reading them here (the first stage's backward, the last's loss).
+                kept.add((a, s))
+                activations[s] += nbytes(a.aval)
             if a in inputs and (a, s) not in counted:
                 counted.add((a, s))
                 held[s] += nbytes(a.aval)

@@ -88,9 +88,10 @@ class ArgumentMoves:
         warnings.warn(
             f"argument {path} is on {where}, but the program reads "
             f"it on {read}: every call moves it there first ({x.nbytes} bytes). Put it there "
-            f"once (jax.device_put(args, step.input_shardings(*args)[0]) places them all), or "
+            f"once (jax.device_put(args, step.input_shardings(*args)[0]) places them all), "
             f"pass what the step returned for it (a result fed back is where the next call "
-            f"reads it).",
+            f"reads it), or, for a value new every call (a batch), load it there with the "
+            f"same shardings.",
             PlacementWarning,
             stacklevel=compat.user_stacklevel(),
         )

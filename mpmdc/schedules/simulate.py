@@ -103,7 +103,8 @@ def _check_coverage(per_mesh, layout: Layout) -> set:
             if layout.stage_to_mesh[a.stage] != mesh:
                 raise ScheduleError(
                     f"{a} is listed on mesh {mesh}, but stage {a.stage} runs on mesh "
-                    f"{layout.stage_to_mesh[a.stage]}."
+                    f"{layout.stage_to_mesh[a.stage]}; list it there, or say where each stage "
+                    f"runs with compile(..., stage_to_mesh=...)."
                 )
             seen[a] = mesh
     split = {(a.stage, a.microbatch) for a in seen if a.kind in (ActionKind.I, ActionKind.W)}
