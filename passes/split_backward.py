@@ -18,14 +18,17 @@ from jax.sharding import PartitionSpec
 from mpmdc.passes.base import Property, register
 
 from mpmdc.errors import ScheduleError
+from mpmdc.ir.calls import REMAT_CALLS, call_body
 from mpmdc.ir.graph import def_use
 from mpmdc.ir.primitives import LOOP, ActionKind, fragment_p, transfer_p
 from mpmdc.ir.program import (
     Program,
+    copy_eqn,
     fresh_like,
     is_var,
     make_closed_jaxpr,
     sub_jaxpr,
+    substituted,
     vars_of,
 )
 from mpmdc.schedules import actions_of
@@ -73,6 +76,30 @@ def _part_name(name: str, kind: ActionKind) -> str:
     return name.replace("_bwd", part, 1) if "_bwd" in name else name + part
 
 
+def _without_checkpoints(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    """``jaxpr`` with each checkpointed call's body in its place. JAX differentiates a
+    ``jax.checkpoint`` into one call computing the recomputation and every cotangent of
+    its inputs, weights' and activation's alike; whole, it would put the weight
+    gradients in the input part. (In a backward fragment nothing of the forward is left
+    for the recomputation to be merged with.)"""
+    while any(e.primitive in REMAT_CALLS for e in jaxpr.eqns):
+        renamed: dict = {}
+        eqns = []
+        for eqn in jaxpr.eqns:
+            eqn = eqn.replace(invars=substituted(eqn.invars, renamed))
+            body = call_body(eqn) if eqn.primitive in REMAT_CALLS else None
+            if body is None or body[1]:
+                eqns.append(eqn)
+                continue
+            inner = dict(zip(body[0].invars, eqn.invars))
+            eqns += [copy_eqn(e, inner) for e in body[0].eqns]
+            for out, value in zip(eqn.outvars, substituted(body[0].outvars, inner)):
+                if is_var(out):
+                    renamed[out] = value
+        jaxpr = jaxpr.replace(eqns=eqns, outvars=substituted(jaxpr.outvars, renamed))
+    return jaxpr
+
+
 def cut_backward(eqn, is_cotangent: list[bool]) -> list:
     """Cut backward fragment ``eqn`` into input-gradient (``I``) and weight-gradient (``W``) parts.
 
@@ -80,7 +107,7 @@ def cut_backward(eqn, is_cotangent: list[bool]) -> list:
     with no equations and no outputs is left out.
     """
     closed = eqn.params["jaxpr"]
-    body = closed.jaxpr
+    body = _without_checkpoints(closed.jaxpr)
     needed = {v for v, c in zip(body.outvars, is_cotangent) if c and is_var(v)}
     in_input_part = [False] * len(body.eqns)
     for k in reversed(range(len(body.eqns))):

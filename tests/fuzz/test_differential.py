@@ -7,9 +7,9 @@ marked into that stage or not), and what real code does besides:
 
 * captured constants: module-level jax and numpy arrays, arrays made in a closure, a
   jitted helper closing over its own array; "layers" (marker, matmul with a constant,
-  tanh) give several stages bodies that differ only in the array they capture, and
-  some are functions with a derivative rule of their own (``custom_vjp``,
-  ``custom_jvp``) whose rule marks their input;
+  tanh) give several stages bodies that differ only in the array they capture; some
+  are checkpointed (``jax.checkpoint``), some functions with a derivative rule of their
+  own (``custom_vjp``, ``custom_jvp``) whose rule marks their input;
 * effects: ``debug.callback`` in the program and inside a jitted helper whose result
   is never used (each callback records its own tag, so two callbacks sharing an
   executable would be seen);
@@ -166,7 +166,7 @@ def programs(draw):
             st.sampled_from(
                 ["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
                 + ["noise", "dropout"] * with_key
-                + ["stack", "custom_layer"]
+                + ["stack", "custom_layer", "checkpointed_layer"]
             )
         )
         if kind == "unary":
@@ -192,10 +192,12 @@ def programs(draw):
                     draw(operand),
                 )
             )
-        elif kind == "layer":  # tanh(stage(x, s) @ c): stages alike but for their constant
+        elif kind in ("layer", "checkpointed_layer"):
+            # tanh(stage(x, s) @ c): stages alike but for their constant; checkpointed,
+            # the backward recomputes the product (one call JAX differentiates whole).
             ops.append(
                 (
-                    "layer",
+                    kind,
                     draw(st.integers(0, stages - 1)),
                     draw(st.sampled_from(CONSTANT_KINDS)),
                     draw(st.integers(0, 1)),
@@ -326,9 +328,12 @@ def make_body(desc, meshes, record):
             elif op[0] == "constant":
                 _, kind, index, how, i = op
                 values.append(apply_constant(kind, index, how, values[i]))
-            elif op[0] == "layer":
+            elif op[0] in ("layer", "checkpointed_layer"):
                 _, stage, kind, index, i = op
-                values.append(apply_constant(kind, index, "matmul", mpmdc.stage(values[i], stage)))
+                apply = lambda v: apply_constant(kind, index, "matmul", v)  # noqa: B023, E731 (called at once)
+                if op[0] == "checkpointed_layer":
+                    apply = jax.checkpoint(apply)
+                values.append(apply(mpmdc.stage(values[i], stage)))
             elif op[0] == "custom_layer":
                 _, stage, rule, index, i = op
                 c = closure_constants[values[i].shape[0]][index]
@@ -566,7 +571,8 @@ def _describe(desc):
     event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
     event(f"key={desc['with_key']}")
     event(f"echoes={sorted({e[0] for e in desc['echoes']})}")
-    for kind in ("shard_map", "constant", "layer", "custom_layer", "effect", "dropout"):
+    kinds = ("shard_map", "constant", "layer", "checkpointed_layer", "custom_layer", "effect")
+    for kind in (*kinds, "dropout"):
         event(f"{kind}={any(op[0] == kind for op in desc['ops'])}")
     event(f"markers={min(len(desc['markers']), 3)}{'+' if len(desc['markers']) >= 3 else ''}")
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")
@@ -681,7 +687,13 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 @given(
     programs()
     .filter(lambda d: not d["with_key"])
-    .map(lambda d: {**d, "mode": "accumulate" if d["mode"] == "accumulate" else "value_and_grad"}),
+    .map(
+        lambda d: {
+            **d,
+            "mode": "accumulate" if d["mode"] == "accumulate" else "value_and_grad",
+            "echoes": [],  # (a loss returns one value)
+        }
+    ),
     st.sampled_from(["none", "norm_outside", "norm_inside"]),
     st.booleans(),
     st.booleans(),
