@@ -82,20 +82,19 @@ def _without_checkpoints(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     its inputs, weights' and activation's alike; whole, it would put the weight
     gradients in the input part. (In a backward fragment nothing of the forward is left
     for the recomputation to be merged with.)"""
-    while any(e.primitive in REMAT_CALLS for e in jaxpr.eqns):
-        renamed: dict = {}
-        eqns = []
+    renamed: dict = {None: None}  # (not empty: the first round runs)
+    while renamed:  # (until a round finds no checkpoint: one nested in another)
+        renamed, eqns = {}, []
         for eqn in jaxpr.eqns:
             eqn = eqn.replace(invars=substituted(eqn.invars, renamed))
             body = call_body(eqn) if eqn.primitive in REMAT_CALLS else None
-            if body is None or body[1]:
+            if body is None or body[1]:  # (a body with constants of its own stays a call)
                 eqns.append(eqn)
                 continue
             inner = dict(zip(body[0].invars, eqn.invars))
             eqns += [copy_eqn(e, inner) for e in body[0].eqns]
             for out, value in zip(eqn.outvars, substituted(body[0].outvars, inner)):
-                if is_var(out):
-                    renamed[out] = value
+                renamed[out] = value
         jaxpr = jaxpr.replace(eqns=eqns, outvars=substituted(jaxpr.outvars, renamed))
     return jaxpr
 
