@@ -87,8 +87,9 @@ def _warn_of_idle_meshes(lowered: Lowered) -> None:
             stages.setdefault(eqn.params["mesh"], set()).add(eqn.params["stage"])
     n = len(split.meshes)
     running = ", ".join(f"{sorted(stages[m])} on mesh{m}" for m in sorted(stages))
-    marked = _marked_stages(lowered)
-    for m in sorted(set(range(n)) - set(stages)):
+    idle = sorted(set(range(n)) - set(stages))
+    marked = _marked_stages(lowered) if idle else {}
+    for m in idle:
         advice = (
             f"Mark a stage for it (stage s runs on meshes[s % {n}] unless stage_to_mesh "
             f"says otherwise) or compile over fewer meshes."

@@ -411,7 +411,7 @@ class PlacementState:
         ``through_boundaries``, cotangents leaving a stage's backward suggest nothing;
         after, so do the other places their values go."""
         candidates: dict = {}
-        leaving: dict = {}  # (the stages cotangents read here leave)
+        leaving = []  # (the transposed markers whose cotangents ``i`` reads)
         residuals = []  # (the stages of values of an earlier transpose count ``i`` reads)
         operands = self.operands(i, inputs=False)
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
@@ -426,7 +426,7 @@ class PlacementState:
                 if self.transpose[j] < self.transpose[i]:
                     residuals.append(self.stage[j])
             elif through_boundaries:
-                self.suggest(leaving, [j])
+                leaving.append(j)
                 placed = max(placed, nbytes(a.aval))
             else:  # a cotangent leaving a stage's backward: where it goes is not known yet
                 waiting = max(waiting, nbytes(a.aval))
@@ -435,9 +435,8 @@ class PlacementState:
         # backward, where the cotangent goes anyway. Otherwise (a later stage's cotangent
         # summed with it: a skip connection, whose last-stage backward shares the
         # forward's transpose count) the stages compete by bytes.
-        if not (leaving and residuals and min(residuals) < min(leaving)):
-            for stage, rank in leaving.items():
-                candidates[stage] = max(rank, candidates.get(stage, rank))
+        if not (leaving and residuals and min(residuals) < min(self.stage[j] for j in leaving)):
+            self.suggest(candidates, leaving)
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet, nor for the update of a state input nothing else
         # reads (the momentum of a parameter whose gradient is zero): that waits for

@@ -82,21 +82,26 @@ def _without_checkpoints(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     its inputs, weights' and activation's alike; whole, it would put the weight
     gradients in the input part. (In a backward fragment nothing of the forward is left
     for the recomputation to be merged with.)"""
-    renamed: dict = {None: None}  # (not empty: the first round runs)
-    while renamed:  # (until a round finds no checkpoint: one nested in another)
-        renamed, eqns = {}, []
-        for eqn in jaxpr.eqns:
-            eqn = eqn.replace(invars=substituted(eqn.invars, renamed))
+    if not any(e.primitive in REMAT_CALLS for e in jaxpr.eqns):
+        return jaxpr
+    eqns = []
+
+    def visit(body_eqns, env, top: bool):
+        for eqn in body_eqns:
             body = call_body(eqn) if eqn.primitive in REMAT_CALLS else None
             if body is None or body[1]:  # (a body with constants of its own stays a call)
-                eqns.append(eqn)
+                # A body's equations get fresh variables: one body may be inlined twice.
+                eqns.append(
+                    eqn.replace(invars=substituted(eqn.invars, env)) if top else copy_eqn(eqn, env)
+                )
                 continue
-            inner = dict(zip(body[0].invars, eqn.invars))
-            eqns += [copy_eqn(e, inner) for e in body[0].eqns]
-            for out, value in zip(eqn.outvars, substituted(body[0].outvars, inner)):
-                renamed[out] = value
-        jaxpr = jaxpr.replace(eqns=eqns, outvars=substituted(jaxpr.outvars, renamed))
-    return jaxpr
+            inner = dict(zip(body[0].invars, substituted(eqn.invars, env)))
+            visit(body[0].eqns, inner, top=False)  # (a checkpoint nested in it too)
+            env.update(zip(eqn.outvars, substituted(body[0].outvars, inner)))
+
+    env: dict = {}
+    visit(jaxpr.eqns, env, top=True)
+    return jaxpr.replace(eqns=eqns, outvars=substituted(jaxpr.outvars, env))
 
 
 def cut_backward(eqn, is_cotangent: list[bool]) -> list:

@@ -248,13 +248,16 @@ def _first_failure(processes: list[_Process], first_exit: tuple[float, _Process]
         # A peer's report of it made before it was seen killed is why it was (JAX's
         # coordination service aborts a process another one reported stuck); one made
         # after is the peer noticing that it died.
-        blames = sorted(
-            (when, r["blame"])
-            for when, _, r in announcements
-            if r["culprit"] == process.index and when <= seen
+        blame = min(
+            (
+                (when, r["blame"])
+                for when, _, r in announcements
+                if r["culprit"] == process.index and when <= seen
+            ),
+            default=None,
         )
         ending = f"it {_how(process.popen.returncode)}"
-        return process, f"{blames[0][1].rstrip('.')}; {ending}" if blames else ending
+        return process, f"{blame[1].rstrip('.')}; {ending}" if blame else ending
     events = [(seen, process.index, None), *announcements]
     _, index, record = min(events, key=lambda event: event[:2])
     message = ""

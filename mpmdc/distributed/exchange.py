@@ -79,10 +79,12 @@ def announced() -> dict[int, tuple[str, int | None]]:
     return found
 
 
-def peer_failures(exchange: str = "") -> dict[int, str]:
+def peer_failures(exchange: str = "", runs: dict | None = None) -> dict[int, str]:
     """``{process: message}`` of the processes that announced a failure (of the whole run,
-    or with ``exchange`` also of that one exchange: :func:`announce_exchange_failure`)."""
-    found = {process: message for process, (message, _) in announced().items()}
+    or with ``exchange`` also of that one exchange: :func:`announce_exchange_failure`);
+    ``runs``: what :func:`announced` returned, where the caller read it already."""
+    runs = announced() if runs is None else runs
+    found = {process: message for process, (message, _) in runs.items()}
     if exchange:
         try:
             entries = client().key_value_dir_get(f"{PREFIX}{exchange}/failed/")
@@ -124,12 +126,13 @@ def gave_up(what: str, peers, seconds: float, hint: str = "") -> MpmdRuntimeErro
 def _failed_peer(what: str, exchange: str = "") -> MpmdRuntimeError | None:
     """The error of this process's wait for ``what`` when a process announced a failure
     (of the run, or of ``exchange``), naming the first; ``None`` if none did."""
-    failed = peer_failures(exchange)
+    runs = announced()
+    failed = peer_failures(exchange, runs)
     if not failed:
         return None
     here, first = jax.process_index(), min(failed)
     who = "this process" if first == here else f"process {first}"
-    culprit = announced().get(first, (None, None))[1]
+    culprit = runs.get(first, (None, None))[1]
     if culprit is not None and culprit != first:  # (it failed for want of another)
         who += f", blaming process {culprit},"
     return MpmdRuntimeError(
