@@ -543,21 +543,24 @@ def profile(layers: int, microbatches: int, options) -> None:
 def fixed_costs(meshes, options) -> list[dict]:
     """What one call and one transfer cost whatever the work: ``x + 1`` on one
     microbatch's activation compiled for one device and for a whole mesh, and that
-    activation moved to the next mesh as the runtime moves it (each median of
-    ``--steps`` runs of 200, until the results are ready)."""
+    activation moved to the next mesh as the runtime moves it, where there is one (each
+    median of ``--steps`` runs of 200, until the results are ready)."""
     rows, width = options.microbatch_rows, options.width
     activation = jnp.zeros((rows, width), jnp.float32)
     one_device = NamedSharding(Mesh(meshes[0].devices.flat[:1], ("one",)), P())
     on_mesh = NamedSharding(meshes[0], P("data"))
-    on_next = NamedSharding(meshes[1], P("data"))
     backend = mpmdc.backends.get(mpmdc.backends.for_platform(meshes[0].devices.flat[0].platform))
     runs = []
     for what, sharding in (("call on 1 device", one_device), ("call on a mesh", on_mesh)):
         x = jax.device_put(activation, sharding)
         add_one = jax.jit(lambda a: a + 1).lower(x).compile()
         runs.append((what, sharding, lambda add_one=add_one, x=x: add_one(x)))
-    x = jax.device_put(activation, on_mesh)
-    runs.append(("transfer to the next mesh", on_mesh, lambda: backend.transfer([x], [on_next])))
+    if len(meshes) > 1:
+        on_next = NamedSharding(meshes[1], P("data"))
+        x = jax.device_put(activation, on_mesh)
+        runs.append(
+            ("transfer to the next mesh", on_mesh, lambda: backend.transfer([x], [on_next]))
+        )
     table = []
     for what, sharding, run in runs:
         jax.block_until_ready(run())
