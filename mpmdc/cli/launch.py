@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from mpmdc import distributed
+from mpmdc.distributed.ports import free_ports
 
 EXIT_TIMEOUT = 124
 
@@ -46,21 +46,6 @@ class _Process:
     index: int
     popen: subprocess.Popen
     reader: threading.Thread
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on the loopback interface (held open until all
-    are chosen, so none is picked twice)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _stream(index: int, pipe, out, lock: threading.Lock) -> None:
@@ -168,7 +153,7 @@ def _attempt(
 ) -> int:
     """Start every process once (``restart`` restarts came before) and supervise them;
     the exit status of this attempt."""
-    ports = _free_ports(num_processes + 1)
+    ports = free_ports("127.0.0.1", num_processes + 1)
     base = dict(os.environ)
     base.update(
         {

@@ -6,6 +6,7 @@ Every process runs the same script (JAX's multi-controller model).
   fault timeout that bounds every wait on another process;
 - ``setup``: :func:`initialize` (``jax.distributed`` started from ``mpmdc launch`` or the
   cluster's environment, with what mpmdc's runtime relies on) and leaving together;
+- ``ports``: free ports for the addresses processes serve, named before they listen;
 - ``exchange``: what goes through ``jax.distributed``'s key-value store: failures a
   process announces before it raises, meetings, checks that all processes hold the same
   thing, values fetched to every process, merged timelines.

@@ -30,6 +30,7 @@ from mpmdc import _jax_compat as compat
 from mpmdc import watchdog
 from mpmdc.distributed import exchange
 from mpmdc.distributed.exchange import PREFIX, announce_failure, client, peer_failures
+from mpmdc.distributed.ports import free_ports
 from mpmdc.distributed.settings import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
@@ -229,6 +230,4 @@ def _free_address(coordinator_host: str) -> str:
             host = probe.getsockname()[0]
     except OSError:
         host = "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
+    return f"{host}:{free_ports(host, 1)[0]}"
