@@ -1,4 +1,5 @@
-"""Splitting the small languages of mpmdc's options (pass lists, argument types) at commas.
+"""Text for users: the small languages of mpmdc's options (pass lists, argument types)
+split at commas, and a value's type named with its article.
 
 A leaf module (layer 0): it imports nothing of mpmdc.
 """
@@ -26,3 +27,9 @@ def split_top_level(text: str, brackets: str) -> list[str]:
     if depth != 0:
         raise ValueError(f"unbalanced {opening}{closing} in {text!r}")
     return [*items, current]
+
+
+def a_type(value) -> str:
+    """``value``'s type name with its article, for messages: ``"an EmptyState"``, ``"a list"``."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mpmdc._text import a_type
 from mpmdc.errors import ArgumentError, OutputError, SpecError
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import STAGES_AXIS, canonical_spec, spec_problem, within_stage
@@ -69,7 +70,7 @@ def checked_outputs(out):
             jax.typeof(leaf)
         except TypeError:
             raise OutputError(
-                f"output {path} is a {type(leaf).__name__} ({leaf!r:.60}), which is no array "
+                f"output {path} is {a_type(leaf)} ({leaf!r:.60}), which is no array "
                 f"type; compiled functions return arrays and numbers (as under jax.jit). "
                 f"Return it from outside the compiled function."
             ) from None
@@ -132,7 +133,7 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
     for path, leaf in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec_leaf)[0]:
         if not _is_spec_leaf(leaf):
             raise SpecError(
-                f"{what}{jax.tree_util.keystr(path)} is a {type(leaf).__name__} ({leaf!r:.40}), "
+                f"{what}{jax.tree_util.keystr(path)} is {a_type(leaf)} ({leaf!r:.40}), "
                 f"not a PartitionSpec; write jax.sharding.PartitionSpec({leaf!r:.40}) or None."
             )
     try:

@@ -20,6 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from mpmdc import _jax_compat as compat
+from mpmdc._text import a_type
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
@@ -136,6 +137,8 @@ class _Files:
                     continue  # (read and checked already)
                 if top and item.name != "c":
                     raise self._refuse(entry, item.path, "is no part of a Zarr array")
+                if not top and not item.name.isdigit():  # a chunk's key: c/<index>/<index>...
+                    raise self._refuse(entry, item.path, "is no chunk of a Zarr array")
                 if stat.S_ISDIR(kind):
                     pending.append((item.path, False))
                 elif not stat.S_ISREG(kind):
@@ -417,7 +420,7 @@ def _target_type(leaf, entry: LeafEntry, root: str):
         value = np.asarray(leaf)
         return value.shape, value.dtype, None, False
     raise CheckpointError(
-        f"target leaf {text} for the checkpoint at {root} is a {type(leaf).__name__}: give a "
+        f"target leaf {text} for the checkpoint at {root} is {a_type(leaf)}: give a "
         f"jax.ShapeDtypeStruct with a sharding, or an array, for every leaf."
     )
 

@@ -23,6 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from mpmdc import distributed, watchdog
+from mpmdc._text import a_type
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
     COMMITTED,
@@ -314,7 +315,7 @@ def _checked_type(x, text: str, directory: str) -> tuple[tuple[int, ...], np.dty
             )
     elif not isinstance(x, NUMBERS):
         raise CheckpointError(
-            f"leaf {text} saved to {directory} is a {type(x).__name__}, not an array: a checkpoint "
+            f"leaf {text} saved to {directory} is {a_type(x)}, not an array: a checkpoint "
             f"holds jax.Array, numpy arrays and Python numbers. Leave it out of the tree."
         )
     shape, dtype = stored_type(x)

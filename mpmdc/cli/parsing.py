@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from mpmdc._text import split_top_level
+from mpmdc._text import a_type, split_top_level
 from mpmdc.api import Lowered, compile
 from mpmdc.errors import PassError, UsageError
 from mpmdc.pipeline import resolve
@@ -202,7 +202,7 @@ def find_target(module, path: Path, name: str):
             )
         value = getattr(value, part)
     if not callable(value):
-        raise UsageError(f"target {path}:{name} is a {type(value).__name__}, not a function")
+        raise UsageError(f"target {path}:{name} is {a_type(value)}, not a function")
     return value
 
 

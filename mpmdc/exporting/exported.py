@@ -19,6 +19,7 @@ import jax
 from jax.sharding import AxisType, PartitionSpec
 
 from mpmdc import backends
+from mpmdc._text import a_type
 from mpmdc.api import Lowered, Wrapped
 from mpmdc.errors import ArgumentError, ExportError, MpmdcError
 from mpmdc.exporting import container, plain, recorded
@@ -47,7 +48,7 @@ def export(fn: Wrapped):
     static arguments as for ``fn.lower``)."""
     if not isinstance(fn, Wrapped):
         raise ExportError(
-            f"mpmdc.export takes a function from mpmdc.compile, got a {type(fn).__name__}; "
+            f"mpmdc.export takes a function from mpmdc.compile, got {a_type(fn)}; "
             f"export mpmdc.compile(fn, meshes)."
         )
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from mpmdc._text import a_type
 from mpmdc.errors import ExportError
 from mpmdc.ir.keys import is_key, is_key_dtype, key_data_type
 
@@ -148,7 +149,7 @@ def _aux_data(aux, where: str):
     if isinstance(aux, (tuple, list)):
         return {type(aux).__name__: [_aux_data(a, where) for a in aux]}
     raise ExportError(
-        f"{where} is a pytree node whose auxiliary data is a {type(aux).__name__}, which an "
+        f"{where} is a pytree node whose auxiliary data is {a_type(aux)}, which an "
         f"exported program cannot record; pass tuples, lists, dicts, namedtuples, or nodes "
         f"whose auxiliary data are numbers, strings or tuples of them."
     )
@@ -186,11 +187,19 @@ def _resolved(name: str):
     if not isinstance(found, type):
         raise ExportError(
             f"the exported program's pytrees hold {qualname} of module {module_name}, which "
-            f"is not imported in this process; `import {module_name}` (or the package "
-            f"that imports it, as `from flax import nnx` does) before calling it. Nothing in "
-            f"an exported program imports code."
+            f"is not imported in this process; `import {_public(module_name)}` (or the "
+            f"package that imports it, as `from flax import nnx` does) before calling it. "
+            f"Nothing in an exported program imports code."
         )
     return found
+
+
+def _public(module_name: str) -> str:
+    """The package a user imports for ``module_name``: its name up to the first private
+    part (``optax._src.transform`` is imported as ``optax``)."""
+    parts = module_name.split(".")
+    public = next((i for i, part in enumerate(parts) if part.startswith("_")), len(parts))
+    return ".".join(parts[: max(public, 1)])
 
 
 def tree_from(data) -> Any:

@@ -38,6 +38,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
 from mpmdc import _jax_compat as compat
+from mpmdc._text import a_type
 from mpmdc.errors import StageError
 from mpmdc.ir import custom_rules
 
@@ -118,7 +119,7 @@ def _checked_leaves(x, leaves) -> None:
             dtype = getattr(leaf, "dtype", None)
             of = f" of dtype {dtype}" if dtype is not None else ""
             raise _stage_error(
-                f"{where} is a {type(leaf).__name__}{of}, which is no array type: mark arrays "
+                f"{where} is {a_type(leaf)}{of}, which is no array type: mark arrays "
                 f"(a pytree of them), and pass anything else around the marker, or register "
                 f"its type as a pytree node."
             )

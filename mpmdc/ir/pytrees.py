@@ -8,6 +8,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from mpmdc._text import a_type
+
 
 def broadcast_prefix(prefix, tree, is_leaf) -> list:
     """One value of ``prefix`` per leaf of ``tree``, where ``prefix`` is a pytree prefix of it.
@@ -67,9 +69,9 @@ def _what(x) -> str:
     if _is_leaf(x):
         if isinstance(x, (_Slot, jax.Array, np.ndarray, np.generic, int, float, complex)):
             return "an array"
-        return f"a {type(x).__name__}"
+        return a_type(x)
     n = len(_children(x))
-    return f"a {type(x).__name__} of {n} entr{'y' if n == 1 else 'ies'}"
+    return f"{a_type(x)} of {n} entr{'y' if n == 1 else 'ies'}"
 
 
 class Difference(NamedTuple):

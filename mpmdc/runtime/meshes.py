@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from mpmdc._text import a_type
 from mpmdc.distributed import ENV_COORDINATOR
 from mpmdc.errors import MeshError
 
@@ -108,9 +109,7 @@ def check_meshes(meshes) -> tuple[Mesh, ...]:
     platforms = {}
     for i, mesh in enumerate(meshes):
         if not isinstance(mesh, Mesh):
-            raise MeshError(
-                f"meshes[{i}] is a {type(mesh).__name__}, not a jax.sharding.Mesh with devices."
-            )
+            raise MeshError(f"meshes[{i}] is {a_type(mesh)}, not a jax.sharding.Mesh with devices.")
         if mesh.size == 0:
             raise MeshError(f"meshes[{i}] has no devices.")
         for d in mesh.devices.flat:

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from mpmdc._text import a_type
 from mpmdc.errors import ArgumentError
 from mpmdc.ir.pytrees import first_difference, skeleton
 
@@ -89,7 +90,7 @@ def leaf_type(x, path: str | None = None) -> tuple:
             aval = jax.typeof(x)
         except TypeError:
             raise ArgumentError(
-                f"argument {path or '(unnamed)'} is a {type(x).__name__}, which is no array type; "
+                f"argument {path or '(unnamed)'} is {a_type(x)}, which is no array type; "
                 f"pass arrays, numbers or jax.ShapeDtypeStructs, or make the argument "
                 f"static with static_argnums."
             ) from None

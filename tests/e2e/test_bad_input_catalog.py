@@ -147,7 +147,7 @@ MISTAKES = [
     Mistake(
         "something that is no Mesh among the meshes",
         errors.MeshError,
-        r"meshes\[1\] is a object, not a jax.sharding.Mesh",
+        r"meshes\[1\] is an object, not a jax.sharding.Mesh",
         lambda w: mpmdc.compile(two_stage, [w.meshes[0], object()]),
     ),
     Mistake(

@@ -378,6 +378,10 @@ FILE_SWAPS = {
         lambda saved: (saved / "w" / "notes.txt").write_text("hi"),
         r"leaf \['w'\]: w/notes.txt is no part of a Zarr array",
     ),
+    "a file among the chunks": (
+        lambda saved: (saved / "w" / "c" / "notes.txt").write_text("hi"),
+        r"leaf \['w'\]: w/c/notes.txt is no chunk of a Zarr array",
+    ),
 }
 
 

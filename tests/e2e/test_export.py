@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import mpmdc
 from mpmdc.errors import ArgumentError, ExportError
+from mpmdc.exporting.plain import tree_data, tree_from
 
 RUNNER = Path(__file__).parents[1] / "multiprocess" / "run_exported.py"
 OPTIMIZER = optax.adamw(1e-2, weight_decay=1e-3)
@@ -376,3 +377,14 @@ def test_one_program_exported_from_two_places_gives_the_same_bytes():
     first = mpmdc.export(step)(w, w).serialize()
     second = mpmdc.export(step)(w, w).serialize()
     assert first == second
+
+
+def test_a_node_type_from_a_module_not_imported_names_the_package_to_import(monkeypatch):
+    data = tree_data(jax.tree_util.tree_structure(optax.adam(1e-3).init({"w": jnp.ones(2)})))
+    monkeypatch.delitem(sys.modules, "optax._src.transform")
+    with pytest.raises(
+        ExportError,
+        match=r"ScaleByAdamState of module optax\._src\.transform, "
+        r"which is not imported in this process; `import optax`",
+    ):
+        tree_from(data)
