@@ -123,9 +123,10 @@ def gave_up(what: str, peers, seconds: float, hint: str = "") -> MpmdRuntimeErro
     return MpmdRuntimeError(message)
 
 
-def _failed_peer(what: str, exchange: str = "") -> MpmdRuntimeError | None:
-    """The error of this process's wait for ``what`` when a process announced a failure
-    (of the run, or of ``exchange``), naming the first; ``None`` if none did."""
+def first_failure(exchange: str = "") -> str | None:
+    """The first process that announced a failure (of the run, or of ``exchange``) and
+    why, for a waiter's error: ``"process 2, blaming process 0, failed: ..."`` where it
+    failed for want of another; ``None`` if none did."""
     runs = announced()
     failed = peer_failures(exchange, runs)
     if not failed:
@@ -133,11 +134,18 @@ def _failed_peer(what: str, exchange: str = "") -> MpmdRuntimeError | None:
     here, first = jax.process_index(), min(failed)
     who = "this process" if first == here else f"process {first}"
     culprit = runs.get(first, (None, None))[1]
-    if culprit is not None and culprit != first:  # (it failed for want of another)
+    if culprit is not None and culprit != first:
         who += f", blaming process {culprit},"
-    return MpmdRuntimeError(
-        f"process {here} stopped waiting for {what}: {who} failed: {failed[first]}"
-    )
+    return f"{who} failed: {failed[first]}"
+
+
+def _failed_peer(what: str, exchange: str = "") -> MpmdRuntimeError | None:
+    """The error of this process's wait for ``what`` when a process announced a failure
+    (:func:`first_failure`); ``None`` if none did."""
+    failure = first_failure(exchange)
+    if failure is None:
+        return None
+    return MpmdRuntimeError(f"process {jax.process_index()} stopped waiting for {what}: {failure}")
 
 
 def _wait_for(key: str, peer: int, what: str, *, patient: bool = False, exchange: str = "") -> str:

@@ -126,10 +126,9 @@ class Progress:
             except Exception as err:
                 # A transfer whose sender broke the connection: the sender announced why
                 # before it exited, so that cause is named rather than the broken link.
-                failed = distributed.peer_failures() if entry.step.senders else {}
-                if failed:
-                    peer = min(failed)
-                    raise self._stopped(f"process {peer} failed: {failed[peer]}") from None
+                failure = distributed.first_failure() if entry.step.senders else None
+                if failure is not None:
+                    raise self._stopped(failure) from None
                 raise self.fault(entry.step, err) from None
             self.in_flight.pop(0)
             done += 1
@@ -149,10 +148,9 @@ class Progress:
                 now = time.monotonic()
                 if now >= next_look:
                     next_look = now + _POLL_PEERS_EVERY
-                    failed = distributed.peer_failures()
-                    if failed:
-                        peer = min(failed)
-                        raise self._stopped(f"process {peer} failed: {failed[peer]}")
+                    failure = distributed.first_failure()
+                    if failure is not None:
+                        raise self._stopped(failure)
                 if now - last_progress > timeout:
                     what, senders = self._waited_for()
                     self.in_flight.clear()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mpmdc import watchdog
+from mpmdc.distributed import exchange
 
 TIMEOUT = 10.0
 BEAT = watchdog.beat_seconds(TIMEOUT)
@@ -179,3 +180,23 @@ def test_a_blamed_process_hosting_the_store_ends_once_every_waiter_has_raised(do
     dog.tick(2.0)
     dog.tick(2.0 + TIMEOUT + 1)  # process 2 never raised: ended a fault timeout later
     assert len(dog.ended) == 1
+
+
+def test_a_waiter_hearing_of_a_failure_names_who_failed_first_and_whom_it_blamed(monkeypatch):
+    """What a waiter says when another process gave up before it: the first to announce,
+    and the process it blamed (the one the chain of waits ends at)."""
+    store = Store()
+    monkeypatch.setattr(exchange, "client", lambda: store)
+    assert exchange.first_failure() is None
+    store.key_value_set(
+        "mpmdc/failed/2",
+        json.dumps({"message": "process 2 stopped waiting: process 0 is stuck.", "culprit": 0}),
+    )
+    store.key_value_set(
+        "mpmdc/failed/3", json.dumps({"message": "process 3 raised ValueError", "culprit": None})
+    )
+    assert exchange.first_failure() == (
+        "process 2, blaming process 0, failed: process 2 stopped waiting: process 0 is stuck."
+    )
+    store.key_value_delete("mpmdc/failed/2")
+    assert exchange.first_failure() == "process 3 failed: process 3 raised ValueError"
