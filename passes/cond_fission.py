@@ -18,7 +18,10 @@ a cycle between them. Where their branches only compute elementwise and reduce (
 callback, loop or matrix product: an optimizer's), the group is predicated instead:
 every branch's equations are inlined and each result is a ``select_n`` on the index,
 so ``partition`` places each array's share of the work, and of the reduction, on that
-array's mesh, and only partial sums move. Both branches then run; for an optimizer's elementwise
+array's mesh, and only partial sums move. A conditional inside a branch whose own branches
+may all run (``optax.apply_if_finite`` inside ``optax.MultiSteps``) is written out so
+first, and small values made from scalars alone (``jnp.array`` of one flag per
+parameter) count as scalars. Both branches then run; for an optimizer's elementwise
 work that costs less than moving its state. Results sharing costly work stay in one
 conditional; ``partition`` warns where such a conditional reads several meshes'
 arrays. A conditional with effects (callbacks, ordered effects) stays whole, so its
@@ -33,6 +36,7 @@ and, through it, the differentiated conditional reading it.
 from __future__ import annotations
 
 import itertools
+import math
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
@@ -49,14 +53,27 @@ from mpmdc.ir.program import (
     substituted,
 )
 
+# A value of at most this many elements computed from scalars alone counts as one: the
+# vector ``jnp.array([...])`` makes of one scalar per parameter (``apply_if_finite``).
+SMALL = 4096
+
 
 def _is_scalar(v) -> bool:
     return getattr(v.aval, "shape", None) == ()
 
 
-def _is_scalar_work(eqn) -> bool:
-    """An equation on scalars only: repeating it in several groups is free."""
-    return all(map(_is_scalar, (*eqn.invars, *eqn.outvars))) and not eqn.effects
+def _scalar_like(jaxpr) -> set:
+    """The values of ``jaxpr`` computed from scalars alone, each small: repeating their
+    work in several groups is free."""
+    found: set = set()
+    for eqn in jaxpr.eqns:
+        if (
+            not eqn.effects
+            and all(_is_scalar(a) or a in found for a in eqn.invars)
+            and all(math.prod(v.aval.shape) <= SMALL for v in eqn.outvars)
+        ):
+            found.update(eqn.outvars)
+    return found
 
 
 def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
@@ -72,6 +89,7 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
     reductions = itertools.count(n)  # (ids of reductions' own groups, after the results)
     for branch in branches:
         needed_by: dict = {}
+        scalar_like = _scalar_like(branch.jaxpr)
         for j, v in enumerate(branch.jaxpr.outvars):
             if is_var(v):
                 needed_by.setdefault(v, set()).add(j)
@@ -79,8 +97,8 @@ def _result_groups(branches, scalars_shared: bool = False) -> list[list[int]]:
             results = set().union(*(needed_by.get(v, ()) for v in eqn.outvars))
             if not results:
                 continue
-            if _is_scalar_work(eqn):
-                pass
+            if eqn.outvars and all(v in scalar_like for v in eqn.outvars):
+                pass  # scalar work, repeated in every group that needs it
             elif scalars_shared and all(map(_is_scalar, eqn.outvars)):
                 results = {next(reductions)}
             elif len(results) > 1:
@@ -124,6 +142,31 @@ def _predicated(eqn, branches, operands, outvars, consts: dict) -> list:
     return eqns + selections(eqn, cases, outvars)
 
 
+def _without_nested_conds(branch):
+    """``branch`` with each conditional inside it whose branches may all run written out
+    (:func:`_predicated`), so that its results group by their own work rather than as
+    one equation's (``optax.MultiSteps`` around ``optax.apply_if_finite``)."""
+    jaxpr = branch.jaxpr
+    nested = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive is jprims.cond_p and predicable(b.jaxpr for b in e.params["branches"])
+    ]
+    if not nested:
+        return branch
+    consts = dict(zip(jaxpr.constvars, branch.consts))
+    eqns = []
+    for e in jaxpr.eqns:
+        if any(e is n for n in nested):
+            inner = [_without_nested_conds(b) for b in e.params["branches"]]
+            eqns += _predicated(e, inner, e.invars[1:], e.outvars, consts)
+        else:
+            eqns.append(e)
+    return make_closed_jaxpr(
+        list(consts), list(consts.values()), jaxpr.invars, jaxpr.outvars, eqns, jaxpr.debug_info
+    )
+
+
 def _forwarded(branches) -> dict[int, int]:
     """``{result: operand}`` for the results every branch returns as one operand, the
     same in each, untouched (a residual JAX's linearization passes through a
@@ -148,6 +191,7 @@ def _fissioned(eqn, consts: dict, renamed: dict) -> list:
     if eqn.effects or any(b.effects for b in branches):
         return [eqn]
     index, operands = eqn.invars[0], eqn.invars[1:]
+    branches = tuple(_without_nested_conds(b) for b in branches)
     forwarded = _forwarded(branches)
     for j, k in forwarded.items():
         renamed[eqn.outvars[j]] = operands[k]

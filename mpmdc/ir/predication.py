@@ -17,7 +17,7 @@ from jax.extend.core import primitives as jprims
 PREDICABLE = frozenset(
     getattr(jprims, f"{name}_p")
     for name in (
-        "abs add and broadcast_in_dim ceil clamp convert_element_type copy cos div eq erf "
+        "abs add and broadcast_in_dim ceil clamp concatenate convert_element_type copy cos div eq erf "
         "exp exp2 expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max "
         "min mul ne neg not or pow reduce_and reduce_max reduce_min reduce_or reduce_prod "
         "reduce_sum rem reshape round rsqrt select_n sign sin sqrt square squeeze sub tanh xor"
@@ -27,10 +27,15 @@ PREDICABLE_CALLS = frozenset({jprims.jit_p, jprims.custom_jvp_call_p})
 
 
 def predicable(jaxprs) -> bool:
-    """Every equation of ``jaxprs`` (calls followed) is in :data:`PREDICABLE`."""
+    """Every equation of ``jaxprs`` (calls and conditionals followed) is in
+    :data:`PREDICABLE`: a conditional inside may then be predicated too."""
     return all(
         eqn.primitive in PREDICABLE
-        or (eqn.primitive in PREDICABLE_CALLS and predicable(jcore.jaxprs_in_params(eqn.params)))
+        or (
+            (eqn.primitive in PREDICABLE_CALLS or eqn.primitive is jprims.cond_p)
+            and not eqn.effects
+            and predicable(jcore.jaxprs_in_params(eqn.params))
+        )
         for jaxpr in jaxprs
         for eqn in jaxpr.eqns
     )

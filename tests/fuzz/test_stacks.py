@@ -46,6 +46,11 @@ OPTIMIZERS = {
         optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), every_k_schedule=2
     ),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    # A conditional inside a conditional, and a vector of one flag per parameter.
+    "MultiSteps(apply_if_finite)": lambda: optax.MultiSteps(
+        optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 3),
+        every_k_schedule=2,
+    ),
     "lamb": lambda: optax.lamb(1e-2),
     "adafactor": lambda: optax.adafactor(1e-2),
     "multi_transform": lambda: optax.multi_transform(

@@ -174,6 +174,11 @@ OPTIMIZERS = {
     "multi_steps_clipped": optax.MultiSteps(
         optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2
     ),
+    # A conditional inside the conditional, and `jnp.array` of one flag per leaf.
+    "multi_steps_apply_if_finite": optax.MultiSteps(
+        optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 3),
+        2,
+    ),
     # No control flow, but state leaves made from no gradient (placeholders (1,) for the
     # moments a factored parameter does not keep): they go with their parameter.
     "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=4),
