@@ -23,7 +23,8 @@ def scheduled(program: Program, schedule, microbatches: int, choice=None) -> Pro
     markers: dict = {}
     for eqn in find_eqns(program.jaxpr.jaxpr.eqns, is_marker):
         markers.setdefault(eqn.params["stage"], eqn)
-    stages = max([*markers, *layer_stages(program.jaxpr.jaxpr.eqns)], default=0) + 1
+    marked = {*markers, *layer_stages(program.jaxpr.jaxpr.eqns)}
+    stages = max(marked, default=0) + 1
     if program.stage_to_mesh is None:
         placement = schedule.placement(stages, len(program.meshes))
         if placement is not None:
@@ -33,7 +34,18 @@ def scheduled(program: Program, schedule, microbatches: int, choice=None) -> Pro
     layout = schedules.Layout.make(
         stages, microbatches, tuple(map(program.mesh_of_stage, range(stages)))
     )
-    plan = schedules.loop_schedule(schedule, layout)
+    try:
+        plan = schedules.loop_schedule(schedule, layout)
+    except ScheduleError as err:
+        unmarked = sorted(set(range(stages)) - marked) if marked else []
+        if not unmarked:
+            raise
+        raise ScheduleError(
+            f"{err} Stages {unmarked} have no marker (the marked indices skip them), and "
+            f"a schedule runs every stage up to the highest marked, {stages - 1}, empty or "
+            f"not: number the stages without gaps (stage_to_mesh still puts each on any "
+            f"mesh), or use schedule='gpipe'."
+        ) from None
     return program.replace(schedule=dataclasses.replace(plan, choice=choice))
 
 

@@ -300,3 +300,28 @@ def test_the_transfer_report_counts_a_rolled_loop_once_per_microbatch(meshes2):
     assert rolled == transfer_report(lowered.program("after-schedule"))
     # Per microbatch: the activation forward, its cotangent back (8 rows of 2 x 8 floats).
     assert rolled.total("activations/cotangents") == 4 * 2 * 4 * 8 * 4
+
+
+def test_a_schedule_refusing_skipped_stage_indices_names_the_unmarked_ones(meshes4):
+    """Markers 0, 1, 2, 6: stages 3 to 5 are empty, and 1F1B (one stage per mesh) counts
+    them; the error says so and what to do, GPipe runs the program."""
+
+    def loss(ws, x):
+        for stage, w in zip((0, 1, 2, 6), ws):
+            x = jnp.tanh(mpmdc.stage(x, stage) @ w)
+        return jnp.mean(x**2)
+
+    def step(ws, x, schedule):
+        return mpmdc.accumulate(
+            lambda b: jax.value_and_grad(loss)(ws, b), x, microbatches=2, schedule=schedule
+        )
+
+    ws, x = [jnp.eye(4) * 0.5] * 4, jnp.ones((4, 4))
+    with pytest.raises(
+        ScheduleError,
+        match=r"mesh 0 has stages \[0, 4\].* Stages \[3, 4, 5\] have no marker .*number the "
+        r"stages without gaps",
+    ):
+        mpmdc.compile(functools.partial(step, schedule="1f1b"), meshes4).lower(ws, x)
+    gpipe = functools.partial(step, schedule="gpipe")
+    assert_trees_close(mpmdc.compile(gpipe, meshes4)(ws, x), jax.jit(gpipe)(ws, x))
