@@ -44,11 +44,13 @@ def _check_specs(program: Program) -> None:
             v.aval.shape,
             f"in_specs for argument {path} (on mesh{mesh})",
         )
-    for v, spec, mesh, path in zip(
-        jaxpr.outvars, program.out_specs, program.out_meshes, program.out_paths
+    given = program.wanted_out_meshes or (None,) * len(jaxpr.outvars)
+    for v, spec, mesh, path, wanted in zip(
+        jaxpr.outvars, program.out_specs, program.out_meshes, program.out_paths, given
     ):
+        option = "out_specs" if wanted is None else "out_shardings"  # (where the spec came from)
         check_spec(
-            spec, program.meshes[mesh], v.aval.shape, f"out_specs for output {path} (on mesh{mesh})"
+            spec, program.meshes[mesh], v.aval.shape, f"{option} for output {path} (on mesh{mesh})"
         )
 
 

@@ -149,3 +149,14 @@ def test_types_are_left_to_verification(meshes2):
     assert vma_typecheck(broken) is broken
     with pytest.raises(TypeCheckError, match="ill-typed"):
         verify(broken)
+
+
+def test_a_spec_from_out_shardings_is_named_as_out_shardings(meshes2):
+    def f(x):
+        return jnp.sum(mpmdc.stage(x, 1) * 2)
+
+    scalar_on_mesh1 = jax.sharding.NamedSharding(meshes2[1], P("data"))
+    with pytest.raises(
+        SpecError, match=r"^out_shardings for output out \(on mesh1\): P\('data',\)"
+    ):
+        mpmdc.compile(f, meshes2, out_shardings=scalar_on_mesh1).lower(X)
