@@ -63,8 +63,8 @@ def _processes(sharding) -> frozenset[int]:
 
 class ArgumentMoves:
     """Where a compiled program reads each argument, and what a call placed elsewhere
-    costs: ``warn`` names a moved argument once; ``across_processes`` moves the
-    arguments that only another process can send."""
+    costs: ``warn`` notes a moved argument once and ``flush`` warns of a call's notes;
+    ``across_processes`` moves the arguments that only another process can send."""
 
     def __init__(self, meshes, backend, arg_shardings, arg_paths):
         self.meshes = tuple(meshes)
@@ -72,11 +72,12 @@ class ArgumentMoves:
         self.arg_shardings = list(arg_shardings)  # per caller leaf, where the program reads it
         self.arg_paths = list(arg_paths)
         self._warned: set[str] = set()
+        self._noted: list[tuple[str, str, str, int]] = []  # (path, where, read, bytes)
         self._routes: dict = {}  # (leaf, its sharding) -> MeshTransfer, or the ArgumentError
 
     def warn(self, path: str, x, sharding) -> None:
-        """A ``PlacementWarning`` for argument ``path`` (``x``, committed), moved onto
-        ``sharding`` before the call: once per argument of this program."""
+        """Note argument ``path`` (``x``, committed), moved onto ``sharding`` before the
+        call, once per argument of this program: :meth:`flush` warns of the call's notes."""
         if path in self._warned or not isinstance(x, jax.Array) or not x.committed:
             return
         if x.sharding.device_set == sharding.device_set:
@@ -85,16 +86,37 @@ class ArgumentMoves:
         where, read = _where(x.sharding, self.meshes), _where(sharding, self.meshes)
         if not where.startswith("mesh") and read.startswith("mesh"):  # (part of a mesh)
             read += f" (devices {sorted(d.id for d in sharding.device_set)})"
-        warnings.warn(
-            f"argument {path} is on {where}, but the program reads "
-            f"it on {read}: every call moves it there first ({x.nbytes} bytes). Put it there "
-            f"once (jax.device_put(args, step.input_shardings(*args)[0]) places them all), "
-            f"pass what the step returned for it (a result fed back is where the next call "
-            f"reads it), or, for a value new every call (a batch), load it there with the "
-            f"same shardings.",
-            PlacementWarning,
-            stacklevel=compat.user_stacklevel(),
+        self._noted.append((path, where, read, x.nbytes))
+
+    def flush(self) -> None:
+        """One ``PlacementWarning`` naming the arguments :meth:`warn` noted in this call
+        (a state committed to one device is one mistake, however many leaves it has)."""
+        if not self._noted:
+            return
+        noted, self._noted = self._noted, []
+        advice = (
+            "(jax.device_put(args, step.input_shardings(*args)[0]) places them all), pass "
+            "what the step returned for it (a result fed back is where the next call reads "
+            "it), or, for a value new every call (a batch), load it there with the same "
+            "shardings."
         )
+        if len(noted) == 1:
+            ((path, where, read, nbytes),) = noted
+            message = (
+                f"argument {path} is on {where}, but the program reads it on {read}: every "
+                f"call moves it there first ({nbytes} bytes). Put it there once {advice}"
+            )
+        else:
+            shown = "; ".join(
+                f"{path} is on {where}, read on {read}" for path, where, read, _ in noted[:3]
+            )
+            more = f"; and {len(noted) - 3} more" if len(noted) > 3 else ""
+            message = (
+                f"{len(noted)} arguments are not where the program reads them, so every call "
+                f"moves them there first ({sum(n for *_, n in noted)} bytes): {shown}{more}. "
+                f"Put each there once {advice}"
+            )
+        warnings.warn(message, PlacementWarning, stacklevel=compat.user_stacklevel())
 
     def across_processes(self, leaves) -> list:
         """``leaves`` with every argument another process must send moved where the

@@ -309,6 +309,7 @@ class Engine:
             if value is not x:
                 self._moves.warn(path, x, sharding)
             env[i] = value
+        self._moves.flush()
         return env
 
     def _local_leaves(self, leaves):

@@ -624,3 +624,21 @@ def test_a_conditional_in_a_stage_on_a_predicate_from_an_earlier_one_differentia
     assert program.in_meshes[:3] == program.out_meshes[1:4] == (0, 1, 2)
     got = lowered.compile()(ws, x)
     assert_same_tree(got, jax.jit(step)(ws, x))
+
+
+def test_a_state_committed_to_one_device_is_one_warning_naming_its_arguments(meshes4):
+    """Every parameter put on device 0: one mistake, one warning (the count, the bytes,
+    the first arguments), not one per leaf."""
+    step = mpmdc.compile(_sgd_step, meshes4)
+    ws = jax.device_put([jnp.eye(WIDTH) / 2] * STAGES, jax.devices()[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(ws, jnp.ones((8, WIDTH)))
+    (moved,) = [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
+    assert moved.startswith(
+        f"4 arguments are not where the program reads them, so every call moves them there "
+        f"first ({4 * WIDTH * WIDTH * 4} bytes): args[0][0] is on devices [0] (part of mesh0), "
+        f"read on mesh0 (devices [0, 1]); args[0][1] is on devices [0] (part of mesh0), read "
+        f"on mesh1 (devices [2, 3]); args[0][2]"
+    ), moved
+    assert "; and 1 more. Put each there once" in moved
