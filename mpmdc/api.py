@@ -19,7 +19,7 @@ import jax
 
 from mpmdc import _jax_compat as compat
 from mpmdc import backends
-from mpmdc.errors import AccumulateError, IdleMeshWarning, MpmdcError, PassError
+from mpmdc.errors import AccumulateError, IdleMeshWarning, PassError
 from mpmdc.ir.custom_rules import placing
 from mpmdc.ir.primitives import fragment_p, is_marker, is_transposed_marker
 from mpmdc.ir.program import Phase, PlanRequest, Program
@@ -332,8 +332,7 @@ class Wrapped:
                 try:
                     traced = self._traced(args, kwargs, passes)
                 except Exception as err:
-                    if not isinstance(err, MpmdcError):
-                        self._note_new_types(err, key, args, kwargs)
+                    self._note_new_types(err, key, args, kwargs)
                     raise
                 exe = traced.lower()._compile_with(compiler)
             exe = self._cache.put(key, exe)

@@ -16,7 +16,7 @@ import pytest
 from helpers import XlaCompiles, assert_same_tree, mlp_loss
 
 import mpmdc
-from mpmdc.errors import ArgumentError
+from mpmdc.errors import AccumulateError, ArgumentError
 from mpmdc.runtime.executable_cache import ExecutableCache
 
 STEP = jax.value_and_grad(mlp_loss)
@@ -119,3 +119,17 @@ def test_a_new_argument_type_the_function_cannot_take_is_named_in_the_error(mesh
         "mpmdc: the function was traced again for new argument types, and failed: "
         "args[0][0] is float32[8, 4] (was float32[8, 8])"
     ) in "\n".join(getattr(caught.value, "__notes__", []))
+
+
+def test_a_new_batch_size_accumulate_cannot_split_is_named_in_its_error(meshes2):
+    """mpmdc's own errors get the note too: a batch of 6 rows for 4 microbatches, after
+    a call with 8, names the batch and both types."""
+
+    def step(ws, x):
+        return mpmdc.accumulate(lambda b: STEP(ws, b), x, microbatches=4)
+
+    compiled = mpmdc.compile(step, meshes2)
+    compiled(WS, batch(8))
+    with pytest.raises(AccumulateError) as caught:
+        compiled(WS, batch(6))
+    assert "args[1] is float32[6, 8] (was float32[8, 8])" in "\n".join(caught.value.__notes__)
