@@ -147,17 +147,16 @@ def _without_nested_conds(branch):
     (:func:`_predicated`), so that its results group by their own work rather than as
     one equation's (``optax.MultiSteps`` around ``optax.apply_if_finite``)."""
     jaxpr = branch.jaxpr
-    nested = [
-        e
-        for e in jaxpr.eqns
-        if e.primitive is jprims.cond_p and predicable(b.jaxpr for b in e.params["branches"])
-    ]
-    if not nested:
+
+    def nested(e) -> bool:
+        return e.primitive is jprims.cond_p and predicable(b.jaxpr for b in e.params["branches"])
+
+    if not any(map(nested, jaxpr.eqns)):
         return branch
     consts = dict(zip(jaxpr.constvars, branch.consts))
     eqns = []
     for e in jaxpr.eqns:
-        if any(e is n for n in nested):
+        if nested(e):
             inner = [_without_nested_conds(b) for b in e.params["branches"]]
             eqns += _predicated(e, inner, e.invars[1:], e.outvars, consts)
         else:
