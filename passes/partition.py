@@ -978,6 +978,35 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> Non
         mesh_of.update((v, mesh) for v in eqn.outvars)
 
 
+def _warn_of_shard_maps_off_their_marker(state: PlacementState) -> None:
+    """A ``PlacementWarning`` for each ``shard_map`` that reads the value a marker brings
+    into stage ``t`` but was built for another mesh than stage ``t``'s: it runs where it
+    was built, so the marked stage's work goes to that mesh (the marker says otherwise)."""
+    program = state.program
+    for i, on_mesh in state.shard_maps.items():
+        if len(on_mesh) != 1:
+            continue
+        mesh = program.mesh_of_stage(on_mesh[0])
+        for a in state.reads[i]:
+            marker = state.eqns[state.producer[a]] if a in state.producer else None
+            if marker is None or not is_marker(marker) or is_transposed_marker(marker):
+                continue
+            stage = marker.params["stage"]
+            marked_mesh = program.mesh_of_stage(stage)
+            if marked_mesh != mesh:
+                warnings.warn(
+                    f"shard_map at {compat.source_line(state.eqns[i])} was built for mesh{mesh} "
+                    f"but reads the value entering stage {stage} at "
+                    f"{compat.source_line(marker)}, whose mesh is mesh{marked_mesh}: it runs on "
+                    f"mesh{mesh}, and so does the work of stage {stage} that follows it. Build "
+                    f"it for stage {stage}'s mesh (meshes[{marked_mesh}], or "
+                    f"meshes[{marked_mesh}].abstract_mesh).",
+                    PlacementWarning,
+                    stacklevel=compat.user_stacklevel(),
+                )
+                break
+
+
 @register(
     "partition",
     "place every equation on a stage and mesh",
@@ -992,6 +1021,7 @@ def partition(program: Program) -> Program:
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     state = placement_state(program)
+    _warn_of_shard_maps_off_their_marker(state)
     producer, reads, cheap = state.producer, state.reads, state.cheap
     placement = _place(state)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))

@@ -57,7 +57,9 @@ def _check_specs(program: Program) -> None:
 def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
     for eqn in find_eqns(eqns, lambda e: e.primitive is compat.shard_map_p):
         inner = eqn.params["mesh"]
-        same_shape = dict(inner.shape) == dict(mesh.shape)
+        # Axes in order: a mesh of the same sizes under other names in another order lays
+        # the shards out differently (JAX refuses it under a context mesh too).
+        same_shape = tuple(inner.shape.items()) == tuple(mesh.shape.items())
         same_devices = (
             not isinstance(inner, Mesh) or inner.device_ids.tolist() == mesh.device_ids.tolist()
         )
@@ -69,8 +71,9 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
                 f"shard_map at {compat.source_line(eqn)} is in {where}, which runs on "
                 f"mesh{mesh_index} {dict(mesh.shape)} on devices {mesh.device_ids.flatten().tolist()}, "
                 f"but it was built for the mesh {other}; build it with that stage's mesh "
-                f"(meshes[{mesh_index}]), or, in the body of a scan over layers that several "
-                f"stages run, with their shape alone: mesh=meshes[{mesh_index}].abstract_mesh."
+                f"(meshes[{mesh_index}]), or with its axes alone, "
+                f"mesh=meshes[{mesh_index}].abstract_mesh, which every stage of that shape "
+                f"runs (a scan over layers needs that) and jax.jit runs under jax.set_mesh."
             )
 
 

@@ -325,7 +325,10 @@ def test_a_marked_stage_whose_work_a_shard_map_takes_elsewhere_is_named_at_the_u
     w, x = jnp.full((4, 4), 0.25), jnp.ones((4, 4))
     with pytest.warns(mpmdc.errors.IdleMeshWarning) as caught:
         mpmdc.compile(loss, meshes).lower(w, x)
-    (warning,) = caught
+    (warning,) = [w for w in caught if w.category is mpmdc.errors.IdleMeshWarning]
+    # The cause is named on its own too, at the shard_map.
+    (cause,) = [str(w.message) for w in caught if w.category is PlacementWarning]
+    assert "was built for mesh1 but reads the value entering stage 0" in cause
     assert re.search(
         r"mesh0 .* runs no stage .* Stage 0 is marked for it \(at .*test_placement.py:\d+:\d+ "
         r"\(.*loss\)\), .* build it with meshes\[0\]",

@@ -15,6 +15,7 @@ moved or dropped, a transfer cut out.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import input_program
 from jax.sharding import PartitionSpec as P
@@ -160,3 +161,34 @@ def test_a_spec_from_out_shardings_is_named_as_out_shardings(meshes2):
         SpecError, match=r"^out_shardings for output out \(on mesh1\): P\('data',\)"
     ):
         mpmdc.compile(f, meshes2, out_shardings=scalar_on_mesh1).lower(X)
+
+
+def test_a_shard_map_for_the_same_axes_in_another_order_is_a_type_error():
+    """A stage mesh ("model", "data") and a shard_map built for ("data", "model") of the
+    same sizes: the shards would be laid out by the wrong axis (wrong numbers, silently);
+    it is refused, as JAX refuses it under a context mesh. The mesh's own axes run."""
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    stage_mesh = jax.sharding.Mesh(devices, ("model", "data"))
+
+    def product(axes_of):
+        def f(x, w):
+            return jax.shard_map(
+                lambda x, w: jax.lax.psum(x @ w, "model"),
+                mesh=axes_of.abstract_mesh,
+                in_specs=(P("data", "model"), P("model")),
+                out_specs=P("data"),
+            )(x, w)
+
+        return f
+
+    x, w = jnp.arange(32.0).reshape(4, 8) / 10, jnp.arange(24.0).reshape(8, 3) / 10
+    swapped = jax.sharding.Mesh(devices, ("data", "model"))
+    with pytest.raises(
+        TypeCheckError,
+        match=r"runs on mesh0 \{'model': 2, 'data': 2\} .* built for the mesh \{'data': 2, 'model': 2\}",
+    ):
+        mpmdc.compile(product(swapped), [stage_mesh])(x, w)
+    got = mpmdc.compile(product(stage_mesh), [stage_mesh])(x, w)
+    # Noise floor: the product summed over 2 shards against jnp's one dot, 1.9e-6
+    # absolute on values up to 55; the bound is ten times that.
+    np.testing.assert_allclose(got, x @ w, atol=2e-5)
