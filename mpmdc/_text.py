@@ -32,4 +32,6 @@ def split_top_level(text: str, brackets: str) -> list[str]:
 def a_type(value) -> str:
     """``value``'s type name with its article, for messages: ``"an EmptyState"``, ``"a list"``."""
     name = type(value).__name__
-    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+    # (By sound: "a uint8" and "a UUID", "an ndarray".)
+    an = name[:1].lower() in "aeio" or name.startswith("nd")
+    return f"{'an' if an else 'a'} {name}"

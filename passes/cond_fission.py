@@ -55,6 +55,8 @@ from mpmdc.ir.program import (
 
 # A value of at most this many elements computed from scalars alone counts as one: the
 # vector ``jnp.array([...])`` makes of one scalar per parameter (``apply_if_finite``).
+# (A model of more parameter arrays than this, unscanned, keeps such a conditional whole:
+# ``partition`` then warns.)
 SMALL = 4096
 
 

@@ -984,7 +984,7 @@ def _warn_of_shard_maps_off_their_marker(state: PlacementState) -> None:
     was built, so the marked stage's work goes to that mesh (the marker says otherwise)."""
     program = state.program
     for i, on_mesh in state.shard_maps.items():
-        if len(on_mesh) != 1:
+        if not on_mesh:  # (built for no stage's mesh: a type error later)
             continue
         mesh = program.mesh_of_stage(on_mesh[0])
         for a in state.reads[i]:
@@ -998,8 +998,8 @@ def _warn_of_shard_maps_off_their_marker(state: PlacementState) -> None:
                     f"shard_map at {compat.source_line(state.eqns[i])} was built for mesh{mesh} "
                     f"but reads the value entering stage {stage} at "
                     f"{compat.source_line(marker)}, whose mesh is mesh{marked_mesh}: it runs on "
-                    f"mesh{mesh}, and so does the work of stage {stage} that follows it. Build "
-                    f"it for stage {stage}'s mesh (meshes[{marked_mesh}], or "
+                    f"mesh{mesh}, and the work reading its result follows it there. Build it "
+                    f"for stage {stage}'s mesh (meshes[{marked_mesh}], or "
                     f"meshes[{marked_mesh}].abstract_mesh).",
                     PlacementWarning,
                     stacklevel=compat.user_stacklevel(),

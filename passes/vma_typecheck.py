@@ -65,6 +65,8 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
         )
         if not (same_shape and same_devices):
             other = f"{dict(inner.shape)}"
+            if not same_shape and dict(inner.shape) == dict(mesh.shape):
+                other += " (the same axes in another order)"
             if isinstance(inner, Mesh):
                 other += f" on devices {inner.device_ids.flatten().tolist()}"
             raise TypeCheckError(
@@ -72,8 +74,9 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
                 f"mesh{mesh_index} {dict(mesh.shape)} on devices {mesh.device_ids.flatten().tolist()}, "
                 f"but it was built for the mesh {other}; build it with that stage's mesh "
                 f"(meshes[{mesh_index}]), or with its axes alone, "
-                f"mesh=meshes[{mesh_index}].abstract_mesh, which every stage of that shape "
-                f"runs (a scan over layers needs that) and jax.jit runs under jax.set_mesh."
+                f"mesh=meshes[{mesh_index}].abstract_mesh: then every stage on a mesh of those "
+                f"axes can run it (a scan over layers needs that), and so can jax.jit under "
+                f"jax.set_mesh."
             )
 
 

@@ -124,9 +124,9 @@ def gave_up(what: str, peers, seconds: float, hint: str = "") -> MpmdRuntimeErro
 
 
 def first_failure(exchange: str = "") -> str | None:
-    """The first process that announced a failure (of the run, or of ``exchange``) and
-    why, for a waiter's error: ``"process 2, blaming process 0, failed: ..."`` where it
-    failed for want of another; ``None`` if none did."""
+    """The process of lowest index among those that announced a failure (of the run, or
+    of ``exchange``) and why, for a waiter's error: ``"process 2, blaming process 0,
+    failed: ..."`` where it failed for want of another; ``None`` if none did."""
     runs = announced()
     failed = peer_failures(exchange, runs)
     if not failed:

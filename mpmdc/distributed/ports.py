@@ -51,6 +51,8 @@ def free_ports(host: str, count: int) -> list[int]:
                 s.close()
                 continue
             held.append(s)
+        if len(held) < count:
+            raise OSError(f"found {len(held)} of the {count} free TCP ports needed on {host}")
         return [s.getsockname()[1] for s in held]
     finally:
         for s in held:

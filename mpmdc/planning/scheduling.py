@@ -37,8 +37,14 @@ def scheduled(program: Program, schedule, microbatches: int, choice=None) -> Pro
     try:
         plan = schedules.loop_schedule(schedule, layout)
     except ScheduleError as err:
+        # Said where an unmarked stage shares a mesh with another: a layout the schedule
+        # refuses for its empty stages alone.
         unmarked = sorted(set(range(stages)) - marked) if marked else []
-        if not unmarked:
+        crowded = any(
+            len(on) > 1 and not marked.issuperset(on)
+            for on in map(layout.stages_of, range(layout.num_meshes))
+        )
+        if not (unmarked and crowded):
             raise
         raise ScheduleError(
             f"{err} Stages {unmarked} have no marker (the marked indices skip them), and "

@@ -96,15 +96,16 @@ class ArgumentMoves:
         noted, self._noted = self._noted, []
         advice = (
             "(jax.device_put(args, step.input_shardings(*args)[0]) places them all), pass "
-            "what the step returned for it (a result fed back is where the next call reads "
-            "it), or, for a value new every call (a batch), load it there with the same "
-            "shardings."
+            "what the step returned for {it} (a result fed back is where the next call "
+            "reads it), or, for a value new every call (a batch), load it there with the "
+            "same shardings."
         )
         if len(noted) == 1:
             ((path, where, read, nbytes),) = noted
             message = (
                 f"argument {path} is on {where}, but the program reads it on {read}: every "
-                f"call moves it there first ({nbytes} bytes). Put it there once {advice}"
+                f"call moves it there first ({nbytes} bytes). Put it there once "
+                f"{advice.format(it='it')}"
             )
         else:
             shown = "; ".join(
@@ -114,7 +115,7 @@ class ArgumentMoves:
             message = (
                 f"{len(noted)} arguments are not where the program reads them, so every call "
                 f"moves them there first ({sum(n for *_, n in noted)} bytes): {shown}{more}. "
-                f"Put each there once {advice}"
+                f"Put each there once {advice.format(it='each')}"
             )
         warnings.warn(message, PlacementWarning, stacklevel=compat.user_stacklevel())
 

@@ -300,16 +300,18 @@ class Engine:
 
     def start(self, leaves) -> list:
         self.check_agreed()
-        if self.multiprocess:  # what only another process can send, every process moves
-            leaves = self._moves.across_processes(leaves)
-        env = list(self._initial)
-        leaves = self.pieces.arguments(leaves, self._input_here)
-        for (i, sharding, path), x in zip(self._inputs, self._local_leaves(leaves)):
-            value = placed(x, sharding)
-            if value is not x:
-                self._moves.warn(path, x, sharding)
-            env[i] = value
-        self._moves.flush()
+        try:
+            if self.multiprocess:  # what only another process can send, every process moves
+                leaves = self._moves.across_processes(leaves)
+            env = list(self._initial)
+            leaves = self.pieces.arguments(leaves, self._input_here)
+            for (i, sharding, path), x in zip(self._inputs, self._local_leaves(leaves)):
+                value = placed(x, sharding)
+                if value is not x:
+                    self._moves.warn(path, x, sharding)
+                env[i] = value
+        finally:  # (what was moved before a failure is said too, and no note outlives it)
+            self._moves.flush()
         return env
 
     def _local_leaves(self, leaves):

@@ -190,3 +190,20 @@ def test_a_shard_map_runs_on_the_mesh_it_was_built_for(meshes2):
     assert placement.stage == 0
     with pytest.warns(PlacementWarning):  # (the call traces it again)
         np.testing.assert_array_equal(np.asarray(compiled(x)), np.asarray(x) * 2)
+
+
+def test_a_shard_map_off_its_marker_is_named_also_on_a_mesh_of_several_stages(meshes2):
+    """Stages 0 and 1 share mesh0: a shard_map built for it, reading what enters stage 2
+    (mesh1), is named as for a mesh of one stage."""
+
+    def fn(x):
+        h = mpmdc.stage(mpmdc.stage(x, 0) * 2, 1)
+        h = mpmdc.stage(jnp.sin(h), 2)
+        return jax.shard_map(
+            lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data")
+        )(h)
+
+    with pytest.warns(
+        PlacementWarning, match=r"built for mesh0 but reads the value entering stage 2"
+    ):
+        mpmdc.compile(fn, meshes2, stage_to_mesh=(0, 0, 1)).lower(jnp.ones((4, 8)))

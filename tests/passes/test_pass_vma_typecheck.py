@@ -185,7 +185,8 @@ def test_a_shard_map_for_the_same_axes_in_another_order_is_a_type_error():
     swapped = jax.sharding.Mesh(devices, ("data", "model"))
     with pytest.raises(
         TypeCheckError,
-        match=r"runs on mesh0 \{'model': 2, 'data': 2\} .* built for the mesh \{'data': 2, 'model': 2\}",
+        match=r"runs on mesh0 \{'model': 2, 'data': 2\} .* built for the mesh \{'data': 2, "
+        r"'model': 2\} \(the same axes in another order\)",
     ):
         mpmdc.compile(product(swapped), [stage_mesh])(x, w)
     got = mpmdc.compile(product(stage_mesh), [stage_mesh])(x, w)
