@@ -14,6 +14,8 @@ import random
 import socket
 from pathlib import Path
 
+from mpmdc.errors import DistributedError
+
 # Linux's ephemeral range; macOS and Windows start theirs higher still.
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL_LOW = 32768
@@ -52,7 +54,10 @@ def free_ports(host: str, count: int) -> list[int]:
                 continue
             held.append(s)
         if len(held) < count:
-            raise OSError(f"found {len(held)} of the {count} free TCP ports needed on {host}")
+            raise DistributedError(
+                f"found {len(held)} of the {count} free TCP ports needed on {host}; free some "
+                f"ports on that interface, or name the addresses (MPMDC_TRANSFER_ADDRESS)."
+            )
         return [s.getsockname()[1] for s in held]
     finally:
         for s in held:
