@@ -50,6 +50,7 @@ from mpmdc.signatures import (
     input_specs,
     output_specs,
     qualified_name,
+    refuse_types_alone,
     serves,
     signature_key,
     split_args,
@@ -320,8 +321,12 @@ class Wrapped:
         """The pass pipeline it runs (``compile(passes=)``, else the default)."""
         return list(self.options.passes)
 
-    def _executable(self, args, kwargs):
+    def _executable(self, args, kwargs, values: bool = False):
+        """The executable for calls of these argument types, and the arguments' leaves;
+        ``values``: the arguments must be values (a call), not ``ShapeDtypeStruct``s."""
         key, leaves = signature_key(self.options, args, kwargs)
+        if values:
+            refuse_types_alone(self.options, args, kwargs, leaves)
         exe = self._cache.get(key, self._serving(key, args, kwargs))
         if exe is None:
             backend = backends.get(self.backend)
@@ -403,7 +408,7 @@ class Wrapped:
 
     def __call__(self, *args, **kwargs):
         """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""
-        exe, leaves = self._executable(args, kwargs)
+        exe, leaves = self._executable(args, kwargs, values=True)
         return exe.call_flat(leaves)
 
     def input_shardings(self, *args, **kwargs):

@@ -22,7 +22,7 @@ from mpmdc.ir.pytrees import broadcast_prefix, skeleton
 from mpmdc.ir.sharding import STAGES_AXIS, canonical_spec, spec_problem, within_stage
 from mpmdc.options import CompileOptions
 from mpmdc.runtime.executable import Compiled
-from mpmdc.runtime.signature import leaf_type
+from mpmdc.runtime.signature import leaf_type, types_alone
 
 
 def _is_spec_leaf(x) -> bool:
@@ -131,10 +131,22 @@ def _flat_specs(specs, tree, nleaves_prefix: str, what: str):
     """Broadcast a spec pytree prefix over ``tree``; a mismatch, or a leaf that is no
     ``PartitionSpec`` (``"data"`` for ``P("data")``), is a ``SpecError``."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec_leaf)[0]:
-        if not _is_spec_leaf(leaf):
+        if isinstance(leaf, NamedSharding):
+            mesh = (
+                "to choose the mesh too, pass the sharding as out_shardings="
+                if what == "out_specs"
+                else "the mesh is that of the stage reading the argument"
+            )
             raise SpecError(
-                f"{what}{jax.tree_util.keystr(path)} is {a_type(leaf)} ({leaf!r:.40}), "
-                f"not a PartitionSpec; write jax.sharding.PartitionSpec({leaf!r:.40}) or None."
+                f"{what}{jax.tree_util.keystr(path)} is a NamedSharding ({leaf.spec} on a mesh "
+                f"{dict(leaf.mesh.shape)}), not a PartitionSpec: a spec is the sharding within "
+                f"whichever mesh holds the value. Give its spec, {leaf.spec}; {mesh}."
+            )
+        if not _is_spec_leaf(leaf):
+            shown = f"{leaf!r:.40}"
+            raise SpecError(
+                f"{what}{jax.tree_util.keystr(path)} is {a_type(leaf)} ({shown}), not a "
+                f"PartitionSpec; write jax.sharding.PartitionSpec({shown}) or None."
             )
     try:
         return broadcast_prefix(specs, tree, _is_spec_leaf)
@@ -237,6 +249,16 @@ def signature_key(options: CompileOptions, args, kwargs):
     static = (call.static_args, call.static_kwargs)
     donated = (call.donate, call.donate_names)
     return CallKey(static, treedef, types, specs, donated), leaves
+
+
+def refuse_types_alone(options: CompileOptions, args, kwargs, leaves) -> None:
+    """An ``ArgumentError`` naming the first of ``leaves`` (of :func:`signature_key`) that
+    is a ``jax.ShapeDtypeStruct``: a call runs on values (before compiling for them)."""
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            call = split_args(options, args, kwargs)
+            _, paths, _ = flat_arguments(call.dynamic, call.kwargs)
+            raise ArgumentError(types_alone(paths[k]))
 
 
 def input_specs(options: CompileOptions, args, static: dict, kwargs, leaves) -> tuple:

@@ -61,6 +61,7 @@ fed back for it is made.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -745,6 +746,10 @@ def _output_placements(outvars, eqns, producer, cheap, placement) -> list[Placem
         if j is None:
             return []
         if j not in cheap:
+            if is_loop_edge(eqns[j], LoopEdge.RESULT, LoopEdge.STACK):
+                # What leaves the loop is outside it: a cast of a loop's result (the
+                # mean of int8 counts) runs after the loop, not in its iteration.
+                return [dataclasses.replace(placement[j], microbatch=None)]
             return [placement[j]]
         return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
 

@@ -60,12 +60,22 @@ class Signature:
                 f"was lowered for {found.want}; call it with the same structure, or {self.remedy}."
             )
         for leaf, (shape, dtype, _), path in zip(leaves, self.in_types, self.in_paths):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise ArgumentError(types_alone(path))
             got_shape, got_dtype, _ = leaf_type(leaf, path)
             if got_shape != shape or got_dtype != dtype:
                 raise ArgumentError(
                     f"argument {path} is {got_dtype}{list(got_shape)} but the executable was "
                     f"lowered for {dtype}{list(shape)}; {self.remedy} for the new type."
                 )
+
+
+def types_alone(path: str) -> str:
+    """The message of a call given a ``jax.ShapeDtypeStruct`` at ``path`` for a value."""
+    return (
+        f"argument {path} is a jax.ShapeDtypeStruct, a type without values, but a call runs "
+        f"on arrays; pass an array of that type (lower() and trace() take types alone)."
+    )
 
 
 def leaf_type(x, path: str | None = None) -> tuple:

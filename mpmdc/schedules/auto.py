@@ -275,7 +275,13 @@ class ChosenBy(Chooser):
         self.name = getattr(fn, "__name__", "chooser")
 
     def choose(self, pipeline):
-        returned = self.fn(pipeline)
+        try:
+            returned = self.fn(pipeline)
+        except Exception as err:
+            raise ScheduleError(
+                f"the schedule function {self.name} raised {type(err).__name__}: {err} "
+                f"(its traceback is above this one); fix it, or pass a schedule by name."
+            ) from err
         try:
             schedule = get(returned)
         except ScheduleError:
@@ -352,6 +358,24 @@ def _cap(memory: tuple[float | None, ...], limit: float) -> Callable[[int], floa
     return lambda mesh: limit if memory[mesh] is None else min(limit, memory[mesh])
 
 
+def _reported(costs: Callable[[Action], float]) -> Callable[[Action], float]:
+    """The user's cost function, raising a ``ScheduleError`` naming it and the action
+    where it raises (not an internal error of the pass choosing the schedule)."""
+    name = getattr(costs, "__name__", "costs")
+
+    def cost(action: Action) -> float:
+        try:
+            return costs(action)
+        except Exception as err:
+            raise ScheduleError(
+                f"the costs function {name} raised {type(err).__name__} for action {action}: "
+                f"{err} (its traceback is above this one); it must return the seconds of "
+                f"every action."
+            ) from err
+
+    return cost
+
+
 def measured(costs) -> Callable[[Action], float] | None:
     """A cost function (seconds) from measured costs: the ``Timeline`` of
     ``Compiled.run_timed`` (milliseconds; each stage and kind at its mean over the
@@ -363,7 +387,7 @@ def measured(costs) -> Callable[[Action], float] | None:
     if costs is None:
         return None
     if _is_function(costs):
-        return costs
+        return _reported(costs)
     if isinstance(costs, Mapping):
         kinds = {ActionKind(k) for k in costs if k in tuple(ActionKind)}
         per_kind = by_kind(lambda stage, kind: costs[kind] if kind in kinds else None)

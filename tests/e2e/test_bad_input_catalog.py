@@ -347,6 +347,29 @@ MISTAKES = [
         ),
     ),
     Mistake(
+        "a NamedSharding given as a spec",
+        errors.SpecError,
+        r"out_specs is a NamedSharding \(P\('data',\) on a mesh \{'data': 2\}\), not a "
+        r"PartitionSpec: .* Give its spec, P\('data',\); .* out_shardings=",
+        lambda w: lower(
+            two_stage,
+            w,
+            out_specs=jax.sharding.NamedSharding(w.meshes[1], P("data")),
+        ),
+    ),
+    Mistake(
+        "calling with a ShapeDtypeStruct for an array",
+        errors.ArgumentError,
+        r"argument args\[1\] is a jax.ShapeDtypeStruct, a type without values",
+        lambda w: w.step(w.w, jax.ShapeDtypeStruct(w.x.shape, w.x.dtype)),
+    ),
+    Mistake(
+        "calling the compiled program with a ShapeDtypeStruct",
+        errors.ArgumentError,
+        r"argument args\[0\] is a jax.ShapeDtypeStruct, a type without values",
+        lambda w: w.step.lower(w.w, w.x).compile()(jax.ShapeDtypeStruct(w.w.shape, w.w.dtype), w.x),
+    ),
+    Mistake(
         "returning something that is no array",
         errors.OutputError,
         r"output out\[1\] is a str \('done'\)",
@@ -495,6 +518,12 @@ MISTAKES = [
         errors.ScheduleError,
         "known schedules: gpipe, 1f1b",
         lambda w: lower(lambda a, x: accumulating(a, x, schedule="pipedream"), w),
+    ),
+    Mistake(
+        "a schedule function that raises",
+        errors.ScheduleError,
+        r"the schedule function <lambda> raised KeyError: 'big'",
+        lambda w: lower(lambda a, x: accumulating(a, x, schedule=lambda p: {}["big"]), w),
     ),
     Mistake(
         "an action that is not <stage><F|B|I|W><microbatch>",

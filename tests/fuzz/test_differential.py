@@ -2,8 +2,11 @@
 
 A program is a DAG of 3 to 60 operations on square float32 values: elementwise,
 matmul, reductions, transpose, slicing and concatenation, ``scan``, ``cond``,
-``custom_vjp``, an op carrying XLA metadata, ``shard_map`` with ``psum`` on the mesh of a random stage (its operand
-marked into that stage or not), and what real code does besides:
+``custom_vjp``, an op carrying XLA metadata, ``shard_map`` on the mesh of a random stage
+(its operand marked into that stage or not: a ``psum`` over some of the axes of its spec,
+or a product split over one axis and summed over it; on a mesh of two axes in either
+order, or built for the mesh's axes in another order, which must be refused), and what
+real code does besides:
 
 * captured constants: module-level jax and numpy arrays, arrays made in a closure, a
   jitted helper closing over its own array; "layers" (marker, matmul with a constant,
@@ -19,10 +22,11 @@ marked into that stage or not), and what real code does besides:
   weights stacked from a value of the step or captured, per-layer keys split in the step.
 
 Stage markers go at random places (non-monotonic, repeated, skipped, on pytrees, the
-key included), over 1 to 4 meshes of 1 or 2 devices or 1 to 2 meshes of two axes of 2, stages mapped to meshes by
-default or by a random ``stage_to_mesh`` (several stages on one mesh), with random
+key included), over 1 to 4 meshes of 1 or 2 devices or 1 to 2 meshes of two axes of 2,
+stages mapped to meshes by default or by a random ``stage_to_mesh`` (several stages on one mesh), with random
 ``in_specs``, plain, under ``value_and_grad`` or inside ``accumulate`` under a random
-valid schedule; a plain program may also return some of its inputs, earlier values and
+valid schedule (beside the loss a metric of each microbatch, a flag or a count of
+any width, reduced by ``mean``, ``sum`` or ``max``); a plain program may also return some of its inputs, earlier values and
 captured constants as they are. Results must equal ``jax.jit``'s: dtype, shape and weak
 type exactly, values to rtol 1e-5; each must own its buffers (none shared with an
 argument or another result, as under ``jax.jit``); callbacks must record the same
@@ -124,6 +128,8 @@ ECHOED_CONSTANTS = CONSTANT_KINDS[:3]  # the arrays themselves, returned as they
 # value sharded over any axis, both axes or none, so that values meeting in one
 # operation often disagree on where they are split.
 MESH_AXES = ((("d", 2),), (("d", 1),), (("a", 2), ("b", 2)))
+# On a mesh of two axes a shard_map's spec names one axis or both, in either order.
+SHARD_MAP_SPECS = {("a", "b"): (("a", "b"), ("b", "a"), ("a",), ("b",))}
 INPUT_SPECS = {
     MESH_AXES[0]: (None, ("d",), (None, "d")),
     MESH_AXES[1]: (None,),
@@ -150,6 +156,10 @@ def programs(draw):
     microbatches = draw(st.sampled_from([2, 1, 3, 8, 64]))
     computed_batch = draw(st.booleans())
     stacked_loss = draw(st.booleans())
+    # a metric of each microbatch beside the loss (the rows it holds above zero, as a
+    # count or a flag or a float), reduced over the microbatches
+    metric = draw(st.sampled_from(["int8", "bool", "float32", "int32"]))
+    metric_reduce = draw(st.sampled_from(["mean", "max", "sum"]))
     one_per_mesh = mode == "accumulate" and schedule != "gpipe"
     stages = num_meshes if one_per_mesh else draw(st.integers(1, 5))
     stage_to_mesh = None
@@ -175,11 +185,39 @@ def programs(draw):
             ops.append(
                 ("binary", draw(st.sampled_from(sorted(BINARY))), draw(operand), draw(operand))
             )
-        elif (
-            kind == "shard_map"
-        ):  # a psum over the mesh of a stage, the operand marked into it or not
+        elif kind == "shard_map":
+            # On the mesh of a stage, the operand marked into it or not: a psum over some
+            # of the axes its spec names (on a mesh of two axes, one or both in either
+            # order), or a product whose contraction is split over one axis (the rows
+            # over the other) and summed over it. Some are built for the stage mesh's
+            # axes in another order, which mpmdc refuses.
+            axes = tuple(name for name, _ in mesh_axes)
+            form = draw(st.sampled_from(["psum", "matmul"]))
+            if form == "psum":
+                spec_axes = draw(st.sampled_from(SHARD_MAP_SPECS.get(axes, (axes,))))
+                summed_axes = tuple(a for a in spec_axes if draw(st.booleans()))
+            else:  # (rows, contraction)
+                spec_axes = (
+                    draw(st.sampled_from([axes, axes[::-1]])) if len(axes) > 1 else (None, *axes)
+                )
+                summed_axes = spec_axes[1:]
+            marked = draw(st.booleans())
+            swapped = len(axes) > 1 and marked and draw(st.booleans())
+            # built for the abstract mesh (the stage's devices inferred), as under jax.jit
+            # with a context mesh
+            abstract = marked and draw(st.booleans())
             ops.append(
-                ("shard_map", draw(st.integers(0, stages - 1)), draw(operand), draw(st.booleans()))
+                (
+                    "shard_map",
+                    draw(st.integers(0, stages - 1)),
+                    draw(operand),
+                    marked,
+                    form,
+                    spec_axes,
+                    summed_axes,
+                    swapped,
+                    abstract,
+                )
             )
         elif kind == "constant":  # the operand combined with a captured array
             how = draw(st.sampled_from(["matmul", "add"]))
@@ -266,6 +304,7 @@ def programs(draw):
         microbatches=microbatches,
         computed_batch=computed_batch,
         stacked_loss=stacked_loss,
+        metric=(metric, metric_reduce),
         stage_to_mesh=stage_to_mesh,
         with_key=with_key,
         echoes=echoes,
@@ -284,7 +323,7 @@ def constant(kind, index, n, closure_constants):
     return jax.jit(lambda x: x @ c)  # a jitted helper with its own constant
 
 
-def make_body(desc, meshes, record):
+def make_body(desc, meshes, record, reference=False):
     """The program as a function of ``desc['num_inputs']`` arrays and, with
     ``desc['with_key']``, a typed key; ``record(tag, value)`` is what callbacks call."""
     rng = np.random.default_rng(len(desc["ops"]))
@@ -316,15 +355,31 @@ def make_body(desc, meshes, record):
             elif op[0] == "binary":
                 values.append(BINARY[op[1]](values[op[2]], values[op[3]]))
             elif op[0] == "shard_map":
-                _, stage, i, marked = op
-                axes = tuple(name for name, _ in desc["mesh_axes"])
-                summed = jax.shard_map(
-                    lambda t: jax.lax.psum(t, axes) * 0.5,  # noqa: B023 (called at once)
-                    mesh=mesh_of(stage),
-                    in_specs=P(*axes),
-                    out_specs=P(*axes),
-                )
-                values.append(summed(mpmdc.stage(values[i], stage) if marked else values[i]))
+                _, stage, i, marked, form, spec_axes, summed_axes, swapped, abstract = op
+                mesh = mesh_of(stage)
+                # jax.jit runs the program meant: a shard_map's numbers do not depend on
+                # its mesh's layout, and jax.jit takes an abstract one from a context mesh
+                if swapped and not reference:
+                    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names[::-1])
+                if abstract and not reference:
+                    mesh = mesh.abstract_mesh
+                x = mpmdc.stage(values[i], stage) if marked else values[i]
+                if form == "psum":
+                    summed = jax.shard_map(
+                        lambda t: jax.lax.psum(t, summed_axes) * 0.5,  # noqa: B023 (called at once)
+                        mesh=mesh,
+                        in_specs=P(*spec_axes),
+                        out_specs=P(*spec_axes),
+                    )(x)
+                else:
+                    rows, contraction = spec_axes
+                    summed = jax.shard_map(
+                        lambda a, b: jax.lax.psum(a @ b, contraction) * 0.25,  # noqa: B023
+                        mesh=mesh,
+                        in_specs=(P(rows, contraction), P(contraction)),
+                        out_specs=P(rows),
+                    )(x, x.T)
+                values.append(summed)
             elif op[0] == "constant":
                 _, kind, index, how, i = op
                 values.append(apply_constant(kind, index, how, values[i]))
@@ -426,9 +481,9 @@ def scanned_stack(op, values, key, closure_constants, stacked=None):
     return h + jnp.mean(ys, axis=0)
 
 
-def build(desc, meshes, record):
+def build(desc, meshes, record, reference=False):
     """``(function, arguments, compile keyword arguments)`` for a program description."""
-    body = make_body(desc, meshes, record)
+    body = make_body(desc, meshes, record, reference)
     rng = np.random.default_rng(len(desc["ops"]))
     n = SIZES[0]
     args = [jnp.asarray(rng.normal(size=(n, n)), jnp.float32) for _ in range(desc["num_inputs"])]
@@ -452,14 +507,17 @@ def build(desc, meshes, record):
                 loss, grad = jax.value_and_grad(
                     lambda first: jnp.sum(body(first + mb, *inputs[1:]))
                 )(inputs[0])
-                return (loss[None] if desc["stacked_loss"] else loss), grad
+                above = jnp.sum(mb[:, 0] > 0, dtype=jnp.int32)
+                dtype = desc["metric"][0]
+                metric = (above > 1) if dtype == "bool" else above.astype(dtype)
+                return (loss[None] if desc["stacked_loss"] else loss), grad, metric
 
             return mpmdc.accumulate(
                 per_microbatch,
                 batch,
                 microbatches=desc["microbatches"],
                 schedule=schedule_of(desc),
-                reduce=("concat" if desc["stacked_loss"] else "sum", "sum"),
+                reduce=("concat" if desc["stacked_loss"] else "sum", "sum", desc["metric"][1]),
             )
 
         key_args = [*key_args, batch]
@@ -553,8 +611,18 @@ def check(desc):
     seen, expected = Recorder(), Recorder()
     fn, args, kwargs = build(desc, meshes, seen)
     compiled = mpmdc.compile(fn, meshes, **kwargs)
-    got = jax.block_until_ready(compiled(*args))
-    reference, _, _ = build(desc, reference_meshes(meshes), expected)
+    if any(op[0] == "shard_map" and op[7] for op in desc["ops"]):
+        # A shard_map built for its stage mesh's axes in another order would lay its
+        # shards out by the wrong axis: refused, unless it is dead code or left its mesh.
+        try:
+            got = jax.block_until_ready(compiled(*args))
+        except mpmdc.errors.TypeCheckError as e:
+            assert "the same axes in another order" in str(e), e
+            event("a shard_map for the axes in another order: refused")
+            return
+    else:
+        got = jax.block_until_ready(compiled(*args))
+    reference, _, _ = build(desc, reference_meshes(meshes), expected, reference=True)
     want = jax.block_until_ready(jax.jit(reference)(*args))
     jax.effects_barrier()
     assert_same_results(got, want)
@@ -562,6 +630,13 @@ def check(desc):
     assert_results_own_their_buffers(got, args)
     if desc["echoes"]:  # nor with the next call's (a constant returned each time)
         assert_results_own_their_buffers(jax.block_until_ready(compiled(*args)), (args, got))
+
+
+def without_swapped_axes(desc):
+    """``desc`` with every ``shard_map`` built for its stage mesh's axes in their order
+    (for the properties of programs mpmdc runs)."""
+    ops = [(*op[:7], False, op[8]) if op[0] == "shard_map" else op for op in desc["ops"]]
+    return {**desc, "ops": ops}
 
 
 def _describe(desc):
@@ -574,6 +649,11 @@ def _describe(desc):
     kinds = ("shard_map", "constant", "layer", "checkpointed_layer", "custom_layer", "effect")
     for kind in (*kinds, "dropout"):
         event(f"{kind}={any(op[0] == kind for op in desc['ops'])}")
+    shard_maps = [op for op in desc["ops"] if op[0] == "shard_map"]
+    if any(len(op[5]) > 1 for op in shard_maps):
+        event(f"shard_map forms={sorted({op[4] for op in shard_maps})}")
+        event(f"shard_map swapped={any(op[7] for op in shard_maps)}")
+    event(f"shard_map abstract={any(op[8] for op in shard_maps)}")
     event(f"markers={min(len(desc['markers']), 3)}{'+' if len(desc['markers']) >= 3 else ''}")
     event(f"ops={'<10' if len(desc['ops']) < 10 else '<30' if len(desc['ops']) < 30 else '30+'}")
     if desc["mode"] == "accumulate":
@@ -581,6 +661,7 @@ def _describe(desc):
         event(f"microbatches={desc['microbatches']}")
         event(f"computed_batch={desc['computed_batch']}")
         event(f"stacked_loss={desc['stacked_loss']}")
+        event(f"metric={desc['metric']}")
 
 
 FUZZ_SETTINGS = dict(
@@ -623,7 +704,11 @@ SCALARS = {
 @st.composite
 def call_sequences(draw):
     """A plain or differentiated program and 2 to 4 argument variants to call it with."""
-    desc = draw(programs().filter(lambda d: d["mode"] != "accumulate" and not d["with_key"]))
+    desc = draw(
+        programs()
+        .filter(lambda d: d["mode"] != "accumulate" and not d["with_key"])
+        .map(without_swapped_axes)
+    )
     variants = draw(
         st.lists(
             st.tuples(
@@ -652,8 +737,8 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
 
-    def program(record, meshes_):
-        body = make_body(desc, meshes_, record)
+    def program(record, meshes_, reference=False):
+        body = make_body(desc, meshes_, record, reference)
         inner = (
             body if desc["mode"] == "plain" else jax.value_and_grad(lambda *xs: jnp.sum(body(*xs)))
         )
@@ -666,7 +751,7 @@ def test_one_compiled_function_called_with_new_argument_types(case):
         return fn
 
     step = mpmdc.compile(program(seen, meshes), meshes, stage_to_mesh=desc["stage_to_mesh"])
-    reference = jax.jit(program(expected, reference_meshes(meshes)))
+    reference = jax.jit(program(expected, reference_meshes(meshes), reference=True))
     rng = np.random.default_rng(len(desc["ops"]))
     for container, scalar, dtype, n in variants:
         xs = [jnp.asarray(rng.normal(size=(n, n)), dtype) for _ in range(desc["num_inputs"])]
@@ -687,6 +772,7 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 @given(
     programs()
     .filter(lambda d: not d["with_key"])
+    .map(without_swapped_axes)
     .map(
         lambda d: {
             **d,
@@ -724,8 +810,8 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     seen, expected = Recorder(), Recorder()
     n = desc["num_inputs"] + stacked_param
 
-    def training_step(record, meshes_):
-        body = make_body(desc, meshes_, record)
+    def training_step(record, meshes_, reference=False):
+        body = make_body(desc, meshes_, record, reference)
 
         def step(params, momenta, *batch):
             def trained(ps):
@@ -802,7 +888,9 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
                 assert canonical_spec(program.out_specs[1 + j]) == came_in, j
     got = jax.block_until_ready(compiled(params, momenta, *batch))
     want = jax.block_until_ready(
-        jax.jit(training_step(expected, reference_meshes(meshes)))(params, momenta, *batch)
+        jax.jit(training_step(expected, reference_meshes(meshes), reference=True))(
+            params, momenta, *batch
+        )
     )
     jax.effects_barrier()
     assert_same_results(got, want)

@@ -166,6 +166,25 @@ def test_work_inside_an_accumulate_loop_belongs_to_its_iteration(meshes2):
     ]
 
 
+def test_a_cast_of_a_loops_result_runs_after_the_loop(meshes2):
+    """The mean of int8 counts: the cast of the running sum to float32 is cheap (four
+    times larger than what it reads) and makes an output; it runs after the loop, not
+    in the iteration, which reads no value of after the loop (the program was
+    ill-typed and failed at run time)."""
+    x = jnp.arange(16, dtype=jnp.int8)
+
+    def fn(x):
+        count = lambda xb: jnp.sum(mpmdc.stage(xb, 0) > 3, dtype=jnp.int8)  # noqa: E731
+        return mpmdc.accumulate(count, x, microbatches=4, reduce="mean")
+
+    assert labelled(placed(fn, meshes2, x))[-3:] == [
+        ("loop_edge", "s0_fwd_loop"),  # the running sum leaves the iteration
+        ("convert_element_type", "s0_fwd"),
+        ("div", "s0_fwd"),
+    ]
+    assert_same_as_jit(fn, meshes2, x)
+
+
 # ----- the placement steps, each alone on a hand-written program
 
 

@@ -256,6 +256,33 @@ def test_a_costs_function_returning_no_seconds_is_named_before_any_candidate():
         Auto().choose(pipeline)
 
 
+def test_a_users_function_that_raises_is_named_not_taken_for_a_bug_of_mpmdc(meshes4):
+    """A schedule or costs function of the user's raising (a typo, a missing key) is a
+    ``ScheduleError`` naming it and what it raised, its traceback chained, not an
+    internal error of the ``plan`` pass."""
+    params = init_params(jax.random.key(0), [16, 32, 32, 32, 8])
+
+    def choose(pipeline):
+        return pipeline.name
+
+    with pytest.raises(
+        ScheduleError,
+        match=re.escape("the schedule function choose raised AttributeError: 'Pipeline'"),
+    ) as raised:
+        mpmdc.compile(step_with("auto"), meshes4, schedule=choose).lower(params, *mlp_data())
+    assert isinstance(raised.value.__cause__, AttributeError)
+
+    def forward_only(action):
+        return {"F": 1.0}[action.kind]
+
+    with pytest.raises(
+        ScheduleError, match=re.escape("the costs function forward_only raised KeyError for")
+    ):
+        mpmdc.compile(step_with("auto"), meshes4, schedule=Auto(costs=forward_only)).lower(
+            params, *mlp_data()
+        )
+
+
 def test_costs_by_action_label_come_before_their_kind():
     cost = measured({"F": 1.0, "B": 2.0, "1F0": 5.0, Action(0, "B", 2): 7.0})
     assert cost(Action(1, "F", 0)) == 5.0 and cost(Action(1, "F", 1)) == 1.0
