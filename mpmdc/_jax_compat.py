@@ -233,6 +233,11 @@ def current_trace():
     return _core.trace_ctx.trace
 
 
+def evaluating_eagerly() -> bool:
+    """Whether JAX runs primitives as they are bound (no transformation or trace on)."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
 def replay_in_trace(closed, *args):
     """``closed``'s equations emitted as they are into the jaxpr being traced, on
     ``args``; its outputs, or ``None`` outside a jaxpr trace (under ``vmap``, say).

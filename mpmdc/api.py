@@ -10,6 +10,7 @@ not retrace.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -133,8 +134,9 @@ class Lowered:
         self._order = tuple(name for name, _ in dumps)
         self.signature = signature
         self._by_backend: dict[str, Program] = {}
-        # Told of the result of compile(): the function lowered keeps it for its calls.
-        self._compiled_hook: Callable[[Compiled], None] | None = None
+        # ``(cache, key)`` of the function lowered, for these argument types: compile()
+        # returns the executable its calls compiled, else keeps its own there.
+        self._kept: tuple[ExecutableCache, Any] | None = None
         # Wall time per stage: ``input`` is tracing, ``after-<pass>`` that pass.
         self.seconds: dict[str, float] = dict(seconds or {})
 
@@ -242,11 +244,16 @@ class Lowered:
 
         Compiles the modules of the ``stablehlo`` stage (lowering first, with the
         ``lower`` pass, if this pipeline stopped before it). The function it was lowered
-        from runs calls with the same argument types on the result, as ``jax.jit`` does."""
-        compiled = self._compile_with(None)
-        if self._compiled_hook is not None:
-            self._compiled_hook(compiled)
-        return compiled
+        from runs calls with the same argument types on the result, and a compile() of
+        another ``lower()`` for those types returns it (or what a call compiled) without
+        compiling again, as with ``jax.jit``."""
+        if self._kept is None:
+            return self._compile_with(None)
+        cache, key = self._kept
+        found = cache.peek(key)
+        if found is not None:  # (as jax.jit's lower().compile() finds what it compiled)
+            return found
+        return cache.put(key, self._compile_with(None))
 
     def _compile_with(self, compiler: FragmentCompiler | None) -> Compiled:
         """:meth:`compile`, finishing what ``compiler`` started while lowering."""
@@ -301,10 +308,15 @@ class Wrapped:
 
     def __init__(self, fn: Callable, options: CompileOptions):
         self.fn = fn
+        # Its name, docstring and signature are fn's (``__wrapped__``), as jax.jit's are.
+        functools.update_wrapper(self, fn, updated=())
         self.options = options
         self._cache = ExecutableCache(
             options.cache_size, f"mpmdc: executables of {qualified_name(fn)}"
         )
+
+    def __repr__(self) -> str:
+        return f"<mpmdc.compile of {qualified_name(self.fn)} over {len(self.meshes)} meshes>"
 
     @property
     def meshes(self) -> tuple:
@@ -431,7 +443,7 @@ class Wrapped:
         these argument types run on what the result's ``compile()`` returns."""
         lowered = self._traced(args, kwargs, self.passes).lower()
         key = signature_key(self.options, args, kwargs)[0]
-        lowered._compiled_hook = lambda compiled: self._cache.put(key, compiled)
+        lowered._kept = (self._cache, key)
         return lowered
 
     @cycles_collected_after()  # (see its docstring)

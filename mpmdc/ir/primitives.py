@@ -141,19 +141,25 @@ def stage(x, index=None, *, every=None, first=0):
     """
     if (index is None) == (every is None):
         raise _stage_error(
-            "give a stage index, mpmdc.stage(x, i), or, inside a scan over layers, "
-            "mpmdc.stage(x, every=k) (not both)."
+            (
+                "it was given both a stage index and every=; give one: "
+                if every is not None
+                else "give "
+            )
+            + "a stage index, mpmdc.stage(x, i), or, inside a scan over layers, "
+            "mpmdc.stage(x, every=k)."
         )
     leaves, treedef = jax.tree_util.tree_flatten(x)
     _checked_leaves(x, leaves)
+    eager = compat.evaluating_eagerly()  # (the identity itself: 3 stays the int 3)
     if every is not None:
         every, first = _checked_every(every, first)
-        if not leaves:
+        if not leaves or eager:
             return x
         out = layer_stage_p.bind(*leaves, every=every, first=first, transpose=0)
         return jax.tree_util.tree_unflatten(treedef, out)
     index = _checked_stage_index(index)
-    if not leaves:
+    if not leaves or eager:
         return x
     custom_rules.RULES.entering(leaves, index)
     out = stage_p.bind(*leaves, stage=index, transpose=0)

@@ -335,8 +335,8 @@ class Program:
         if stage >= len(self.stage_to_mesh):
             where = f" (marker at {compat.source_line(eqn)})" if eqn is not None else ""
             raise StageError(
-                f"stage {stage}{where} has no entry in stage_to_mesh={list(self.stage_to_mesh)}; "
-                f"give stage_to_mesh one mesh index per stage."
+                f"stage {stage}{where} has no entry in stage_to_mesh, which maps stages "
+                f"0..{len(self.stage_to_mesh) - 1}; give it one mesh index per stage."
             )
         return self.stage_to_mesh[stage]
 

@@ -51,6 +51,10 @@ def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:
     """Why ``spec`` cannot shard an array of ``shape`` on ``mesh``, or ``None`` if it can."""
     if spec is None:
         return None
+    # (An axis the mesh lacks first: a spec for another mesh is the likelier mistake.)
+    missing = [a for entry in spec for a in axes_of(entry) if a not in mesh.shape]
+    if missing:
+        return f"{spec} names axis {missing[0]!r}, which the mesh {dict(mesh.shape)} does not have"
     if len(spec) > len(shape):
         return f"{spec} has {len(spec)} entries but the value has only {len(shape)} dimensions"
     used: set[str] = set()
@@ -62,11 +66,6 @@ def spec_problem(spec: PartitionSpec | None, mesh: Mesh, shape) -> str | None:
                 f"shards one dimension at most"
             )
         used.update(axes)
-        missing = [a for a in axes if a not in mesh.shape]
-        if missing:
-            return (
-                f"{spec} names axis {missing[0]!r}, which the mesh {dict(mesh.shape)} does not have"
-            )
         size = math.prod(mesh.shape[a] for a in axes)
         if shape[dim] % size:
             return (

@@ -62,6 +62,12 @@ class ExecutableCache:
             self._hits += 1
         return self.put(key, exe)
 
+    def peek(self, key):
+        """The executable kept for ``key`` or ``None``, the cache's use and counts as they
+        were (what ``Lowered.compile`` looks for before compiling)."""
+        with self._lock:
+            return self._entries.get(key)
+
     def put(self, key, exe):
         """Keep ``exe`` for ``key`` (unless one is kept already: that one is returned),
         dropping the least recently used entries beyond ``maxsize``."""

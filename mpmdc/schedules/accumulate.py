@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from mpmdc import _jax_compat as compat
+from mpmdc._text import a_type
 from mpmdc.errors import AccumulateError
 from mpmdc.ir.primitives import LoopEdge, loop_edge, mark_microbatch
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
@@ -276,6 +277,12 @@ def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     pipeline) is how mpmdc orders the microbatches' fragments on the meshes; it does not
     change the result.
     """
+    if not callable(fn):
+        raise _error(
+            f"fn is {'an array' if hasattr(fn, 'shape') else a_type(fn)}, not a function; "
+            f"pass the function of one microbatch "
+            f"first: mpmdc.accumulate(fn, xs, microbatches=...)."
+        )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise _error(f"microbatches must be a positive int, got {microbatches!r}.")
     schedule = library.get(schedule)

@@ -99,7 +99,8 @@ def _check_coverage(per_mesh, layout: Layout) -> set:
                     f"and microbatches 0..{layout.microbatches - 1}."
                 )
             if a in seen:
-                raise ScheduleError(f"{a} is listed twice (meshes {seen[a]} and {mesh}).")
+                where = f"on mesh {mesh}" if seen[a] == mesh else f"on meshes {seen[a]} and {mesh}"
+                raise ScheduleError(f"{a} is listed twice ({where}); list each action once.")
             if layout.stage_to_mesh[a.stage] != mesh:
                 raise ScheduleError(
                     f"{a} is listed on mesh {mesh}, but stage {a.stage} runs on mesh "

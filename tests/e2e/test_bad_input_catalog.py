@@ -175,6 +175,12 @@ MISTAKES = [
         lambda w: mpmdc.stage(w.x, -1),
     ),
     Mistake(
+        "a stage index and every= both",
+        errors.StageError,
+        r"it was given both a stage index and every=; give one: a stage index",
+        lambda w: mpmdc.stage(w.x, 1, every=2),
+    ),
+    Mistake(
         "a stage index that is no int",
         errors.StageError,
         "stage index must be a non-negative int, got float 1.5",
@@ -195,7 +201,7 @@ MISTAKES = [
     Mistake(
         "stage_to_mesh shorter than the stages",
         errors.StageError,
-        r"stage 1 .*no entry in stage_to_mesh=\[0\]",
+        r"stage 1 .*no entry in stage_to_mesh, which maps stages 0..0",
         lambda w: lower(two_stage, w, stage_to_mesh=(0,)),
     ),
     Mistake(
@@ -478,6 +484,12 @@ MISTAKES = [
         errors.AccumulateError,
         "positive int, got 0",
         lambda w: lower(lambda a, x: accumulating(a, x, microbatches=0), w),
+    ),
+    Mistake(
+        "a batch where the function goes",
+        errors.AccumulateError,
+        r"fn is an array, not a function; pass the function of one microbatch first",
+        lambda w: lower(lambda a, x: mpmdc.accumulate(x, x, microbatches=2), w),
     ),
     Mistake(
         "an unknown reduction",

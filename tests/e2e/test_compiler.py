@@ -350,6 +350,14 @@ def test_demo_matches_jit():
     assert sum(1 for line in lines if line.startswith("  mesh") and "|" in line) == 4
 
 
+def test_stage_called_eagerly_returns_what_it_was_given():
+    """Outside any transformation the marker is the identity itself: a Python int stays
+    that int, a NumPy array that array (not converted to JAX types)."""
+    for value in (3, 2.5, np.float32(1.0), np.arange(3), {"h": np.ones(2), "n": 1}):
+        assert mpmdc.stage(value, 1) is value
+        assert mpmdc.stage(value, every=2) is value
+
+
 @pytest.mark.parametrize("fn_args", ["tuple", "dict"])
 def test_vmap_and_grad_treat_stage_as_identity(fn_args):
     x = jnp.arange(6.0).reshape(2, 3)

@@ -4,6 +4,8 @@
 and donated arguments by number or by name, as ``jax.jit`` takes them; StableHLO for a
 platform or for a registered backend."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,24 @@ def test_each_stage_has_the_name_of_its_jax_stages_namesake(meshes2):
     )
     assert lowered.stages == step.lower(WS, X).stages
     jax.tree.map(np.testing.assert_array_equal, compiled(WS, X), step(WS, X))
+
+
+def test_the_compiled_function_has_its_functions_name_docstring_and_signature(meshes2):
+    """As ``jax.jit(fn)`` has: ``__name__``, ``__doc__``, ``__wrapped__`` and so
+    ``inspect.signature``."""
+
+    def train_step(params, x, *, lr=0.1):
+        """One step of training."""
+        return params
+
+    step = mpmdc.compile(train_step, meshes2)
+    assert (step.__name__, step.__doc__, step.__wrapped__) == (
+        "train_step",
+        "One step of training.",
+        train_step,
+    )
+    assert str(inspect.signature(step)) == "(params, x, *, lr=0.1)"
+    assert repr(step).startswith("<mpmdc.compile of ") and "train_step over 2 meshes" in repr(step)
 
 
 def test_traced_tells_what_tracing_learnt_as_jaxs_does(meshes2):

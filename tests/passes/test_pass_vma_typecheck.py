@@ -92,6 +92,14 @@ def test_a_spec_naming_an_axis_the_mesh_lacks_is_a_spec_error(meshes2, where, me
     assert str(info.value).startswith(message)
 
 
+def test_a_spec_for_another_mesh_is_named_for_its_axis_before_its_length(meshes2):
+    """A spec of more entries than dimensions that names an axis the mesh lacks (a spec
+    for another mesh, or another value) names the axis first."""
+    program = placed_program(two_stages, meshes2, X)
+    with pytest.raises(SpecError, match=r"P\(None, None, 'model'\) names axis 'model'"):
+        vma_typecheck(program.replace(in_specs=(P(None, None, "model"),)))
+
+
 def test_a_spec_that_does_not_divide_its_dimension_is_a_spec_error(meshes2):
     program = placed_program(two_stages, meshes2, jnp.ones((3, 8)))
     vma_typecheck(program.replace(in_specs=(P(None, "data"),)))  # 8 over 2 is fine

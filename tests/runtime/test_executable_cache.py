@@ -2,7 +2,7 @@
 (``mpmdc.runtime.executable_cache``, ``compile(..., cache_size=)``).
 
 What it promises: at most ``cache_size`` signatures are kept, the least recently used
-dropped first, and a signature kept is never compiled again; ``step.clear_cache()`` and
+dropped first, and a signature kept is never compiled again (nor by ``lower().compile()``); ``step.clear_cache()`` and
 ``jax.clear_caches()`` drop them all, and the next call compiles again and still gives
 ``jax.jit``'s numbers; a compiled program keeps its executables, not the modules they
 were compiled from.
@@ -66,6 +66,29 @@ def test_clearing_drops_every_executable_and_the_next_call_compiles_as_jit(meshe
     assert c.count > 0
     assert_same_tree(got, want)
     assert step.cache_info().currsize == 1
+
+
+def test_compiling_another_lowering_of_the_same_types_compiles_nothing(meshes2):
+    """As with ``jax.jit``: ``lower().compile()`` again (or after a call) returns the
+    executable kept for those argument types; for new types it compiles."""
+    step = mpmdc.compile(STEP, meshes2)
+    x = batch(4)
+    first = step.lower(WS, x).compile()
+    with XlaCompiles() as c:
+        again = step.lower(WS, x).compile()
+        step(WS, x)
+    assert c.count == 0 and again is first
+    assert step.cache_info().currsize == 1
+    other = mpmdc.compile(STEP, meshes2)
+    other(WS, x)
+    with XlaCompiles() as c:
+        other.lower(WS, x).compile()
+    assert c.count == 0
+    x2 = batch(2)
+    with XlaCompiles() as c:
+        other.lower(WS, x2).compile()
+    assert c.count > 0
+    assert other.cache_info().currsize == 2
 
 
 def test_a_compiled_program_keeps_its_executables_not_its_modules(meshes2):

@@ -222,7 +222,7 @@ def test_action_text_round_trip_and_user_lists():
         ),
         (["0F0 0F1 0B0 0B1", "1B0 1F0 1F1 1B1"], "breaks a dependency: mesh 1 runs 1B0 before 1F0"),
         (["0F0 0F1 0B0", "1F0 1B0 1F1 1B1"], "never runs 0B1"),
-        (["0F0 0F1 0B0 0B1 0F1", "1F0 1B0 1F1 1B1"], "0F1 is listed twice"),
+        (["0F0 0F1 0B0 0B1 0F1", "1F0 1B0 1F1 1B1"], "0F1 is listed twice (on mesh 0)"),
         (
             ["0F0 0F1 0B0 0B1 1F0", "1B0 1F1 1B1"],
             "1F0 is listed on mesh 0, but stage 1 runs on mesh 1",
