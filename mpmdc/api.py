@@ -36,7 +36,7 @@ from mpmdc.pipeline import (
     with_plan,
 )
 from mpmdc.planning.balancing import wants_balancing
-from mpmdc.runtime.arguments import committed_where
+from mpmdc.runtime.arguments import committed_blocks, committed_where
 from mpmdc.runtime.compiling import FragmentCompiler
 from mpmdc.runtime.executable import Compiled
 from mpmdc.runtime.executable_cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
@@ -458,11 +458,13 @@ class Wrapped:
         closed, loop, out_tree, out_paths = self._trace(in_tree, call, in_types)
         out_specs, wanted_out_meshes = output_specs(options, out_tree, out_paths)
         arg_meshes = tuple(committed_where(leaf, options.meshes) for leaf in leaves)
+        arg_blocks = tuple(committed_blocks(leaf, options.meshes) for leaf in leaves)
+        in_specs, committed_specs = input_specs(options, args, static, call.kwargs, leaves)
         program = Program(
             jaxpr=closed,
             meshes=options.meshes,
             stage_to_mesh=options.stage_to_mesh,
-            in_specs=input_specs(options, args, static, call.kwargs, leaves),
+            in_specs=in_specs,
             out_specs=out_specs,
             wanted_out_meshes=wanted_out_meshes,
             in_paths=tuple(in_paths),
@@ -471,6 +473,8 @@ class Wrapped:
             backend=options.backend,
             microbatches=loop.microbatches if loop else None,
             arg_meshes=arg_meshes if any(m is not None for m in arg_meshes) else None,
+            arg_blocks=arg_blocks if any(b is not None for b in arg_blocks) else None,
+            committed_specs=committed_specs if any(committed_specs) else None,
         )
         # What the ``plan`` pass decides: the first of the pipeline.
         request = PlanRequest(

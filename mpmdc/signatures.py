@@ -90,15 +90,15 @@ def committed_spec(leaf) -> PartitionSpec | None:
 
 
 def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
-    """The committed spec as written (see :func:`committed_spec`) if every mesh can
-    shard the leaf that way (any of them may hold it): the argument's default
-    ``in_spec``."""
+    """The committed spec as written (see :func:`committed_spec`) if a mesh can shard
+    the leaf that way: the argument's default ``in_spec`` (``partition`` keeps it where
+    the mesh reading it can, :attr:`Program.committed_specs`)."""
     if committed_spec(leaf) is None:
         return None
     spec = leaf.sharding.spec
     if leaf.sharding.mesh.axis_names[0] == STAGES_AXIS:  # a stacked array held in pieces
         spec = within_stage(spec)
-    if any(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
+    if all(spec_problem(spec, mesh, leaf.shape) for mesh in meshes):
         return None
     return spec
 
@@ -262,11 +262,14 @@ def refuse_types_alone(options: CompileOptions, args, kwargs, leaves) -> None:
 
 
 def input_specs(options: CompileOptions, args, static: dict, kwargs, leaves) -> tuple:
-    """Per flat input, ``in_specs``' entry, else the argument's own sharding."""
-    return tuple(
-        spec if spec is not None else _sharding_spec(leaf, options.meshes)
-        for spec, leaf in zip(flat_in_specs(options, args, static, kwargs), leaves)
-    )
+    """``(specs, committed)``: per flat input, ``in_specs``' entry, else the argument's
+    own sharding's, and whether it is the latter (:attr:`Program.committed_specs`)."""
+    given = flat_in_specs(options, args, static, kwargs)
+    own = [
+        None if g is not None else _sharding_spec(x, options.meshes) for g, x in zip(given, leaves)
+    ]
+    specs = tuple(g if g is not None else o for g, o in zip(given, own))
+    return specs, tuple(o is not None for o in own)
 
 
 def output_specs(options: CompileOptions, out_tree, out_paths):

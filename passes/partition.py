@@ -100,6 +100,7 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
+from mpmdc.ir.sharding import spec_problem
 
 # A value of at most this many elements costs less to move than anything expanding it.
 _SMALL = 64
@@ -1045,5 +1046,24 @@ def partition(program: Program) -> Program:
         jaxpr.constvars, program.jaxpr.consts, jaxpr.invars, outvars, new_eqns, jaxpr.debug_info
     )
     return program.replace(
-        jaxpr=closed, phase=Phase.PLACED, in_meshes=tuple(in_meshes), out_meshes=tuple(out_meshes)
+        jaxpr=closed,
+        phase=Phase.PLACED,
+        in_meshes=tuple(in_meshes),
+        out_meshes=tuple(out_meshes),
+        in_specs=_committed_specs_kept(program, in_meshes),
     )
+
+
+def _committed_specs_kept(program: Program, in_meshes) -> tuple:
+    """``program.in_specs`` less each committed argument's own spec (not the caller's
+    ``in_specs``) that the mesh reading it cannot shard it by (an axis that mesh lacks):
+    the argument is laid out there as its computation gives it, as under ``jax.jit``
+    with an input on another mesh."""
+    specs = list(program.in_specs)
+    if program.committed_specs is None:
+        return tuple(specs)
+    for k, (spec, mesh, v) in enumerate(zip(specs, in_meshes, program.jaxpr.jaxpr.invars)):
+        leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
+        if program.committed_specs[leaf] and spec_problem(spec, program.meshes[mesh], v.aval.shape):
+            specs[k] = None
+    return tuple(specs)

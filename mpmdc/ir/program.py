@@ -298,6 +298,14 @@ class Program:
     # committed; a tuple of device ids: committed to devices no one mesh holds): one
     # read elsewhere moves before every call
     arg_meshes: tuple[int | tuple[int, ...] | None, ...] | None = None
+    # per caller argument leaf committed to devices of several meshes, the block each
+    # device holds, ``((device id, ((start, stop) per dimension)), ...)`` (else ``None``):
+    # which rows of a stack are where
+    arg_blocks: tuple[tuple | None, ...] | None = None
+    # per caller argument leaf, whether its spec in ``in_specs`` is its own committed
+    # sharding's (not the caller's ``in_specs``): ``partition`` keeps such a spec only
+    # where the mesh reading the argument has its axes, as the mesh it was committed to
+    committed_specs: tuple[bool, ...] | None = None
     # ``fragment_key`` -> ``jax.stages.Lowered`` for ``backend``, kept by ``lower`` for the runtime
     lowerings: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 

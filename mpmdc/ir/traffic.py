@@ -17,9 +17,12 @@ rolled loop's (before ``schedule``) count once per microbatch.
 
 An argument committed to another mesh than the one that reads it (``Program.arg_meshes``:
 where each was when the program was traced) is moved by the runtime before every call;
-the report counts it as ``state`` on its link and names it. One committed to devices
-that no one mesh holds (spread over several meshes, or outside them) is named too and
-counted in the totals, on no link.
+the report counts it as ``state`` on its link and names it. A stack's rows held in
+pieces are where their devices are (``Program.arg_blocks``): nowhere else when each
+piece's rows are on the mesh reading them (as the step returned the stack), else moved
+from the mesh holding them. One committed to devices that no one mesh holds (spread
+over several meshes, or outside them) is named too and counted in the totals, on no
+link.
 """
 
 from __future__ import annotations
@@ -125,19 +128,20 @@ class TransferReport:
         return "\n".join(lines) + "\n"
 
 
-def _held_in_pieces(program: Program, leaf: int, devices) -> bool:
-    """Whether argument ``leaf``, on device ids ``devices``, is a stack held as its pieces
-    (as the step returns it: each piece's rows on the devices of the mesh reading it),
-    so handing it over moves nothing."""
-    if not isinstance(devices, tuple) or program.in_pieces is None:
-        return False
-    meshes = {
-        m
-        for piece, m in zip(program.in_pieces, program.in_meshes)
-        if piece.leaf == leaf and piece.rows is not None
-    }
-    held = {d.id for m in meshes for d in program.meshes[m].devices.flat}
-    return len(meshes) > 1 and held == set(devices)
+def _source_of_piece(program: Program, k: int, leaf: int):
+    """Where program input ``k``, rows of argument ``leaf`` committed to devices of several
+    meshes (``Program.arg_blocks``), is before a call: the index of the mesh whose
+    devices hold exactly those rows, else the sorted ids of the devices that do."""
+    rows = program.in_pieces[k].rows if program.in_pieces is not None else None
+    blocks = program.arg_blocks[leaf] if program.arg_blocks else None
+    if rows is None or blocks is None:
+        return program.arg_meshes[leaf]
+    axis, lo, hi = rows
+    holders = {device for device, spans in blocks if spans[axis][0] < hi and lo < spans[axis][1]}
+    for m, mesh in enumerate(program.meshes):
+        if holders == {d.id for d in mesh.devices.flat}:
+            return m
+    return tuple(sorted(holders))
 
 
 def transfer_report(program: Program) -> TransferReport:
@@ -162,8 +166,8 @@ def transfer_report(program: Program) -> TransferReport:
     state = CATEGORIES.index(_CATEGORY_OF[Carries.STATE])
     for k, (v, dst) in enumerate(zip(jaxpr.invars, program.in_meshes)):
         leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
-        src = program.arg_meshes[leaf] if program.arg_meshes else None
-        if src is None or src == dst or _held_in_pieces(program, leaf, src):
+        src = _source_of_piece(program, k, leaf) if program.arg_meshes else None
+        if src is None or src == dst:
             continue
         if isinstance(src, tuple):  # on devices no one mesh holds: no link
             arguments.append(ArgumentMove(program.in_paths[k], None, dst, nbytes(v.aval), src))

@@ -286,6 +286,57 @@ def test_a_stacked_parameter_fed_back_is_not_reported_as_moved():
     assert report.as_text() == compiled.lower(w, x).transfer_report().as_text()
 
 
+def test_a_stack_from_another_layout_is_reported_moved_piece_by_piece():
+    """The stacked weights a step on 2 meshes returned (rows 0:4 on devices 0-3), read
+    by a step on 4 meshes (rows 0:2 on mesh0, devices 0-1): each piece is moved before
+    every call, and the report names each with the devices holding its rows."""
+
+    def loss(w, x, every):
+        def layer(h, wi):
+            return jnp.tanh(mpmdc.stage(h, every=every) @ wi), None
+
+        return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x, 4)
+
+    w = jnp.full((8, WIDTH, WIDTH), 0.1)
+    x = jnp.ones((8, WIDTH))
+    from_two = mpmdc.compile(step, mpmdc.make_meshes(2, {"data": 4}))(w, x)
+    four = mpmdc.compile(lambda w, x: loss(w, x, 2), mpmdc.make_meshes(4, {"data": 2}))
+    report = four.lower(from_two, x).transfer_report()
+    piece = WIDTH * WIDTH * 2 * 4
+    assert [(m.path, m.source, m.dst, m.bytes) for m in report.arguments] == [
+        ("args[0][0:2]", "devices [0, 1, 2, 3]", 0, piece),
+        ("args[0][2:4]", "devices [0, 1, 2, 3]", 1, piece),
+        ("args[0][4:6]", "devices [4, 5, 6, 7]", 2, piece),
+        ("args[0][6:8]", "devices [4, 5, 6, 7]", 3, piece),
+    ]
+    assert report.total("parameters/optimizer state") == 4 * piece
+    with pytest.warns(mpmdc.errors.PlacementWarning, match="4 arguments are not where"):
+        four(from_two, x)
+    # Rows on one mesh, read on another (the stages placed in reverse): moved on that link.
+    meshes = four.meshes
+    from_four = mpmdc.compile(lambda w, x: w - 0.1 * jax.grad(loss)(w, x, 2), meshes)(w, x)
+    reverse = mpmdc.compile(lambda w, x: loss(w, x, 2), meshes, stage_to_mesh=(3, 2, 1, 0))
+    report = reverse.lower(from_four, x).transfer_report()
+    assert [(m.source, m.dst) for m in report.arguments] == [
+        ("mesh0", 3),
+        ("mesh1", 2),
+        ("mesh2", 1),
+        ("mesh3", 0),
+    ]
+    links = {(link.src, link.dst): link.bytes[1] for link in report.links}
+    assert links[(0, 3)] == links[(3, 0)] == piece
+    assert (
+        mpmdc.compile(lambda w, x: loss(w, x, 2), meshes)
+        .lower(from_four, x)
+        .transfer_report()
+        .arguments
+        == ()
+    )
+
+
 def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():
     """Stages 0 and 2 on 3 meshes leave mesh1 idle every step: said once it is lowered,
     naming the mesh; a layout using every mesh says nothing."""

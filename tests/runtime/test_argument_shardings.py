@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import assert_same_array
 from jax.sharding import NamedSharding
@@ -56,14 +57,25 @@ def test_in_specs_override_the_arguments_sharding(meshes2):
     assert batch_spec(step.lower(W, x)) == P()
 
 
-def test_a_sharding_over_axes_some_mesh_lacks_is_no_default():
+def test_a_committed_sharding_is_kept_where_the_mesh_reading_it_has_its_axes():
+    """Meshes of different axes (a stage without tensor parallelism): an argument's own
+    spec is its default where the mesh reading it has the spec's axes (the batch split
+    over ``data`` on mesh0), and none where it lacks them (``w`` committed split over
+    ``model`` on mesh1, read on mesh0: moved there, laid out as its computation gives)."""
     devices = jax.devices()
     meshes = [
         jax.sharding.Mesh(devices[:2], ("data",)),
-        jax.sharding.Mesh(devices[2:4], ("model",)),
+        jax.sharding.Mesh(np.array(devices[2:6]).reshape(2, 2), ("data", "model")),
     ]
     x = jax.device_put(X, NamedSharding(meshes[0], P("data")))
-    assert batch_spec(mpmdc.compile(two_stage, meshes).lower(W, x)) == P()
+    w = jax.device_put(W, NamedSharding(meshes[1], P("model")))
+    step = mpmdc.compile(two_stage, meshes)
+    assert step.lower(w, x).program("after-split").in_specs == (P(), P("data"))
+    # Read on mesh1, whose axes it names, a committed tensor-parallel weight keeps its spec.
+    second = mpmdc.compile(lambda x, w: two_stage(W, x) + jnp.sum(mpmdc.stage(x, 1) @ w), meshes)
+    w1 = jax.device_put(W, NamedSharding(meshes[1], P(None, "model")))
+    assert second.lower(x, w1).program("after-split").in_specs[1] == P(None, "model")
+    assert_same_array(step(w, x), jax.jit(two_stage)(W, X), rtol=1.2e-6)  # (as above)
 
 
 def test_outputs_fed_back_need_no_moving(meshes2):
