@@ -134,9 +134,10 @@ class Lowered:
         self._order = tuple(name for name, _ in dumps)
         self.signature = signature
         self._by_backend: dict[str, Program] = {}
-        # ``(cache, key)`` of the function lowered, for these argument types: compile()
-        # returns the executable its calls compiled, else keeps its own there.
-        self._kept: tuple[ExecutableCache, Any] | None = None
+        # ``(cache, key, reuse)`` of the function lowered, for these argument types:
+        # compile() keeps its executable there for the calls, and returns the one kept
+        # already where ``reuse`` (in one process: the calls' programs are this one's).
+        self._kept: tuple[ExecutableCache, Any, bool] | None = None
         # Wall time per stage: ``input`` is tracing, ``after-<pass>`` that pass.
         self.seconds: dict[str, float] = dict(seconds or {})
 
@@ -249,8 +250,8 @@ class Lowered:
         compiling again, as with ``jax.jit``."""
         if self._kept is None:
             return self._compile_with(None)
-        cache, key = self._kept
-        found = cache.peek(key)
+        cache, key, reuse = self._kept
+        found = cache.peek(key) if reuse else None
         if found is not None:  # (as jax.jit's lower().compile() finds what it compiled)
             return found
         return cache.put(key, self._compile_with(None))
@@ -273,6 +274,7 @@ class Traced:
         self._passes = passes
         self.fun_name = fun_name
         self._seconds = seconds  # tracing's wall time: the ``input`` stage's
+        self._kept = None  # handed to what lower() returns (see Lowered._kept)
 
     @property
     def jaxpr(self) -> jax.extend.core.ClosedJaxpr:
@@ -298,6 +300,7 @@ class Traced:
     def lower(self) -> Lowered:
         """Run every pass; the IR after each one is the result's."""
         lowered = _through_passes(self._program, self._passes, self._signature, self._seconds)
+        lowered._kept = self._kept
         _warn_of_idle_meshes(lowered)
         return lowered
 
@@ -310,6 +313,8 @@ class Wrapped:
         self.fn = fn
         # Its name, docstring and signature are fn's (``__wrapped__``), as jax.jit's are.
         functools.update_wrapper(self, fn, updated=())
+        if self.__doc__ is getattr(type(fn), "__doc__", None):  # (a partial's, not fn's)
+            self.__doc__ = Wrapped.__doc__
         self.options = options
         self._cache = ExecutableCache(
             options.cache_size, f"mpmdc: executables of {qualified_name(fn)}"
@@ -436,15 +441,15 @@ class Wrapped:
 
     def trace(self, *args, **kwargs) -> Traced:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s (as ``jax.jit(fn).trace``)."""
-        return self._traced(args, kwargs, self.passes)
+        traced = self._traced(args, kwargs, self.passes)
+        everywhere = all(is_here(mesh) for mesh in self.meshes)  # (see _passes_for_call)
+        traced._kept = (self._cache, signature_key(self.options, args, kwargs)[0], everywhere)
+        return traced
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass. Calls with
         these argument types run on what the result's ``compile()`` returns."""
-        lowered = self._traced(args, kwargs, self.passes).lower()
-        key = signature_key(self.options, args, kwargs)[0]
-        lowered._kept = (self._cache, key)
-        return lowered
+        return self.trace(*args, **kwargs).lower()
 
     @cycles_collected_after()  # (see its docstring)
     def _traced(self, args, kwargs, passes) -> Traced:

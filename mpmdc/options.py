@@ -198,6 +198,8 @@ def _checked_stage_to_mesh(stage_to_mesh, num_meshes: int) -> tuple[int, ...] | 
                 f"stage_to_mesh keys must be the stages 0..n-1, got {sorted(stage_to_mesh)}."
             )
         stage_to_mesh = [stage_to_mesh[s] for s in range(len(stage_to_mesh))]
+    if len(stage_to_mesh) == 0:
+        raise StageError("stage_to_mesh is empty; give one mesh index per stage, or None.")
     out = []
     for s, m in enumerate(stage_to_mesh):
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m < num_meshes:

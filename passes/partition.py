@@ -1056,9 +1056,9 @@ def partition(program: Program) -> Program:
 
 def _committed_specs_kept(program: Program, in_meshes) -> tuple:
     """``program.in_specs`` less each committed argument's own spec (not the caller's
-    ``in_specs``) that the mesh reading it cannot shard it by (an axis that mesh lacks):
-    the argument is laid out there as its computation gives it, as under ``jax.jit``
-    with an input on another mesh."""
+    ``in_specs``) that the mesh reading it cannot shard it by (an axis that mesh lacks,
+    or one not dividing the rows of a stack's piece): the argument is laid out there as
+    its computation gives it, as under ``jax.jit`` with an input on another mesh."""
     specs = list(program.in_specs)
     if program.committed_specs is None:
         return tuple(specs)

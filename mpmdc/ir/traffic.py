@@ -130,8 +130,8 @@ class TransferReport:
 
 def _source_of_piece(program: Program, k: int, leaf: int):
     """Where program input ``k``, rows of argument ``leaf`` committed to devices of several
-    meshes (``Program.arg_blocks``), is before a call: the index of the mesh whose
-    devices hold exactly those rows, else the sorted ids of the devices that do."""
+    meshes (``Program.arg_blocks``), is before a call: the index of the mesh holding
+    every device that holds those rows, else the sorted ids of those devices."""
     rows = program.in_pieces[k].rows if program.in_pieces is not None else None
     blocks = program.arg_blocks[leaf] if program.arg_blocks else None
     if rows is None or blocks is None:
@@ -139,7 +139,7 @@ def _source_of_piece(program: Program, k: int, leaf: int):
     axis, lo, hi = rows
     holders = {device for device, spans in blocks if spans[axis][0] < hi and lo < spans[axis][1]}
     for m, mesh in enumerate(program.meshes):
-        if holders == {d.id for d in mesh.devices.flat}:
+        if holders <= {d.id for d in mesh.devices.flat}:  # (as for a whole argument)
             return m
     return tuple(sorted(holders))
 

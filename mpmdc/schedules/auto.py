@@ -22,7 +22,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from mpmdc.errors import ScheduleError
+from mpmdc.errors import MpmdcError, ScheduleError
 from mpmdc.ir.primitives import ActionKind
 from mpmdc.ir.program import ScheduleChoice
 from mpmdc.schedules.actions import Action, Layout
@@ -277,6 +277,8 @@ class ChosenBy(Chooser):
     def choose(self, pipeline):
         try:
             returned = self.fn(pipeline)
+        except MpmdcError:
+            raise
         except Exception as err:
             raise ScheduleError(
                 f"the schedule function {self.name} raised {type(err).__name__}: {err} "
@@ -366,6 +368,8 @@ def _reported(costs: Callable[[Action], float]) -> Callable[[Action], float]:
     def cost(action: Action) -> float:
         try:
             return costs(action)
+        except MpmdcError:
+            raise
         except Exception as err:
             raise ScheduleError(
                 f"the costs function {name} raised {type(err).__name__} for action {action}: "

@@ -199,6 +199,12 @@ MISTAKES = [
         lambda w: jax.jit(lambda x: mpmdc.stage(x, jnp.int32(0) + x.shape[0] * 0))(w.x),
     ),
     Mistake(
+        "an empty stage_to_mesh",
+        errors.StageError,
+        r"stage_to_mesh is empty; give one mesh index per stage, or None",
+        lambda w: mpmdc.compile(two_stage, w.meshes, stage_to_mesh=()),
+    ),
+    Mistake(
         "stage_to_mesh shorter than the stages",
         errors.StageError,
         r"stage 1 .*no entry in stage_to_mesh, which maps stages 0..0",

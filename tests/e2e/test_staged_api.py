@@ -4,6 +4,7 @@
 and donated arguments by number or by name, as ``jax.jit`` takes them; StableHLO for a
 platform or for a registered backend."""
 
+import functools
 import inspect
 
 import jax
@@ -59,6 +60,10 @@ def test_the_compiled_function_has_its_functions_name_docstring_and_signature(me
         train_step,
     )
     assert str(inspect.signature(step)) == "(params, x, *, lr=0.1)"
+    # A partial has no docstring of its own: not functools.partial's class docstring.
+    partial = mpmdc.compile(functools.partial(train_step, lr=0.2), meshes2)
+    assert partial.__doc__ == mpmdc.Wrapped.__doc__
+    assert str(inspect.signature(partial)) == "(params, x, *, lr=0.2)"
     assert repr(step).startswith("<mpmdc.compile of ") and "train_step over 2 meshes" in repr(step)
 
 

@@ -5,8 +5,8 @@ matmul, reductions, transpose, slicing and concatenation, ``scan``, ``cond``,
 ``custom_vjp``, an op carrying XLA metadata, ``shard_map`` on the mesh of a random stage
 (its operand marked into that stage or not: a ``psum`` over some of the axes of its spec,
 or a product split over one axis and summed over it; on a mesh of two axes in either
-order, or built for the mesh's axes in another order, which must be refused), and what
-real code does besides:
+order, or built for the mesh's axes in another order, which must be refused unless it
+is dead or runs off that mesh), and what real code does besides:
 
 * captured constants: module-level jax and numpy arrays, arrays made in a closure, a
   jitted helper closing over its own array; "layers" (marker, matmul with a constant,

@@ -87,7 +87,11 @@ def test_compiling_another_lowering_of_the_same_types_compiles_nothing(meshes2):
     x2 = batch(2)
     with XlaCompiles() as c:
         other.lower(WS, x2).compile()
+        other.trace(WS, x2).lower().compile()  # (the same as lower)
     assert c.count > 0
+    with XlaCompiles() as c:
+        other.trace(WS, x2).lower().compile()
+    assert c.count == 0
     assert other.cache_info().currsize == 2
 
 

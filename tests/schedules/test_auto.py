@@ -272,6 +272,12 @@ def test_a_users_function_that_raises_is_named_not_taken_for_a_bug_of_mpmdc(mesh
         mpmdc.compile(step_with("auto"), meshes4, schedule=choose).lower(params, *mlp_data())
     assert isinstance(raised.value.__cause__, AttributeError)
 
+    def refusing(pipeline):  # an mpmdc error of its own is raised as it is
+        return mpmdc.schedules.get("no-such-schedule")
+
+    with pytest.raises(ScheduleError, match=r"^unknown schedule 'no-such-schedule'"):
+        mpmdc.compile(step_with("auto"), meshes4, schedule=refusing).lower(params, *mlp_data())
+
     def forward_only(action):
         return {"F": 1.0}[action.kind]
 
