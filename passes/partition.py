@@ -70,7 +70,6 @@ from collections.abc import Sequence
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
-from jax.sharding import Mesh
 from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
@@ -100,7 +99,7 @@ from mpmdc.ir.program import (
     substituted,
     vars_of,
 )
-from mpmdc.ir.sharding import spec_problem
+from mpmdc.ir.sharding import bound_mesh, spec_problem
 
 # A value of at most this many elements costs less to move than anything expanding it.
 _SMALL = 64
@@ -165,13 +164,12 @@ def _transpose_counts(eqns, flow: DefUse):
     return counts
 
 
-def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
-    """For each top-level ``shard_map`` built for one of the meshes: the stages on that mesh.
+def _mesh_bound_stages(program: Program, eqns) -> dict[int, list[int]]:
+    """For each top-level equation bound to a mesh (``bound_mesh``): the stages on it.
 
-    A ``shard_map`` can only run on the mesh it was built for, but the placement rules
-    follow data: its operand may come from another stage, and its transpose reads only
-    cotangents, which may come from any stage. A mesh has stages even where no marker
-    names them.
+    Such an equation can only run on its mesh, but the placement rules follow data: its
+    operand may come from another stage, and its transpose reads only cotangents, which
+    may come from any stage. A mesh has stages even where no marker names them.
     """
     if program.stage_to_mesh:
         stages = range(len(program.stage_to_mesh))
@@ -180,8 +178,8 @@ def _shard_map_stages(program: Program, eqns) -> dict[int, list[int]]:
         stages = range(max(len(program.meshes), max(marked, default=0) + 1))
     out = {}
     for i, eqn in enumerate(eqns):
-        if eqn.primitive is compat.shard_map_p and isinstance(eqn.params["mesh"], Mesh):
-            ids = eqn.params["mesh"].device_ids.tolist()
+        if (mesh := bound_mesh(eqn)) is not None:
+            ids = mesh.device_ids.tolist()
             out[i] = [
                 s
                 for s in stages
@@ -195,15 +193,15 @@ class PlacementState:
     :func:`place_by_bytes`) read and decide: ``stage[i]`` is equation ``i``'s stage
     (``None`` until placed; always ``None`` for cheap equations, which
     :func:`clone_small_values` clones later); ``transpose[i]`` its transpose count.
-    Markers and ``shard_map``s start placed (rule 1)."""
+    Markers and equations bound to one mesh (``shard_map``s) start placed (rule 1)."""
 
-    def __init__(self, program, eqns, flow: DefUse, cheap, transpose, microbatch, shard_maps):
+    def __init__(self, program, eqns, flow: DefUse, cheap, transpose, microbatch, mesh_bound):
         self.program, self.eqns, self.flow, self.reads = program, eqns, flow, flow.reads
         self.producer, self.users, self.cheap = flow.producer, flow.readers, cheap
         self.transpose, self.microbatch = transpose, microbatch
-        # (``shard_map`` index -> the stages on its mesh: one seeds its stage.)
-        self.shard_maps = shard_maps
-        seeds = {i: on_mesh[0] for i, on_mesh in shard_maps.items() if len(on_mesh) == 1}
+        # (index of an equation bound to a mesh -> the stages on it: one seeds its stage.)
+        self.mesh_bound = mesh_bound
+        seeds = {i: on_mesh[0] for i, on_mesh in mesh_bound.items() if len(on_mesh) == 1}
         self.seeded = list(map(_seed_stage, eqns))  # (the stage of each marker or stage scan)
         self.stage = [s if s is not None else seeds.get(i) for i, s in enumerate(self.seeded)]
         self.default = min((s for s in self.seeded if s is not None), default=0)
@@ -217,10 +215,11 @@ class PlacementState:
 
     def place(self, i, stage) -> bool:
         """Put equation ``i`` in ``stage`` (``None``: leave it unplaced); whether it was
-        placed. A ``shard_map`` can only run on the mesh it was built for: placed on a
-        stage of another mesh, it goes to a stage of its own that its operands or users
-        are in, else the first, before anything follows it there."""
-        on_mesh = self.shard_maps.get(i)
+        placed. An equation bound to a mesh (a ``shard_map``, a sharding constraint) can
+        only run there: placed on a stage of another mesh, it goes to a stage of its own
+        that its operands or users are in, else the first, before anything follows it
+        there."""
+        on_mesh = self.mesh_bound.get(i)
         if stage is not None and on_mesh and stage not in on_mesh:
             near = [self.stage[self.producer[a]] for a in self.reads[i] if a in self.producer]
             near += [self.stage[j] for v in self.eqns[i].outvars for j in self.users.get(v, ())]
@@ -722,8 +721,8 @@ def placement_state(program: Program) -> PlacementState:
             program.mesh_of_stage(stage, eqn)  # a stage without a mesh fails here
     transpose = _transpose_counts(eqns, flow)
     microbatch = _infer_microbatches(eqns, flow, cheap)
-    shard_maps = _shard_map_stages(program, eqns)
-    return PlacementState(program, eqns, flow, cheap, transpose, microbatch, shard_maps)
+    mesh_bound = _mesh_bound_stages(program, eqns)
+    return PlacementState(program, eqns, flow, cheap, transpose, microbatch, mesh_bound)
 
 
 def _place(state: PlacementState) -> dict[int, Placement]:
@@ -989,9 +988,9 @@ def _warn_of_shard_maps_off_their_marker(state: PlacementState) -> None:
     into stage ``t`` but was built for another mesh than stage ``t``'s: it runs where it
     was built, so the marked stage's work goes to that mesh (the marker says otherwise)."""
     program = state.program
-    for i, on_mesh in state.shard_maps.items():
-        if not on_mesh:  # (built for no stage's mesh: a type error later)
-            continue
+    for i, on_mesh in state.mesh_bound.items():
+        if state.eqns[i].primitive is not compat.shard_map_p or not on_mesh:
+            continue  # (built for no stage's mesh: a type error later)
         mesh = program.mesh_of_stage(on_mesh[0])
         for a in state.reads[i]:
             marker = state.eqns[state.producer[a]] if a in state.producer else None

@@ -7,7 +7,8 @@
   as one more manual axis.
 * Every ``in_specs``/``out_specs`` entry names only axes of the mesh holding the
   value, and splits only dimensions its axes divide.
-* A ``shard_map`` runs on the mesh of the stage it sits in.
+* A ``shard_map`` runs on the mesh of the stage it sits in, and so does a sharding
+  constraint or ``device_put`` naming a mesh of devices.
 * An ordered effect (``debug.print(..., ordered=True)``) runs on a one-device mesh.
 * Between ``partition`` and ``split``, every equation has a placement.
 * The program has the fields its phase promises, and none of a later phase
@@ -30,7 +31,7 @@ from mpmdc import _jax_compat as compat
 from mpmdc.errors import TypeCheckError
 from mpmdc.ir.primitives import fragment_p, loop_edge_p, transfer_p
 from mpmdc.ir.program import Phase, Program, find_eqns, is_var
-from mpmdc.ir.sharding import check_spec
+from mpmdc.ir.sharding import bound_mesh, check_spec
 
 
 def _check_specs(program: Program) -> None:
@@ -77,6 +78,29 @@ def _check_shard_maps(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
                 f"mesh=meshes[{mesh_index}].abstract_mesh: then every stage on a mesh of those "
                 f"axes can run it (a scan over layers needs that), and so can jax.jit under "
                 f"jax.set_mesh."
+            )
+
+
+_SHARDING_NAMES = {"sharding_constraint": "with_sharding_constraint", "device_put": "device_put"}
+
+
+def _check_shardings_in_program(eqns, mesh: Mesh, mesh_index: int, where: str) -> None:
+    """A sharding constraint or ``device_put`` naming a mesh of devices runs on it
+    (``partition`` puts it there); one left on another (in a scan over stages on several
+    meshes, or naming devices no stage has) could not be compiled there."""
+    for eqn in find_eqns(
+        eqns, lambda e: e.primitive.name in _SHARDING_NAMES and bound_mesh(e) is not None
+    ):
+        devices = bound_mesh(eqn).device_ids.flatten().tolist()
+        if devices != mesh.device_ids.flatten().tolist():
+            raise TypeCheckError(
+                f"{_SHARDING_NAMES[eqn.primitive.name]} at {compat.source_line(eqn)} is in "
+                f"{where}, which runs on mesh{mesh_index} {dict(mesh.shape)} on devices "
+                f"{mesh.device_ids.flatten().tolist()}, but its sharding is on devices "
+                f"{devices}; give it a sharding on that stage's mesh (NamedSharding("
+                f"meshes[{mesh_index}], spec)), or a bare PartitionSpec under "
+                f"jax.set_mesh(...) of a mesh with those axes, which every stage's mesh of "
+                f"those axes can run (a scan over layers on several meshes needs that)."
             )
 
 
@@ -188,6 +212,7 @@ def _check_fit_mesh(eqns, program: Program, mesh_index: int, where: str) -> None
     ``shard_map`` was built for that mesh, and ordered effects need one device."""
     mesh = program.meshes[mesh_index]
     _check_shard_maps(eqns, mesh, mesh_index, where)
+    _check_shardings_in_program(eqns, mesh, mesh_index, where)
     _check_ordered_effects(eqns, mesh, mesh_index, where)
 
 

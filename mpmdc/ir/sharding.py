@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+from jax.extend.core import primitives as jprims
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpmdc import _jax_compat as compat
@@ -145,3 +146,18 @@ def program_spec_forms(program) -> dict:
     ``split`` resolved them)."""
     jaxpr = program.jaxpr.jaxpr
     return spec_forms([*program.in_specs, *program.out_specs], [*jaxpr.invars, *jaxpr.outvars])
+
+
+def bound_mesh(eqn) -> Mesh | None:
+    """The mesh an equation can only run on: a ``shard_map``'s, a sharding constraint's
+    or a ``device_put``'s in the program, where it names a mesh of devices (not an
+    abstract one, which any stage with its axes can run)."""
+    if eqn.primitive is compat.shard_map_p:
+        meshes = [eqn.params["mesh"]]
+    elif eqn.primitive is jprims.sharding_constraint_p:
+        meshes = [getattr(eqn.params["sharding"], "mesh", None)]
+    elif eqn.primitive is jprims.device_put_p:
+        meshes = [getattr(d, "mesh", None) for d in eqn.params["devices"]]
+    else:
+        return None
+    return next((m for m in meshes if isinstance(m, Mesh)), None)

@@ -10,7 +10,8 @@ module follows each sharded dimension through the equations:
   reshape's dimensions that stay, merge or split, the batch dimensions of a gather)
   keeps its axis;
 * a dimension an equation reduces or contracts loses it (XLA inserts the sum);
-* a ``shard_map``'s outputs have its ``out_specs``; calls (``pjit``, ``custom_jvp``,
+* a ``shard_map``'s outputs have its ``out_specs``, and a sharding constraint's (or a
+  ``device_put``'s in the program) the spec of its sharding; calls (``pjit``, ``custom_jvp``,
   ``custom_vjp``) are followed into their bodies, as are loops (``scan``, ``while``:
   an iteration's slices and a carry that keeps its spec at every iteration) and the
   branches of a ``cond``; anything else gives an output, per dimension, the axis of
@@ -50,7 +51,7 @@ SpecRule = Callable[[jcore.JaxprEqn, list], list]
 spec_rules: dict[jcore.Primitive, SpecRule] = {}
 
 # Primitives whose results can be sharded when no operand is (they state their specs).
-_SPEC_SOURCES = frozenset({compat.shard_map_p})
+_SPEC_SOURCES = frozenset({compat.shard_map_p, jprims.sharding_constraint_p, jprims.device_put_p})
 
 
 def register_spec_rule(primitive: jcore.Primitive, rule: SpecRule) -> None:
@@ -189,6 +190,33 @@ def _shard_map(eqn, specs) -> list[Spec]:
     return [_padded(s, len(_shape(v))) for s, v in zip(eqn.params["out_specs"], eqn.outvars)]
 
 
+def _stated(sharding, operand: Spec, ndim: int, unconstrained=()) -> Spec:
+    """The spec a sharding states for a value (``with_sharding_constraint``,
+    ``device_put`` in the program), the operand's where it states none (a dimension left
+    unconstrained, or a sharding that is no ``NamedSharding``)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return operand
+    stated = _padded(spec, ndim)
+    return tuple(
+        operand[d] if d in unconstrained or e is PartitionSpec.UNCONSTRAINED else e
+        for d, e in enumerate(stated)
+    )
+
+
+def _sharding_constraint(eqn, specs) -> list[Spec]:
+    (v,) = eqn.outvars
+    unconstrained = eqn.params.get("unconstrained_dims") or ()
+    return [_stated(eqn.params["sharding"], specs[0], len(_shape(v)), unconstrained)]
+
+
+def _device_put(eqn, specs) -> list[Spec]:
+    return [
+        _stated(sharding, spec, len(_shape(v)))
+        for sharding, spec, v in zip(eqn.params["devices"], specs, eqn.outvars)
+    ]
+
+
 def _call(eqn, specs) -> list[Spec]:
     """Follow the values into the body and out again."""
     body, _ = call_body(eqn)
@@ -279,6 +307,8 @@ register_spec_rule(jprims.squeeze_p, _squeeze)
 register_spec_rule(jprims.reshape_p, _reshape)
 register_spec_rule(jprims.gather_p, _gather)
 register_spec_rule(compat.shard_map_p, _shard_map)
+register_spec_rule(jprims.sharding_constraint_p, _sharding_constraint)
+register_spec_rule(jprims.device_put_p, _device_put)
 register_spec_rule(jprims.scan_p, _scan)
 register_spec_rule(jprims.while_p, _while)
 register_spec_rule(jprims.cond_p, _cond)

@@ -8,6 +8,7 @@ compile nothing, and on one mesh every output sharding equals ``jax.jit``'s.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import XlaCompiles, assert_same_array
@@ -245,3 +246,87 @@ def test_explicit_axes_under_the_callers_set_mesh_lower_each_fragment_on_its_own
     for g, want, mesh in zip(grads, want_grads, meshes):
         assert g.sharding.device_set == set(mesh.devices.flat)
         assert_same_array(g, want, rtol=2e-5, atol=1e-6)
+
+
+# ------------------------------------------------- sharding constraints in the program
+
+
+def _constrained_loss(sharding_of):
+    """Two stages; stage 0's activation constrained (the last value before the next
+    marker) to ``sharding_of(0)``, stage 1's hidden layer to ``sharding_of(1)``."""
+
+    def loss(w0, w1, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ w0)
+        h = jax.lax.with_sharding_constraint(h, sharding_of(0))
+        h = mpmdc.stage(h, 1) @ w1
+        h = jax.lax.with_sharding_constraint(h, sharding_of(1))
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    return loss
+
+
+def test_a_sharding_constraint_runs_on_its_mesh_and_its_spec_crosses_fragments(tp_meshes):
+    """A constraint's spec is the value's at a fragment boundary (the activation crosses
+    split over both axes, as ``jax.jit`` keeps it), the gradients come back with the
+    weights' specs as under ``jax.jit``, and a constraint's transpose runs with the
+    stage of its mesh (it sat right before the next marker: its transpose was placed in
+    stage 1's backward, on the wrong mesh)."""
+    spec = P("data", "model")
+    loss = _constrained_loss(lambda s: NamedSharding(tp_meshes[s], spec))
+    keys = jax.random.split(jax.random.key(2), 3)
+    w0, w1 = (jax.random.normal(k, (D, D)) * 0.5 for k in keys[:2])
+    x = jax.random.normal(keys[2], (B, D))
+    step = mpmdc.compile(jax.value_and_grad(loss, argnums=(0, 1)), tp_meshes)
+    split = step.lower(w0, w1, x).as_text("after-split")
+    assert "src_specs=(P('data', 'model'),)" in split
+    got = step(w0, w1, x)
+    # jax.jit on one mesh: both constraints there.
+    want = jax.jit(
+        jax.value_and_grad(
+            _constrained_loss(lambda s: NamedSharding(tp_meshes[0], spec)), argnums=(0, 1)
+        )
+    )(w0, w1, x)
+    # Noise floor: jax.jit against itself with the batch split over data, 6e-8; 10x.
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_same_array(g, w, rtol=1e-6, atol=6e-7)
+        assert _specs_of(g) == _specs_of(w)
+
+
+def test_a_constraint_on_another_stages_mesh_moves_the_value_there(tp_meshes):
+    """Both constraints on mesh1: the first takes stage 0's activation to mesh1 (as a
+    transfer would), the second stays there; the numbers are jax.jit's."""
+    loss = _constrained_loss(lambda s: NamedSharding(tp_meshes[1], P("data")))
+    w0, w1 = jnp.eye(D) * 0.5, jnp.ones((D, D)) / D
+    x = jnp.arange(B * D, dtype=jnp.float32).reshape(B, D) / (B * D)
+    got = mpmdc.compile(loss, tp_meshes)(w0, w1, x)
+    want = jax.jit(_constrained_loss(lambda s: NamedSharding(tp_meshes[0], P("data"))))(w0, w1, x)
+    assert_same_array(got, want, rtol=1e-6)  # (the noise floor above)
+
+
+@pytest.mark.parametrize("where", ["all devices", "inside a scan over both meshes"])
+def test_a_constraint_no_stage_can_run_is_a_type_error(tp_meshes, where):
+    """Devices no stage mesh has, or a mesh of one stage inside a layer stack's scan
+    split over both meshes: a TypeCheckError naming the constraint and what to give."""
+    w = jnp.eye(D) * 0.5
+    x = jnp.ones((B, D))
+    if where == "all devices":
+        everywhere = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+        fn = _constrained_loss(lambda s: NamedSharding(everywhere, P("data")))
+        args = (w, w, x)
+    else:
+
+        def fn(ws, x):
+            def layer(h, wi):
+                h = mpmdc.stage(h, every=1) @ wi
+                return jax.lax.with_sharding_constraint(h, NamedSharding(tp_meshes[0], P())), None
+
+            return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+        args = (jnp.stack([w, w]), x)
+    with pytest.raises(
+        mpmdc.errors.TypeCheckError,
+        match=r"with_sharding_constraint at .* but its sharding is on devices .*; give it a "
+        r"sharding on that stage's mesh \(NamedSharding\(meshes\[\d\], spec\)\), or a bare "
+        r"PartitionSpec under jax.set_mesh",
+    ):
+        mpmdc.compile(fn, tp_meshes).lower(*args)

@@ -8,6 +8,8 @@ or a product split over one axis and summed over it; on a mesh of two axes in ei
 order, or built for the mesh's axes in another order, which must be refused unless it
 is dead or runs off that mesh), and what real code does besides:
 
+* ``with_sharding_constraint`` to a spec on the mesh of a random stage (the operand
+  marked into it or not): it runs on that mesh, and its spec is the value's;
 * captured constants: module-level jax and numpy arrays, arrays made in a closure, a
   jitted helper closing over its own array; "layers" (marker, matmul with a constant,
   tanh) give several stages bodies that differ only in the array they capture; some
@@ -24,7 +26,8 @@ is dead or runs off that mesh), and what real code does besides:
 Stage markers go at random places (non-monotonic, repeated, skipped, on pytrees, the
 key included), over 1 to 4 meshes of 1 or 2 devices or 1 to 2 meshes of two axes of 2,
 stages mapped to meshes by default or by a random ``stage_to_mesh`` (several stages on one mesh), with random
-``in_specs``, plain, under ``value_and_grad`` or inside ``accumulate`` under a random
+``in_specs`` (or the same specs as the inputs' own shardings, committed to a random
+mesh), plain, under ``value_and_grad`` or inside ``accumulate`` under a random
 valid schedule (beside the loss a metric of each microbatch, a flag or a count of
 any width, reduced by ``mean``, ``sum`` or ``max``); a plain program may also return some of its inputs, earlier values and
 captured constants as they are. Results must equal ``jax.jit``'s: dtype, shape and weak
@@ -175,6 +178,7 @@ def programs(draw):
         kind = draw(
             st.sampled_from(
                 ["unary", "binary", "unary", "binary", "shard_map", "constant", "layer", "effect"]
+                + ["constraint"]
                 + ["noise", "dropout"] * with_key
                 + ["stack", "custom_layer", "checkpointed_layer"]
             )
@@ -217,6 +221,18 @@ def programs(draw):
                     summed_axes,
                     swapped,
                     abstract,
+                )
+            )
+        elif kind == "constraint":
+            # with_sharding_constraint to a spec on the mesh of a stage, the operand
+            # marked into it or not
+            ops.append(
+                (
+                    "constraint",
+                    draw(st.integers(0, stages - 1)),
+                    draw(operand),
+                    draw(st.booleans()),
+                    draw(st.sampled_from(INPUT_SPECS[mesh_axes])),
                 )
             )
         elif kind == "constant":  # the operand combined with a captured array
@@ -282,6 +298,11 @@ def programs(draw):
         # Some value must reach the last stage so that every mesh has exactly one stage.
         markers[len(ops) - 1] = (stages - 1, [num_inputs + len(ops) - 1], False)
     in_specs = [draw(st.sampled_from(INPUT_SPECS[mesh_axes])) for _ in range(num_inputs)]
+    # Some inputs committed to a mesh (maybe not the one reading them) with their spec as
+    # their own sharding instead of in_specs: the default spec, moved before each call.
+    committed = [
+        draw(st.one_of(st.none(), st.integers(0, num_meshes - 1))) for _ in range(num_inputs)
+    ]
     # What a plain program returns besides its last value: inputs, earlier values (the
     # last one again among them) and captured constants, each of which the call must
     # return in a buffer of its own.
@@ -299,6 +320,7 @@ def programs(draw):
         num_meshes=num_meshes,
         mesh_axes=mesh_axes,
         in_specs=in_specs,
+        committed=committed,
         mode=mode,
         schedule=schedule,
         microbatches=microbatches,
@@ -380,6 +402,11 @@ def make_body(desc, meshes, record, reference=False):
                         out_specs=P(rows),
                     )(x, x.T)
                 values.append(summed)
+            elif op[0] == "constraint":
+                _, stage, i, marked, spec = op
+                x = mpmdc.stage(values[i], stage) if marked else values[i]
+                sharding = jax.sharding.NamedSharding(mesh_of(stage), P(*(spec or ())))
+                values.append(jax.lax.with_sharding_constraint(x, sharding))
             elif op[0] == "constant":
                 _, kind, index, how, i = op
                 values.append(apply_constant(kind, index, how, values[i]))
@@ -610,26 +637,31 @@ def check(desc):
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     fn, args, kwargs = build(desc, meshes, seen)
-    compiled = mpmdc.compile(fn, meshes, **kwargs)
+    given, specs = list(args), list(kwargs["in_specs"])
+    for k, mesh in enumerate(desc["committed"]):
+        if mesh is not None:
+            sharding = jax.sharding.NamedSharding(meshes[mesh], specs[k] or P())
+            given[k], specs[k] = jax.device_put(args[k], sharding), None
+    compiled = mpmdc.compile(fn, meshes, **{**kwargs, "in_specs": tuple(specs)})
     if any(op[0] == "shard_map" and op[7] for op in desc["ops"]):
         # A shard_map built for its stage mesh's axes in another order would lay its
         # shards out by the wrong axis: refused, unless it is dead code or left its mesh.
         try:
-            got = jax.block_until_ready(compiled(*args))
+            got = jax.block_until_ready(compiled(*given))
         except mpmdc.errors.TypeCheckError as e:
             assert "the same axes in another order" in str(e), e
             event("a shard_map for the axes in another order: refused")
             return
     else:
-        got = jax.block_until_ready(compiled(*args))
+        got = jax.block_until_ready(compiled(*given))
     reference, _, _ = build(desc, reference_meshes(meshes), expected, reference=True)
     want = jax.block_until_ready(jax.jit(reference)(*args))
     jax.effects_barrier()
     assert_same_results(got, want)
     seen.assert_same_as(expected, **FLOAT32)
-    assert_results_own_their_buffers(got, args)
+    assert_results_own_their_buffers(got, given)
     if desc["echoes"]:  # nor with the next call's (a constant returned each time)
-        assert_results_own_their_buffers(jax.block_until_ready(compiled(*args)), (args, got))
+        assert_results_own_their_buffers(jax.block_until_ready(compiled(*given)), (given, got))
 
 
 def without_swapped_axes(desc):
@@ -644,9 +676,18 @@ def _describe(desc):
     event(f"meshes={desc['num_meshes']}x{dict(desc['mesh_axes'])}")
     event(f"in_specs={sorted({str(s) for s in desc['in_specs']})}")
     event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
+    event(f"committed inputs={sum(m is not None for m in desc['committed'])}")
     event(f"key={desc['with_key']}")
     event(f"echoes={sorted({e[0] for e in desc['echoes']})}")
-    kinds = ("shard_map", "constant", "layer", "checkpointed_layer", "custom_layer", "effect")
+    kinds = (
+        "shard_map",
+        "constraint",
+        "constant",
+        "layer",
+        "checkpointed_layer",
+        "custom_layer",
+        "effect",
+    )
     for kind in (*kinds, "dropout"):
         event(f"{kind}={any(op[0] == kind for op in desc['ops'])}")
     shard_maps = [op for op in desc["ops"] if op[0] == "shard_map"]
