@@ -746,10 +746,6 @@ def _output_placements(outvars, eqns, producer, cheap, placement) -> list[Placem
         if j is None:
             return []
         if j not in cheap:
-            if is_loop_edge(eqns[j], LoopEdge.RESULT, LoopEdge.STACK):
-                # What leaves the loop is outside it: a cast of a loop's result (the
-                # mean of int8 counts) runs after the loop, not in its iteration.
-                return [dataclasses.replace(placement[j], microbatch=None)]
             return [placement[j]]
         return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
 
@@ -1030,11 +1026,17 @@ def partition(program: Program) -> Program:
     producer, reads, cheap = state.producer, state.reads, state.cheap
     placement = _place(state)
     default = min(placement.values(), key=Placement.order_key, default=Placement(0, 0))
-    out_placement = _with_kin(
-        _output_placements(jaxpr.outvars, eqns, producer, cheap, placement),
-        program.out_paths,
-        default,
-    )
+    # A program's results are made after its microbatch loop, whatever their kin or
+    # sources: a cheap value computed for one (a cast of a loop's result, the zeros of a
+    # gradient that is zero) runs there, not in the loop's iteration.
+    out_placement = [
+        dataclasses.replace(p, microbatch=None)
+        for p in _with_kin(
+            _output_placements(jaxpr.outvars, eqns, producer, cheap, placement),
+            program.out_paths,
+            default,
+        )
+    ]
     new_eqns, outvars = clone_small_values(
         eqns, reads, jaxpr.outvars, producer, cheap, placement, out_placement
     )

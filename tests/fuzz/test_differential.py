@@ -726,6 +726,46 @@ def test_random_programs_match_jax_jit(desc):
     check(desc)
 
 
+def test_a_result_made_from_nothing_in_the_loop_is_made_after_it():
+    """Found with ``MPMDC_FUZZ_SEED=7``: the gradient of the first input is zero (the
+    loss reads none of the work on it), a constant the program returns; it went with
+    its kin, the loss's result of the microbatch loop, into the loop's iteration, and
+    the scheduled program returned a value no equation made (an internal error)."""
+    ops = [("unary", "half", 0)] * 49
+    for k, op in {
+        2: ("layer", 3, "module_jax", 0, 0),
+        6: ("layer", 0, "module_jax", 1, 4),
+        13: ("custom_layer", 1, "custom_vjp", 1, 7),
+        16: ("unary", "row_mean", 15),
+        21: ("binary", "mul", 8, 18),
+        24: ("layer", 3, "module_jax", 0, 23),
+        39: ("layer", 1, "jitted_helper", 0, 1),
+        40: ("effect", False, 26),
+        48: ("stack", 1, 1, 2, "closure", 41, 25),
+    }.items():
+        ops[k] = op
+    check(
+        dict(
+            num_inputs=2,
+            ops=ops,
+            markers={48: (3, [50], False)},
+            num_meshes=4,
+            mesh_axes=(("d", 1),),
+            in_specs=[None, None],
+            committed=[None, None],
+            mode="accumulate",
+            schedule="1f1b",
+            microbatches=2,
+            computed_batch=False,
+            stacked_loss=False,
+            metric=("float32", "sum"),
+            stage_to_mesh=None,
+            with_key=False,
+            echoes=[],
+        )
+    )
+
+
 # --------------------------------------------------- one function, many calls
 
 CONTAINERS = {
