@@ -463,7 +463,10 @@ class Wrapped:
         closed, loop, out_tree, out_paths = self._trace(in_tree, call, in_types)
         out_specs, wanted_out_meshes = output_specs(options, out_tree, out_paths)
         arg_meshes = tuple(committed_where(leaf, options.meshes) for leaf in leaves)
-        arg_blocks = tuple(committed_blocks(leaf, options.meshes) for leaf in leaves)
+        arg_blocks = tuple(  # (of those spread over several meshes: see committed_where)
+            committed_blocks(leaf) if isinstance(m, tuple) else None
+            for leaf, m in zip(leaves, arg_meshes)
+        )
         in_specs, committed_specs = input_specs(options, args, static, call.kwargs, leaves)
         program = Program(
             jaxpr=closed,

@@ -1064,7 +1064,7 @@ def _committed_specs_kept(program: Program, in_meshes) -> tuple:
     if program.committed_specs is None:
         return tuple(specs)
     for k, (spec, mesh, v) in enumerate(zip(specs, in_meshes, program.jaxpr.jaxpr.invars)):
-        leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
-        if program.committed_specs[leaf] and spec_problem(spec, program.meshes[mesh], v.aval.shape):
+        own = program.committed_specs[program.argument_leaf(k)]
+        if own and spec_problem(spec, program.meshes[mesh], v.aval.shape):
             specs[k] = None
     return tuple(specs)

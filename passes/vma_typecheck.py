@@ -88,11 +88,10 @@ def _check_shardings_in_program(eqns, mesh: Mesh, mesh_index: int, where: str) -
     """A sharding constraint or ``device_put`` naming a mesh of devices runs on it
     (``partition`` puts it there); one left on another (in a scan over stages on several
     meshes, or naming devices no stage has) could not be compiled there."""
-    for eqn in find_eqns(
-        eqns, lambda e: e.primitive.name in _SHARDING_NAMES and bound_mesh(e) is not None
-    ):
-        devices = bound_mesh(eqn).device_ids.flatten().tolist()
-        if devices != mesh.device_ids.flatten().tolist():
+    for eqn in find_eqns(eqns, lambda e: e.primitive.name in _SHARDING_NAMES):
+        bound = bound_mesh(eqn)
+        devices = None if bound is None else bound.device_ids.flatten().tolist()
+        if devices is not None and devices != mesh.device_ids.flatten().tolist():
             raise TypeCheckError(
                 f"{_SHARDING_NAMES[eqn.primitive.name]} at {compat.source_line(eqn)} is in "
                 f"{where}, which runs on mesh{mesh_index} {dict(mesh.shape)} on devices "

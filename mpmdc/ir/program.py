@@ -336,6 +336,10 @@ class Program:
         )
         return self.replace(jaxpr=closed)
 
+    def argument_leaf(self, k: int) -> int:
+        """The caller's flat argument leaf that program input ``k`` is (or rows of)."""
+        return k if self.in_pieces is None else self.in_pieces[k].leaf
+
     def mesh_of_stage(self, stage: int, eqn=None) -> int:
         """The mesh index stage ``stage`` runs on."""
         if self.stage_to_mesh is None:

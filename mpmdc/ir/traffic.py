@@ -165,7 +165,7 @@ def transfer_report(program: Program) -> TransferReport:
     arguments = []
     state = CATEGORIES.index(_CATEGORY_OF[Carries.STATE])
     for k, (v, dst) in enumerate(zip(jaxpr.invars, program.in_meshes)):
-        leaf = k if program.in_pieces is None else program.in_pieces[k].leaf
+        leaf = program.argument_leaf(k)
         src = _source_of_piece(program, k, leaf) if program.arg_meshes else None
         if src is None or src == dst:
             continue

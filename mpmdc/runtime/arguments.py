@@ -40,12 +40,10 @@ def committed_where(leaf, meshes) -> int | tuple[int, ...] | None:
     return found if found is not None else tuple(sorted(d.id for d in sharding.device_set))
 
 
-def committed_blocks(leaf, meshes) -> tuple | None:
+def committed_blocks(leaf) -> tuple:
     """For a committed leaf spread over the devices of several meshes (a layer stack as
     another layout's step returned it), which block each device holds, for the transfer
-    report: ``((device id, ((start, stop) per dimension)), ...)``; else ``None``."""
-    if not isinstance(committed_where(leaf, meshes), tuple):
-        return None
+    report: ``((device id, ((start, stop) per dimension)), ...)``."""
     blocks = []
     for device, index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).items():
         spans = tuple(slice_.indices(size)[:2] for slice_, size in zip(index, leaf.shape))
