@@ -111,6 +111,7 @@ class CallKey(NamedTuple):
     types: tuple
     specs: tuple  # per leaf: its committed spec, canonical, or None
     donated: tuple
+    context: Any  # the abstract mesh of the caller's ``jax.set_mesh``, which tracing reads
 
 
 def serves(exe_key: CallKey, exe: Compiled, key: CallKey, given) -> bool:
@@ -237,7 +238,8 @@ def split_args(options: CompileOptions, args, kwargs) -> Call:
 
 def signature_key(options: CompileOptions, args, kwargs):
     """What the executable cache is keyed on: static values, pytree structure, each
-    leaf's shape, dtype, weak type and sharding spec (as ``jax.jit``), donated arguments."""
+    leaf's shape, dtype, weak type and sharding spec, donated arguments, and the mesh of
+    the caller's ``jax.set_mesh`` (as ``jax.jit``)."""
     call = split_args(options, args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in call.dynamic), call.kwargs))
     try:
@@ -248,7 +250,8 @@ def signature_key(options: CompileOptions, args, kwargs):
     specs = tuple(map(committed_spec, leaves))
     static = (call.static_args, call.static_kwargs)
     donated = (call.donate, call.donate_names)
-    return CallKey(static, treedef, types, specs, donated), leaves
+    context = jax.sharding.get_abstract_mesh()
+    return CallKey(static, treedef, types, specs, donated, context), leaves
 
 
 def refuse_types_alone(options: CompileOptions, args, kwargs, leaves) -> None:

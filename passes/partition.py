@@ -980,32 +980,46 @@ def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> Non
 
 
 def _warn_of_shard_maps_off_their_marker(state: PlacementState) -> None:
-    """A ``PlacementWarning`` for each ``shard_map`` that reads the value a marker brings
-    into stage ``t`` but was built for another mesh than stage ``t``'s: it runs where it
-    was built, so the marked stage's work goes to that mesh (the marker says otherwise)."""
-    program = state.program
-    for i, on_mesh in state.mesh_bound.items():
-        if state.eqns[i].primitive is not compat.shard_map_p or not on_mesh:
+    """A ``PlacementWarning`` for each forward ``shard_map`` built for another mesh than
+    that of the stage whose values it reads (the latest stage entered upstream of it, at a
+    marker or a layer stack's stage scan, by the entered value itself or work computed
+    from it): it runs where it was built, so that stage's work reading its result goes to
+    that mesh (the marker says otherwise)."""
+    program, seeded = state.program, state.seeded
+    # value -> the equation entering the latest stage it is computed in, through work not
+    # bound to a mesh (a shard_map's results are where it runs, warned of or not).
+    entered: dict = {}
+    for i, eqn in enumerate(state.eqns):
+        if state.transpose[i]:
+            continue
+        if seeded[i] is not None:
+            entered.update((v, i) for v in eqn.outvars)
+            continue
+        sources = [entered[a] for a in state.reads[i] if a in entered]
+        if not sources:
+            continue
+        latest = max(sources, key=seeded.__getitem__)
+        on_mesh = state.mesh_bound.get(i)
+        if on_mesh is None:
+            entered.update((v, latest) for v in eqn.outvars)
+            continue
+        if not on_mesh:
             continue  # (built for no stage's mesh: a type error later)
-        mesh = program.mesh_of_stage(on_mesh[0])
-        for a in state.reads[i]:
-            marker = state.eqns[state.producer[a]] if a in state.producer else None
-            if marker is None or not is_marker(marker) or is_transposed_marker(marker):
-                continue
-            stage = marker.params["stage"]
-            marked_mesh = program.mesh_of_stage(stage)
-            if marked_mesh != mesh:
-                warnings.warn(
-                    f"shard_map at {compat.source_line(state.eqns[i])} was built for mesh{mesh} "
-                    f"but reads the value entering stage {stage} at "
-                    f"{compat.source_line(marker)}, whose mesh is mesh{marked_mesh}: it runs on "
-                    f"mesh{mesh}, and the work reading its result follows it there. Build it "
-                    f"for stage {stage}'s mesh (meshes[{marked_mesh}], or "
-                    f"meshes[{marked_mesh}].abstract_mesh).",
-                    PlacementWarning,
-                    stacklevel=compat.user_stacklevel(),
-                )
-                break
+        stage = seeded[latest]
+        mesh, marked_mesh = program.mesh_of_stage(on_mesh[0]), program.mesh_of_stage(stage)
+        if mesh == marked_mesh:
+            entered.update((v, latest) for v in eqn.outvars)
+        elif eqn.primitive is compat.shard_map_p:
+            warnings.warn(
+                f"shard_map at {compat.source_line(eqn)} was built for mesh{mesh} but reads "
+                f"the values of stage {stage}, entered at "
+                f"{compat.source_line(state.eqns[latest])}, whose mesh is mesh{marked_mesh}: "
+                f"it runs on mesh{mesh}, and the work reading its result follows it there. "
+                f"Build it for stage {stage}'s mesh (meshes[{marked_mesh}], or "
+                f"meshes[{marked_mesh}].abstract_mesh).",
+                PlacementWarning,
+                stacklevel=compat.user_stacklevel(),
+            )
 
 
 @register(

@@ -128,6 +128,13 @@ class TransferReport:
         return "\n".join(lines) + "\n"
 
 
+def holders_of_rows(blocks, rows: tuple[int, int, int]) -> set[int]:
+    """The ids of the devices that, of ``blocks`` (``Program.arg_blocks``' form), hold any
+    of rows ``lo:hi`` along ``axis`` (``rows`` as ``(axis, lo, hi)``)."""
+    axis, lo, hi = rows
+    return {device for device, spans in blocks if spans[axis][0] < hi and lo < spans[axis][1]}
+
+
 def _source_of_piece(program: Program, k: int, leaf: int):
     """Where program input ``k``, rows of argument ``leaf`` committed to devices of several
     meshes (``Program.arg_blocks``), is before a call: the index of the mesh holding
@@ -136,8 +143,7 @@ def _source_of_piece(program: Program, k: int, leaf: int):
     blocks = program.arg_blocks[leaf] if program.arg_blocks else None
     if rows is None or blocks is None:
         return program.arg_meshes[leaf]
-    axis, lo, hi = rows
-    holders = {device for device, spans in blocks if spans[axis][0] < hi and lo < spans[axis][1]}
+    holders = holders_of_rows(blocks, rows)
     for m, mesh in enumerate(program.meshes):
         if holders <= {d.id for d in mesh.devices.flat}:  # (as for a whole argument)
             return m

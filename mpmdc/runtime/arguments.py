@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import ArgumentError, MeshError, PlacementWarning
+from mpmdc.ir.traffic import holders_of_rows
 from mpmdc.runtime.transfers import MeshTransfer
 
 
@@ -58,9 +59,8 @@ def placed_as(x, sharding) -> bool:
     )
 
 
-def _where(sharding, meshes) -> str:
-    """Where an array of ``sharding`` is, in the user's words."""
-    devices = sharding.device_set
+def _where(devices, meshes) -> str:
+    """Where an array held by ``devices`` is, in the user's words."""
     found = mesh_holding(devices, meshes)
     ids = sorted(d.id for d in devices)
     if found is not None and devices == set(meshes[found].devices.flat):
@@ -86,18 +86,26 @@ class ArgumentMoves:
         self._noted: list[tuple[str, str, str, int]] = []  # (path, where, read, bytes)
         self._routes: dict = {}  # (leaf, its sharding) -> MeshTransfer, or the ArgumentError
 
-    def warn(self, path: str, x, sharding) -> None:
-        """Note argument ``path`` (``x``, committed), moved onto ``sharding`` before the
-        call, once per argument of this program: :meth:`flush` warns of the call's notes."""
+    def warn(self, path: str, x, sharding, rows: tuple[int, int, int] | None = None) -> None:
+        """Note argument ``path`` moved onto ``sharding`` before the call, once per
+        argument of this program (:meth:`flush` warns of the call's notes): the caller's
+        leaf ``x`` if committed, or its ``rows`` ``(axis, lo, hi)`` where the program reads
+        a piece of it (a layer stack's stage), held by the devices holding those rows."""
         if path in self._warned or not isinstance(x, jax.Array) or not x.committed:
             return
-        if x.sharding.device_set == sharding.device_set:
+        held, nbytes = x.sharding.device_set, x.nbytes
+        if rows is not None:
+            ids = holders_of_rows(committed_blocks(x), rows)
+            held = {d for d in held if d.id in ids}
+            axis, lo, hi = rows
+            nbytes = nbytes // x.shape[axis] * (hi - lo)
+        if held == sharding.device_set:
             return  # laid out anew on its own devices: nothing crosses between meshes
         self._warned.add(path)
-        where, read = _where(x.sharding, self.meshes), _where(sharding, self.meshes)
+        where, read = _where(held, self.meshes), _where(sharding.device_set, self.meshes)
         if not where.startswith("mesh") and read.startswith("mesh"):  # (part of a mesh)
             read += f" (devices {sorted(d.id for d in sharding.device_set)})"
-        self._noted.append((path, where, read, x.nbytes))
+        self._noted.append((path, where, read, nbytes))
 
     def flush(self) -> None:
         """One ``PlacementWarning`` naming the arguments :meth:`warn` noted in this call
@@ -162,8 +170,8 @@ class ArgumentMoves:
     def _route(self, k: int, x, target):
         key = (k, x.sharding)
         if key not in self._routes:
-            path, where = self.arg_paths[k], _where(x.sharding, self.meshes)
-            read = _where(target, self.meshes)
+            path, where = self.arg_paths[k], _where(x.sharding.device_set, self.meshes)
+            read = _where(target.device_set, self.meshes)
             try:
                 self._routes[key] = MeshTransfer(
                     self.backend,

@@ -137,9 +137,14 @@ class Engine:
             slots(v, c)
         # Arguments for meshes elsewhere are not read (their processes place them).
         self._inputs = [
-            (slots(v), sharding, path)
-            for v, sharding, m, path in zip(
-                program.jaxpr.jaxpr.invars, self._in_shardings, program.in_meshes, program.in_paths
+            (k, slots(v), sharding, path)
+            for k, (v, sharding, m, path) in enumerate(
+                zip(
+                    program.jaxpr.jaxpr.invars,
+                    self._in_shardings,
+                    program.in_meshes,
+                    program.in_paths,
+                )
             )
             if here[m]
         ]
@@ -304,20 +309,17 @@ class Engine:
             if self.multiprocess:  # what only another process can send, every process moves
                 leaves = self._moves.across_processes(leaves)
             env = list(self._initial)
-            leaves = self.pieces.arguments(leaves, self._input_here)
-            for (i, sharding, path), x in zip(self._inputs, self._local_leaves(leaves)):
+            values = self.pieces.arguments(leaves, self._input_here)
+            for k, i, sharding, path in self._inputs:
+                x = values[k]
                 value = placed(x, sharding)
-                if value is not x:
-                    self._moves.warn(path, x, sharding)
+                if value is not x:  # (named as the caller placed it: a piece's rows' holders)
+                    leaf, rows = self.pieces.in_sources[k]
+                    self._moves.warn(path, leaves[leaf], sharding, rows)
                 env[i] = value
         finally:  # (what was moved before a failure is said too, and no note outlives it)
             self._moves.flush()
         return env
-
-    def _local_leaves(self, leaves):
-        if len(self._inputs) == len(leaves):
-            return leaves
-        return [x for x, here in zip(leaves, self._input_here) if here]
 
     def finish(self, env):
         outs = []

@@ -58,6 +58,11 @@ class Pieces:
     def __init__(self, program, in_shardings, out_shardings, n_args: int, n_results: int):
         self.in_groups = _groups(program.in_pieces, len(in_shardings), n_args)
         self.out_groups = _groups(program.out_pieces, len(out_shardings), n_results)
+        # Per program input, the caller's leaf it is read from and its rows, or None.
+        self.in_sources = [None] * len(in_shardings)
+        for leaf, group in enumerate(self.in_groups):
+            for k, rows in group:
+                self.in_sources[k] = (leaf, rows)
         self.trivial_in = program.in_pieces is None or all(len(g) == 1 for g in self.in_groups)
         self.in_stacked = [_stacked(g, in_shardings) for g in self.in_groups]
         self.out_stacked = [_stacked(g, out_shardings) for g in self.out_groups]

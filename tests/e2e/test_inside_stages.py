@@ -179,7 +179,7 @@ def test_a_shard_map_runs_on_the_mesh_it_was_built_for(meshes2):
     # The marker says stage 1 (mesh1); the shard_map takes its value to mesh0, and says so.
     with pytest.warns(
         PlacementWarning,
-        match=r"shard_map at .* was built for mesh0 but reads the value entering stage 1 at "
+        match=r"shard_map at .* was built for mesh0 but reads the values of stage 1, entered at "
         r".*, whose mesh is mesh1: it runs on mesh0, .* Build it for stage 1's mesh "
         r"\(meshes\[1\], or meshes\[1\]\.abstract_mesh\)",
     ):
@@ -203,7 +203,34 @@ def test_a_shard_map_off_its_marker_is_named_also_on_a_mesh_of_several_stages(me
             lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data")
         )(h)
 
-    with pytest.warns(
-        PlacementWarning, match=r"built for mesh0 but reads the value entering stage 2"
-    ):
+    with pytest.warns(PlacementWarning, match=r"built for mesh0 but reads the values of stage 2"):
         mpmdc.compile(fn, meshes2, stage_to_mesh=(0, 0, 1)).lower(jnp.ones((4, 8)))
+
+
+def test_a_shard_map_off_its_stage_is_named_also_past_work_after_the_marker(meshes2):
+    """A shard_map built for mesh0 reading stage 1's work a few operations after its
+    marker (not the marked value itself) takes that work to mesh0 as well, and is named;
+    one built for stage 1's mesh, reading stage 1's values and a skip connection from
+    stage 0, is where its stage is and says nothing."""
+
+    def off(x):
+        h = jnp.sin(mpmdc.stage(jnp.tanh(mpmdc.stage(x, 0)), 1) * 2) + 1
+        return jax.shard_map(
+            lambda t: t * 2, mesh=meshes2[0], in_specs=P("data"), out_specs=P("data")
+        )(h)
+
+    with pytest.warns(
+        PlacementWarning, match=r"built for mesh0 but reads the values of stage 1, entered at"
+    ):
+        mpmdc.compile(off, meshes2).lower(jnp.ones((4, 8)))
+
+    def on(x):
+        skip = jnp.tanh(mpmdc.stage(x, 0))
+        h = jnp.sin(mpmdc.stage(skip * 3, 1)) * 2
+        return jax.shard_map(
+            lambda t, s: t * s, mesh=meshes2[1], in_specs=P("data"), out_specs=P("data")
+        )(h, skip)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        mpmdc.compile(on, meshes2).lower(jnp.ones((4, 8)))

@@ -286,6 +286,31 @@ def test_a_stacked_parameter_fed_back_is_not_reported_as_moved():
     assert report.as_text() == compiled.lower(w, x).transfer_report().as_text()
 
 
+def test_an_uncommitted_stack_under_the_callers_set_mesh_is_placed_without_a_warning():
+    """An uncommitted array is JAX's to place: cut into its stages' rows under a caller's
+    ``jax.set_mesh`` (where slicing commits the rows to that mesh), its pieces are placed
+    on their meshes as outside it, without a warning, and the numbers are ``jax.jit``'s."""
+    meshes = mpmdc.make_meshes(2, {"data": 4})
+
+    def step(w, x):
+        def loss(w):
+            def layer(h, wi):
+                return jnp.tanh(mpmdc.stage(h, every=2) @ wi), None
+
+            return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w)
+
+    compiled = mpmdc.compile(step, meshes, in_specs=(P(), P("data")))
+    w = jnp.full((4, WIDTH, WIDTH), 0.1)
+    x = jnp.ones((8, WIDTH))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        with jax.set_mesh(meshes[0]):
+            got = compiled(w, x)
+        assert_same_array(got, jax.jit(step)(w, x))
+
+
 def test_a_stack_from_another_layout_is_reported_moved_piece_by_piece():
     """The stacked weights a step on 2 meshes returned (rows 0:4 on devices 0-3), read
     by a step on 4 meshes (rows 0:2 on mesh0, devices 0-1): each piece is moved before
@@ -313,8 +338,15 @@ def test_a_stack_from_another_layout_is_reported_moved_piece_by_piece():
         ("args[0][6:8]", "devices [4, 5, 6, 7]", 3, piece),
     ]
     assert report.total("parameters/optimizer state") == 4 * piece
-    with pytest.warns(mpmdc.errors.PlacementWarning, match="4 arguments are not where"):
+    # The warning names each piece where the report does: by the devices holding its rows.
+    with pytest.warns(mpmdc.errors.PlacementWarning, match="4 arguments are not where") as caught:
         four(from_two, x)
+    assert (
+        "args[0][0:2] is on devices [0, 1, 2, 3], read on mesh0 (devices [0, 1]); "
+        "args[0][2:4] is on devices [0, 1, 2, 3], read on mesh1 (devices [2, 3]); "
+        "args[0][4:6] is on devices [4, 5, 6, 7], read on mesh2"
+    ) in str(caught[0].message)
+    assert f"({4 * piece} bytes)" in str(caught[0].message)
     # Rows on one mesh, read on another (the stages placed in reverse): moved on that link.
     meshes = four.meshes
     from_four = mpmdc.compile(lambda w, x: w - 0.1 * jax.grad(loss)(w, x, 2), meshes)(w, x)
@@ -379,7 +411,7 @@ def test_a_marked_stage_whose_work_a_shard_map_takes_elsewhere_is_named_at_the_u
     (warning,) = [w for w in caught if w.category is mpmdc.errors.IdleMeshWarning]
     # The cause is named on its own too, at the shard_map.
     (cause,) = [str(w.message) for w in caught if w.category is PlacementWarning]
-    assert "was built for mesh1 but reads the value entering stage 0" in cause
+    assert "was built for mesh1 but reads the values of stage 0, entered at" in cause
     assert re.search(
         r"mesh0 .* runs no stage .* Stage 0 is marked for it \(at .*test_placement.py:\d+:\d+ "
         r"\(.*loss\)\), .* build it with meshes\[0\]",

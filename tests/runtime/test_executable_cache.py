@@ -14,6 +14,7 @@ import weakref
 import jax
 import pytest
 from helpers import XlaCompiles, assert_same_tree, mlp_loss
+from jax.sharding import PartitionSpec as P
 
 import mpmdc
 from mpmdc.errors import AccumulateError, ArgumentError
@@ -93,6 +94,30 @@ def test_compiling_another_lowering_of_the_same_types_compiles_nothing(meshes2):
         other.trace(WS, x2).lower().compile()
     assert c.count == 0
     assert other.cache_info().currsize == 2
+
+
+def test_the_mesh_of_the_callers_set_mesh_is_part_of_the_signature(meshes2):
+    """As with ``jax.jit``: a step whose constraint names a bare ``PartitionSpec`` (read
+    against ``jax.set_mesh``'s mesh while tracing) traced under one is not served outside
+    it, where tracing it fails as ``jax.jit``'s does; under the same mesh again it is."""
+
+    def step(x):
+        y = jax.lax.with_sharding_constraint(jax.numpy.sin(x), P("data"))
+        return mpmdc.stage(y, 1) * 2
+
+    compiled = mpmdc.compile(step, meshes2)
+    x = batch(4)
+    with jax.set_mesh(meshes2[0]):
+        want = jax.jit(step)(x)
+        assert_same_tree(compiled(x), want)
+        with XlaCompiles() as c:
+            compiled(x)
+        assert c.count == 0
+    with pytest.raises(RuntimeError, match="requires a non-empty mesh in context") as outside:
+        jax.jit(step)(x)
+    with pytest.raises(type(outside.value), match="requires a non-empty mesh in context"):
+        compiled(x)
+    assert compiled.cache_info().currsize == 1
 
 
 def test_a_compiled_program_keeps_its_executables_not_its_modules(meshes2):
