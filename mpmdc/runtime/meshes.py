@@ -20,12 +20,13 @@ def make_meshes(
     axes: Mapping[str, int],
     *,
     devices: Sequence | None = None,
-    axis_types: AxisType | None = None,
+    axis_types: AxisType | Sequence[AxisType] | None = None,
 ) -> tuple[Mesh, ...]:
     """``n`` disjoint meshes of shape ``axes`` over ``devices`` (default: ``jax.devices()``).
 
     Axes are ``AxisType.Auto`` (classic sharding propagation inside each mesh) unless
-    ``axis_types`` says otherwise.
+    ``axis_types`` says otherwise: one type for every axis, or one per axis in the order
+    of ``axes`` (as ``jax.make_mesh`` takes them).
 
     With several processes each mesh stays inside one process when the counts allow,
     meshes spread evenly over the processes in process order: with one mesh per
@@ -39,6 +40,7 @@ def make_meshes(
     axes = dict(axes)
     if not axes or any(not isinstance(s, int) or s < 1 for s in axes.values()):
         raise MeshError(f"make_meshes: axes must map axis names to positive sizes, got {axes!r}.")
+    types = _axis_types(axis_types, axes)
     devices = list(jax.devices() if devices is None else devices)
     per_mesh = math.prod(axes.values())
     if n * per_mesh > len(devices):
@@ -66,15 +68,25 @@ def make_meshes(
             f"make_meshes: {n} meshes of {axes} need {n * per_mesh} devices but only "
             f"{len(devices)} are available; {hint}."
         )
-    kind = axis_types if axis_types is not None else AxisType.Auto
     return tuple(
-        Mesh(
-            np.array(group).reshape(tuple(axes.values())),
-            tuple(axes),
-            axis_types=(kind,) * len(axes),
-        )
+        Mesh(np.array(group).reshape(tuple(axes.values())), tuple(axes), axis_types=types)
         for group in _device_groups(devices, n, per_mesh)
     )
+
+
+def _axis_types(axis_types, axes: dict) -> tuple[AxisType, ...]:
+    """One ``AxisType`` per axis of ``axes`` from ``make_meshes``' ``axis_types``."""
+    if axis_types is None:
+        return (AxisType.Auto,) * len(axes)
+    if isinstance(axis_types, AxisType):
+        return (axis_types,) * len(axes)
+    types = tuple(axis_types) if isinstance(axis_types, Sequence) else None
+    if types is None or len(types) != len(axes) or not all(isinstance(t, AxisType) for t in types):
+        raise MeshError(
+            f"make_meshes: axis_types must be one jax.sharding.AxisType for every axis or "
+            f"one per axis of {list(axes)} ({len(axes)}), got {axis_types!r}."
+        )
+    return types
 
 
 def _device_groups(devices: list, n: int, size: int) -> list[list]:

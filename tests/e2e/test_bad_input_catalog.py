@@ -157,6 +157,15 @@ MISTAKES = [
         lambda w: mpmdc.make_meshes(16, {"data": 2}),
     ),
     Mistake(
+        "axis types for fewer axes than the meshes have",
+        errors.MeshError,
+        r"axis_types must be one jax.sharding.AxisType for every axis or one per axis of "
+        r"\['data', 'model'\] \(2\)",
+        lambda w: mpmdc.make_meshes(
+            2, {"data": 2, "model": 2}, axis_types=(jax.sharding.AxisType.Explicit,)
+        ),
+    ),
+    Mistake(
         "meshes on two platforms",
         errors.MeshError,
         r"mix platforms: cpu \(meshes\[0\]\), tpu \(meshes\[1\]\)",

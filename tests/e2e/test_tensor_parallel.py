@@ -223,6 +223,18 @@ def _explicit_loss(ws, x):
     return jnp.mean(x**2)
 
 
+def test_make_meshes_takes_one_axis_type_for_all_axes_or_one_per_axis():
+    """As ``jax.make_mesh`` takes them: one type per axis, in the order of the axes."""
+    Auto, Explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+    axes = {"data": 2, "model": 2}
+    assert {m.axis_types for m in mpmdc.make_meshes(2, axes)} == {(Auto, Auto)}
+    assert {m.axis_types for m in mpmdc.make_meshes(2, axes, axis_types=Explicit)} == {
+        (Explicit, Explicit)
+    }
+    mixed = mpmdc.make_meshes(2, axes, axis_types=[Explicit, Auto])
+    assert {m.axis_types for m in mixed} == {(Explicit, Auto)}
+
+
 def test_explicit_axes_under_the_callers_set_mesh_lower_each_fragment_on_its_own_mesh():
     # jax.make_mesh's axes are Explicit: `out_sharding=P(...)` needs a mesh in context,
     # and each fragment still lowers and runs on its own mesh's devices.
