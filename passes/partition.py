@@ -121,10 +121,12 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     )
     # (The structural tests last: few equations get past the first.) A call computing a
     # constant (a jitted helper building a causal mask) is recomputed where it is used,
-    # like the constant it is; loops and conditionals stay where they are placed.
+    # like the constant it is; loops and conditionals stay where they are placed, and
+    # work bound to a mesh (a constraint on a constant cotangent) runs there alone.
     return (
         candidate
         and not (is_marker(eqn) or is_microbatch_marker(eqn) or is_loop_edge(eqn) or eqn.effects)
+        and bound_mesh(eqn) is None
         and (
             (constant and call_body(eqn) is not None)
             or not any(True for _ in jcore.jaxprs_in_params(eqn.params))

@@ -110,6 +110,28 @@ def test_cheap_constants_are_cloned_not_transferred(meshes2):
     assert len(transfers) == 1 and len(transfers[0].invars) == 1
 
 
+def test_a_constant_constrained_to_a_mesh_runs_there_not_cloned_to_its_users(meshes2):
+    """A constraint on a constant (the transpose of a constraint, reading the constant
+    cotangent of a sum) is bound to its mesh: not cloned next to its user in another
+    stage, where it would run on the wrong mesh (found by the fuzzer, seed 11)."""
+    on_mesh1 = jax.sharding.NamedSharding(meshes2[1], jax.sharding.PartitionSpec())
+
+    def loss(x):
+        y = mpmdc.stage(x, 0) * 3.0
+        return jnp.sum(jax.lax.with_sharding_constraint(y, on_mesh1))
+
+    program = placed(jax.grad(loss), meshes2, X)
+    assert labelled(program) == [
+        ("reshard", "s1_fwd"),  # (the cotangent 1.0, cloned where it is read)
+        ("broadcast_in_dim", "s1_fwd"),
+        ("sharding_constraint", "s1_fwd"),  # on mesh1, its result sent to stage 0's backward
+        ("mul", "s0_bwd"),
+        ("stage", "s0_bwd"),
+    ]
+    vma_typecheck(split(program))
+    assert_same_as_jit(jax.grad(loss), meshes2, X)
+
+
 def test_gradients_from_several_meshes_sum_where_the_parameter_lives(meshes4):
     def fn(w, x):
         a = jnp.tanh(mpmdc.stage(x, 0) @ w)
