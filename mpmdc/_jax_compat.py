@@ -7,6 +7,7 @@ equivalent in JAX 0.10. Keeping them together makes a JAX upgrade a one-file job
 import io
 import sys
 
+import jax
 import numpy as np
 from jax._src import array as _array
 from jax._src import checkify as _checkify
@@ -35,6 +36,9 @@ traceback_in_locations_limit = _config.traceback_in_locations_limit
 # (A context manager: the traceback operations traced inside it are made at.)
 user_context = _source_info_util.user_context
 pp_var = _core.pp_var
+# (What ``jax.jit``'s cache keys a trace on besides the arguments: the context mesh,
+# ``jax_enable_x64``, the default matmul precision and the other tracing settings.)
+trace_context = _config.trace_context
 custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
 shard_map_p = _shard_map.shard_map_p
@@ -114,12 +118,26 @@ def backends_are_initialized() -> bool:
 def direct_call(executable):
     """The C++ dispatch function behind a ``jax.stages.Compiled`` (what its ``__call__``
     forwards to), or ``executable`` itself where there is none: calling it directly saves
-    a Python frame per fragment call, about a tenth of a small fragment's dispatch."""
+    a Python frame per fragment call, about a tenth of a small fragment's dispatch.
+
+    An executable reading a sub-byte array (``int4``, ``float4_e2m1fn``) is called as
+    ``jax.jit`` calls its own, without the check of the arguments' layouts: JAX reports
+    such an input's layout with its element size (4 bits) and every array of it, even one
+    an executable made, without (0), so the check refuses arrays it runs correctly."""
     if not isinstance(executable, _stages.Compiled):
         return executable
+    if any(_sub_byte(aval.dtype) for aval in executable._executable.in_avals):
+        unchecked, consts = executable._executable.unsafe_call, executable._params.const_args
+        return lambda *args: unchecked(*consts, *args)
     make = getattr(executable._executable, "create_cpp_call", None)
     call = make(executable._params) if make is not None else None
     return call if call is not None else executable
+
+
+def _sub_byte(dtype) -> bool:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # (a typed PRNG key's)
+        return False
+    return jax.dtypes.itemsize_bits(dtype) < 8
 
 
 def load_on_devices(compiled, devices):

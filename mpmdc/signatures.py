@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mpmdc import _jax_compat as compat
 from mpmdc._text import a_type
 from mpmdc.errors import ArgumentError, OutputError, SpecError
 from mpmdc.ir.pytrees import broadcast_prefix, skeleton
@@ -111,7 +112,7 @@ class CallKey(NamedTuple):
     types: tuple
     specs: tuple  # per leaf: its committed spec, canonical, or None
     donated: tuple
-    context: Any  # the abstract mesh of the caller's ``jax.set_mesh``, which tracing reads
+    context: Any  # what tracing reads besides the arguments (compat.trace_context)
 
 
 def serves(exe_key: CallKey, exe: Compiled, key: CallKey, given) -> bool:
@@ -238,8 +239,9 @@ def split_args(options: CompileOptions, args, kwargs) -> Call:
 
 def signature_key(options: CompileOptions, args, kwargs):
     """What the executable cache is keyed on: static values, pytree structure, each
-    leaf's shape, dtype, weak type and sharding spec, donated arguments, and the mesh of
-    the caller's ``jax.set_mesh`` (as ``jax.jit``)."""
+    leaf's shape, dtype, weak type and sharding spec, donated arguments, and what else
+    tracing reads, as ``jax.jit``'s cache does: the mesh of the caller's
+    ``jax.set_mesh``, ``jax_enable_x64``, the default matmul precision."""
     call = split_args(options, args, kwargs)
     leaves, treedef = jax.tree_util.tree_flatten((tuple(a for _, a in call.dynamic), call.kwargs))
     try:
@@ -250,8 +252,7 @@ def signature_key(options: CompileOptions, args, kwargs):
     specs = tuple(map(committed_spec, leaves))
     static = (call.static_args, call.static_kwargs)
     donated = (call.donate, call.donate_names)
-    context = jax.sharding.get_abstract_mesh()
-    return CallKey(static, treedef, types, specs, donated, context), leaves
+    return CallKey(static, treedef, types, specs, donated, compat.trace_context()), leaves
 
 
 def refuse_types_alone(options: CompileOptions, args, kwargs, leaves) -> None:

@@ -763,7 +763,9 @@ def _fed_back(program: Program) -> dict:
     dtype at the same place in its pytree, below the argument or result it is in
     (``args[1][0].mu['w']`` and ``out[2][0].mu['w']``): what a training loop passes back
     for it, so the next call reads the input where that result is made. An argument that
-    is an array has no such place (the results may come in another order): unpaired."""
+    is an array has no such place (the results may come in another order): unpaired,
+    but for a layer stack's stacked array kept whole and its result
+    (``Program.stack_feedback``)."""
     jaxpr = program.jaxpr.jaxpr
     inputs = set(jaxpr.invars)
 
@@ -779,6 +781,12 @@ def _fed_back(program: Program) -> dict:
         place = key(path, v)
         if place[0] and len(found := results.get(place, [])) == 1:
             pairs[v] = found[0]
+    for ins, outs in program.stack_feedback or ():
+        paired = set(pairs.values())
+        left = [jaxpr.invars[k] for k in ins if jaxpr.invars[k] not in pairs]
+        made = [v for v in (jaxpr.outvars[i] for i in outs) if is_var(v) and v not in paired]
+        if len(left) == len(made) == 1:
+            pairs[left[0]] = made[0]
     return pairs
 
 

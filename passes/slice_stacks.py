@@ -150,6 +150,8 @@ def slice_stacks(program: Program) -> Program:
     whole = set()  # inputs whose pieces cannot make one array: they stay whole
     names: dict = {}  # the variables of calls written in place, the same in every walk
     kept_whole: dict = {}  # why -> the arguments and results kept whole for that reason
+    whole_layouts: dict = {}  # an input kept whole -> its stack's layout
+    whole_results: list = []  # (position, its stack's layout, aval) of results kept whole
     # Work reading a value whole beside a stacked one (an optimizer state beside a
     # gradient) asks for it in pieces; a walk with more in pieces may ask for more (what
     # computed it). Each walk asks for new values or is the last. What a walk asks for is
@@ -161,6 +163,7 @@ def slice_stacks(program: Program) -> Program:
         for v in [v for v in cut if v in paths and v not in whole]:
             if (why := layout_problem(program, cut[v])) is not None:
                 kept_whole.setdefault(why, []).append(f"argument {paths[v]}")
+                whole_layouts[v] = cut[v]
                 whole.add(v)
         cut = {v: layout for v, layout in cut.items() if v not in whole}
         walk, new_inputs = _walk(jaxpr, cut, producers, first_reader, names)
@@ -174,8 +177,11 @@ def slice_stacks(program: Program) -> Program:
             f"last still asked for {_named(asked, producers)}, values no walk gives"
         )
     invars, in_pieces, in_specs, in_paths, donated = [], [], [], [], []
+    whole_inputs = []  # (position, its stack's layout, aval) of inputs kept whole
     for i, v in enumerate(jaxpr.invars):
         pieces = new_inputs[v]
+        if v in whole_layouts:
+            whole_inputs.append((len(invars), whole_layouts[v], v.aval))
         invars += pieces
         spans = [None] if v not in cut else _spans(cut[v])
         for rows in spans:
@@ -190,6 +196,7 @@ def slice_stacks(program: Program) -> Program:
         found = walk.stack_of(v)
         if found is not None and (why := layout_problem(program, found.layout)):
             kept_whole.setdefault(why, []).append(f"result {program.out_paths[i]}")
+            whole_results.append((len(outvars), found.layout, v.aval))
             found = None
         pieces = [v] if found is None else list(found.pieces)
         spans = [None] if found is None else _spans(found.layout)
@@ -206,6 +213,7 @@ def slice_stacks(program: Program) -> Program:
     for why, what in kept_whole.items():
         if why != ON_ONE_MESH:
             _warn(scans[0] if scans else None, what, why)
+    feedback = _stack_feedback(whole_inputs, whole_results)
     debug = jaxpr.debug_info._replace(arg_names=tuple(in_paths), result_paths=tuple(out_paths))
     closed = make_closed_jaxpr(
         jaxpr.constvars, program.jaxpr.consts, invars, outvars, walk.eqns, debug
@@ -220,7 +228,19 @@ def slice_stacks(program: Program) -> Program:
         out_paths=tuple(out_paths),
         donated=tuple(donated),
         wanted_out_meshes=tuple(wanted) if program.wanted_out_meshes is not None else None,
+        stack_feedback=feedback or None,
     )
+
+
+def _stack_feedback(inputs: list, results: list) -> tuple:
+    """The inputs and results kept whole (each ``(position, layout, aval)``) grouped by
+    stack, shape and dtype, as ``(input positions, result positions)`` per group that
+    has both (:attr:`Program.stack_feedback`)."""
+    groups: dict = {}
+    for side, found in enumerate((inputs, results)):
+        for k, layout, aval in found:
+            groups.setdefault((layout, aval.shape, aval.dtype), ([], []))[side].append(k)
+    return tuple((tuple(ins), tuple(outs)) for ins, outs in groups.values() if ins and outs)
 
 
 def _named(asked: dict, producers: dict) -> str:

@@ -111,10 +111,11 @@ def _next_microbatch(*stacked_and_index) -> list:
     """Microbatch ``index`` of each stacked batch (an index along its unsharded leading
     axis: no data moves between devices), then the next index."""
     *stacked, index = stacked_and_index
+    zero = index.dtype.type(0)  # (of the index's type: a Python 0 is 64-bit under x64)
     return [
         *(
             jax.lax.squeeze(
-                jax.lax.dynamic_slice(x, (index,) + (0,) * (x.ndim - 1), (1, *x.shape[1:])), (0,)
+                jax.lax.dynamic_slice(x, (index,) + (zero,) * (x.ndim - 1), (1, *x.shape[1:])), (0,)
             )
             for x in stacked
         ),

@@ -291,6 +291,11 @@ class Program:
     microbatches: int | None = None
     in_pieces: tuple[Piece, ...] | None = None
     out_pieces: tuple[Piece, ...] | None = None
+    # the stacked arrays ``slice-stacks`` kept whole, as ``(input positions, output
+    # positions)`` per stack, shape and dtype: an output of a group is the next value of
+    # an input of it, which a training loop feeds back; ``partition`` pairs the one left
+    # of each when it has paired the others by their paths (a bare array has none)
+    stack_feedback: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None = None
     stage_plan: StagePlan | None = None  # how ``partition="balanced"`` grouped the segments
     # what the ``plan`` pass is to decide; ``None`` once it has (from ``Phase.PLANNED`` on)
     plan_request: PlanRequest | None = None

@@ -234,6 +234,27 @@ def test_a_new_weak_type_is_a_new_signature():
         assert_same_array(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "float8_e4m3fn", "int2"])
+def test_narrow_dtypes_cross_stages_as_arguments_and_between_fragments(dtype):
+    """A 4-bit (or 2-bit) array read by a fragment, as an argument or from another
+    stage, runs as under ``jax.jit``: JAX's check of an executable's input layouts
+    refuses every such array (its layout lacks the element size the executable's has)."""
+    dtype = jnp.dtype(dtype)
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    x = jnp.arange(-2.0, 2.0, 0.25).reshape(2, 8)
+
+    def crossing(x):
+        h = mpmdc.stage(mpmdc.stage(x.astype(dtype), 0), 1)
+        return (h * 2).astype(jnp.float32)
+
+    def argument(a):
+        return (mpmdc.stage(a, 1) * 2).astype(jnp.float32)
+
+    assert_same_array(mpmdc.compile(crossing, meshes)(x), jax.jit(crossing)(x))
+    narrow = x.astype(dtype)
+    assert_same_array(mpmdc.compile(argument, meshes)(narrow), jax.jit(argument)(narrow))
+
+
 @pytest.mark.slow
 def test_typed_prng_keys_as_arguments_outputs_and_microbatches():
     """``jax.random.key`` arrays work as arguments, outputs, across transfers, in ``lower``
@@ -751,7 +772,14 @@ def test_a_layer_stack_kept_whole_comes_back_where_the_next_call_reads_it():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,meshes_count,every",
-    [("interleaved-1f1b", 2, 2), ("gpipe", 2, 2), ("1f1b", 4, (3, 2, 2, 1))],
+    [
+        ("interleaved-1f1b", 2, 2),
+        ("gpipe", 2, 2),
+        ("1f1b", 4, (3, 2, 2, 1)),
+        # The parameters, a bare array (no path to pair its result by), joined by bytes
+        # on the largest stage's mesh (mesh2) but read on mesh0: moved every call.
+        ("1f1b", 4, (1, 2, 3, 2)),
+    ],
 )
 def test_a_layer_stacks_optimizer_state_is_read_where_it_is_returned(schedule, meshes_count, every):
     """A scanned stack whose stages do not each take a contiguous run of rows of its own

@@ -325,3 +325,31 @@ def test_a_schedule_refusing_skipped_stage_indices_names_the_unmarked_ones(meshe
         mpmdc.compile(functools.partial(step, schedule="1f1b"), meshes4).lower(ws, x)
     gpipe = functools.partial(step, schedule="gpipe")
     assert_trees_close(mpmdc.compile(gpipe, meshes4)(ws, x), jax.jit(gpipe)(ws, x))
+
+
+def test_with_x64_enabled_the_loop_runs_and_a_call_without_it_traces_again(meshes2):
+    """Under ``jax_enable_x64`` (Python ints are 64-bit) the loop takes its microbatches
+    as without it, with ``jax.jit``'s numbers; the same step called without it traces
+    again, as ``jax.jit`` does, and returns ``jax.jit``'s 32-bit count."""
+    ws = [jnp.eye(4) * 0.5, jnp.eye(4) * 0.25]
+    x = jnp.arange(32.0).reshape(8, 4) / 32
+
+    def loss(ws, x):
+        for i, w in enumerate(ws):
+            x = jnp.tanh(mpmdc.stage(x, i) @ w)
+        return jnp.sum(x), jnp.sum(x > 0.1)
+
+    def step(ws, x):
+        return mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss, has_aux=True)(ws, mb), x, microbatches=4
+        )
+
+    compiled = mpmdc.compile(step, meshes2)
+    with jax.enable_x64(True):
+        got = compiled(ws, x)
+        want = jax.jit(step)(ws, x)
+    assert got[0][1].dtype == want[0][1].dtype == jnp.int64
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    got = compiled(ws, x)
+    assert got[0][1].dtype == jax.jit(step)(ws, x)[0][1].dtype == jnp.int32
+    assert compiled.cache_info().currsize == 2
