@@ -13,7 +13,8 @@
 
 A save writes ``<directory>.<id>.partial`` (a name of its own) and renames it
 ``<directory>`` once every process has written its part, so ``<directory>`` is never seen
-half-written. Any Zarr v3 reader (TensorStore, zarr-python) reads the arrays; the index
+half-written; a removal renames it ``<directory>.<id>.removing`` before removing anything,
+so it is never seen half-removed. Any Zarr v3 reader (TensorStore, zarr-python) reads the arrays; the index
 says which leaf each one is.
 
 Everything read back is checked here before any array is opened (:func:`parse_index`,
@@ -43,6 +44,7 @@ VERSION = 2  # 2: chunk shapes in the index, a CRC32C checksum after every chunk
 READABLE = (1, 2)  # versions this code reads: 1 has no checksums, which it reads as they are
 COMMITTED = "COMMITTED"
 PARTIAL_SUFFIX = ".partial"
+REMOVING_SUFFIX = ".removing"  # a checkpoint being removed (``CheckpointManager``)
 REPLACED_SUFFIX = ".replaced"  # a checkpoint being replaced by ``overwrite=True``
 NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)  # leaves kept on the host
 INDEX_FILE = "zarr.json"

@@ -273,9 +273,10 @@ class CheckpointManager:
         if self.max_to_keep is None:
             return
         with storage.commit_lock(self.directory):
+            storage.remove_leftovers(self.directory)
             for step in _complete_steps(self.directory)[: -self.max_to_keep]:
-                storage.remove(self.step_directory(step))
-                storage.remove(self.step_directory(step) + REPLACED_SUFFIX)
+                storage.remove_checkpoint(self.step_directory(step) + REPLACED_SUFFIX)
+                storage.remove_checkpoint(self.step_directory(step))
 
 
 def _failure(step: int, where: str, err: BaseException) -> str:

@@ -27,6 +27,7 @@ from mpmdc.checkpoint.layout import (
     INDEX_FILE,
     NUMBERS,
     PARTIAL_SUFFIX,
+    REMOVING_SUFFIX,
     Index,
     LeafEntry,
     check_array,
@@ -48,6 +49,13 @@ def resolve(directory) -> tuple[str, Index, dict]:
     (:func:`~mpmdc.checkpoint.storage.located`): it is read there then.
     """
     wanted = os.path.realpath(os.fspath(directory))
+    for suffix, what in ((PARTIAL_SUFFIX, "a save writes"), (REMOVING_SUFFIX, "a removal empties")):
+        if wanted.endswith(suffix):  # (whatever it holds: a commit marker too, at times)
+            raise CheckpointError(
+                f"{wanted} is a folder {what}, not a checkpoint: restore the checkpoint's "
+                f"own directory ({wanted.removesuffix(suffix).rsplit('.', 1)[0]}). A folder "
+                f"no save or removal is working on may be removed."
+            )
     place = storage.located(wanted)
     if place is None:
         raise CheckpointError(f"no checkpoint at {wanted}: {_why_none(wanted)}.")

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import threading
+import uuid
 
 import numpy as np
 import tensorstore as ts
@@ -19,6 +20,7 @@ import tensorstore as ts
 from mpmdc.checkpoint.layout import (
     COMMITTED,
     MAX_DOCUMENT_BYTES,
+    REMOVING_SUFFIX,
     REPLACED_SUFFIX,
     parse_document,
 )
@@ -92,6 +94,12 @@ def read_bytes(path: str) -> bytes:
         if err.errno == errno.ELOOP:
             raise CheckpointError(
                 f"{path} is a link; a checkpoint holds only its own files."
+            ) from None
+        if isinstance(err, FileNotFoundError) and not os.path.isdir(os.path.dirname(path)):
+            raise CheckpointError(
+                f"cannot read {path}: its folder is gone, so the checkpoint was removed (or "
+                f"replaced) while it was read: a CheckpointManager removes the steps beyond "
+                f"its max_to_keep. Restore a newer one."
             ) from None
         if isinstance(err, FileNotFoundError):  # (in a checkpoint a save committed)
             raise CheckpointError(
@@ -176,6 +184,33 @@ def remove(path: str) -> None:
             os.unlink(path)
         return
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Remove the checkpoint at ``path`` (if there) so that it is never seen half
+    removed: it is renamed at once ``<path>.<id>.removing``, a name no reader or listing
+    takes for a checkpoint, its commit marker removed, then everything else. A removal
+    killed midway leaves such a folder, which :func:`remove_leftovers` clears. A link
+    loses its link only."""
+    if os.path.islink(path):
+        remove(path)
+        return
+    doomed = f"{path}.{uuid.uuid4().hex}{REMOVING_SUFFIX}"
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(doomed, COMMITTED))
+    remove(doomed)
+
+
+def remove_leftovers(directory: str) -> None:
+    """Remove what removals killed midway left in ``directory`` (``*.removing``)."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if name.endswith(REMOVING_SUFFIX):
+                remove(os.path.join(directory, name))
 
 
 def make_partial(partial: str) -> None:

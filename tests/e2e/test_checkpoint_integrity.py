@@ -174,6 +174,53 @@ def test_a_managers_commit_leaves_another_saves_partial_folder_alone(tmp_path):
     assert value_of(tmp_path / "1") == 1
 
 
+def test_a_removal_killed_midway_leaves_no_step_that_is_listed_but_fails(tmp_path):
+    """A manager renames an old step out of its place before deleting anything: killed
+    while deleting its files (here, after its first leaf), the step is gone from the
+    listing, not listed with half its files; a restore of what is left says what it is,
+    and the next pruning clears it."""
+    manager = CheckpointManager(tmp_path, max_to_keep=1, asynchronous=False)
+    manager.save(1, tree_of(1))
+    deleting = storage.remove
+
+    def killed(path):
+        if str(path).endswith(layout.REMOVING_SUFFIX):
+            shutil.rmtree(os.path.join(path, "w"))
+            raise KeyboardInterrupt  # (the process dies here)
+        deleting(path)
+
+    with patch.object(storage, "remove", killed), pytest.raises(KeyboardInterrupt):
+        manager.save(2, tree_of(2))
+    [left] = [name for name in entries(tmp_path) if name.endswith(layout.REMOVING_SUFFIX)]
+    restarted = CheckpointManager(tmp_path, max_to_keep=1, asynchronous=False)
+    assert restarted.all_steps() == [2] and restarted.latest_step() == 2
+    with pytest.raises(CheckpointError, match=r"is a folder a removal empties, not a checkpoint"):
+        restore(tmp_path / left)
+    restarted.save(3, tree_of(3))
+    assert entries(tmp_path) == ["3"]
+    assert value_of(tmp_path / "3") == 3
+
+
+def test_a_step_removed_while_it_is_read_is_named_so_not_as_damage(tmp_path):
+    """A reader whose checkpoint vanished whole under it (a manager's pruning renamed it)
+    is told that, not that a file of a committed checkpoint was removed."""
+    with pytest.raises(CheckpointError, match="its folder is gone, so the checkpoint was removed"):
+        storage.read_json(str(tmp_path / "7" / "w" / "zarr.json"))
+    os.makedirs(tmp_path / "7" / "w")
+    with pytest.raises(CheckpointError, match="it is not there, so the checkpoint is damaged"):
+        storage.read_json(str(tmp_path / "7" / "w" / "zarr.json"))
+
+
+def test_a_finished_partial_folder_is_not_restored_by_its_path(tmp_path):
+    """A save killed after its commit marker but before its rename leaves a partial
+    folder holding a marker: restoring it by its path says it is a save's folder (the
+    checkpoint is its directory, once a save finishes there), not what it holds."""
+    save(tmp_path / "1", tree_of(1))
+    os.rename(tmp_path / "1", tmp_path / "1.0123456789abcdef.partial")
+    with pytest.raises(CheckpointError, match=r"is a folder a save writes, not a checkpoint"):
+        restore(tmp_path / "1.0123456789abcdef.partial")
+
+
 def test_a_manager_prunes_under_the_commit_lock(tmp_path):
     """Removing old steps waits for a commit into the folder in progress (another job's
     overwrite of that step), so neither is left half done."""
