@@ -33,7 +33,7 @@ from mpmdc import distributed
 from mpmdc.errors import ArgumentError, MpmdRuntimeError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
-from mpmdc.ir.program import Phase, Program, fragment_key, is_var
+from mpmdc.ir.program import Phase, Program, fragment_key, is_var, vars_of
 from mpmdc.ir.sharding import named, program_spec_forms
 from mpmdc.runtime.arguments import ArgumentMoves, placed_as
 from mpmdc.runtime.compiling import FragmentCompiler
@@ -149,6 +149,7 @@ class Engine:
             if here[m]
         ]
         self._input_here = [here[m] for m in program.in_meshes]
+        self._given_up = _given_up_slots(program, slots, here)
         self.steps = self._plan_steps(slots, backend, here, keys)
         # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
         # An empty release list is None, so the loop skips it with one test.
@@ -256,6 +257,7 @@ class Engine:
         """
         self._check_alive(leaves)
         env = self.start(leaves)
+        given_up = [env[i] for i in self._given_up if isinstance(env[i], jax.Array)]
         read = env.__getitem__
         progress = Progress(announced_fault) if self.multiprocess else None
         k, results = 0, None
@@ -283,6 +285,8 @@ class Engine:
             env.clear()
             results = None
             raise (announced_fault if self.multiprocess else fault)(self.steps[k], err) from err
+        for x in given_up:  # (PJRT frees a buffer once the work reading it is done)
+            x.delete()
         return self.finish(env)
 
     def _check_alive(self, leaves) -> None:
@@ -376,6 +380,32 @@ def announced_fault(step: Step, err: Exception) -> MpmdRuntimeError:
     else:
         distributed.announce_failure(f"{error}")
     return error
+
+
+def _given_up_slots(program: Program, slots, here) -> list:
+    """The slots of this process's donated inputs that no fragment takes the buffer of
+    (none of its results can: a layer stack kept whole is read in rows and its result
+    joined elsewhere), each a caller's argument whole, and not returned as it is: a call
+    deletes them once it has run, as ``jax.jit`` deletes every donated argument."""
+    jaxpr = program.jaxpr.jaxpr
+    taken = {
+        eqn.invars[k]
+        for eqn in jaxpr.eqns
+        if eqn.primitive is fragment_p
+        for k in eqn.params["donate_argnums"]
+    }
+    returned = set(vars_of(jaxpr.outvars))
+    pieces = program.in_pieces or [None] * len(jaxpr.invars)
+    return [
+        slots.index[v]
+        for v, donated, m, piece in zip(jaxpr.invars, program.donated, program.in_meshes, pieces)
+        if donated
+        and here[m]
+        and v not in taken
+        and v not in returned
+        and (piece is None or piece.rows is None)
+        and v in slots.index
+    ]
 
 
 def _owned_outputs(program: Program) -> list[bool]:
