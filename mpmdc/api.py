@@ -76,7 +76,7 @@ def _through_passes(program: Program, passes, signature, trace_seconds: float) -
 
 def _warn_of_idle_meshes(lowered: Lowered) -> None:
     """An ``IdleMeshWarning`` for each mesh that runs no fragment of the split program
-    (nothing to say about a pipeline that never splits)."""
+    (nothing to say about a pipeline that never splits, or runs nothing at all)."""
     split = next(
         (p for p in map(lowered.program, reversed(lowered.stages)) if p.phase >= Phase.SPLIT),
         None,
@@ -87,6 +87,8 @@ def _warn_of_idle_meshes(lowered: Lowered) -> None:
     for eqn in split.jaxpr.jaxpr.eqns:
         if eqn.primitive is fragment_p:
             stages.setdefault(eqn.params["mesh"], set()).add(eqn.params["stage"])
+    if not stages:
+        return  # (a program of no work, returning its arguments or constants: nothing idles)
     n = len(split.meshes)
     running = ", ".join(f"{sorted(stages[m])} on mesh{m}" for m in sorted(stages))
     idle = sorted(set(range(n)) - set(stages))
@@ -424,7 +426,11 @@ class Wrapped:
         ]
 
     def __call__(self, *args, **kwargs):
-        """Run ``fn`` on the meshes (compiling on the first call for these argument types)."""
+        """Run ``fn`` on the meshes (compiling on the first call for these argument types);
+        under ``jax.disable_jit()``, op by op as ``jax.jit`` runs it there (the markers
+        are identities)."""
+        if jax.config.jax_disable_jit:
+            return self.fn(*args, **kwargs)
         exe, leaves = self._executable(args, kwargs, values=True)
         return exe.call_flat(leaves)
 

@@ -204,8 +204,8 @@ def _checked_stage_to_mesh(stage_to_mesh, num_meshes: int) -> tuple[int, ...] | 
     for s, m in enumerate(stage_to_mesh):
         if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m < num_meshes:
             raise StageError(
-                f"stage_to_mesh maps stage {s} to {m!r}, but there are only "
-                f"{num_meshes} meshes (indices 0..{num_meshes - 1})."
+                f"stage_to_mesh maps stage {s} to {m!r}, which is no index of the "
+                f"{num_meshes} meshes: give each stage a mesh index 0..{num_meshes - 1}."
             )
         out.append(int(m))
     return tuple(out)

@@ -337,9 +337,16 @@ def flat_in_specs(options: CompileOptions, args, static, kwargs):
             per_arg = [None if i in static else next(given) for i in range(len(args))]
         elif len(per_arg) != len(args):
             also = f" (or one per non-static argument, {len(dynamic)})" if static else ""
+            keywords = (
+                f" and keyword arguments {', '.join(kwargs)}: in_specs gives positional "
+                f"arguments their specs, so pass those arguments positionally, or"
+                if kwargs
+                else ";"
+            )
             raise SpecError(
                 f"in_specs has {len(per_arg)} entries but the function was called with "
-                f"{len(args)} positional arguments; give one entry per argument{also}."
+                f"{len(args)} positional arguments{keywords} give one entry per "
+                f"argument{also}."
             )
     flat = []
     for i, (spec, arg) in enumerate(zip(per_arg, args)):

@@ -150,6 +150,9 @@ class Engine:
         ]
         self._input_here = [here[m] for m in program.in_meshes]
         self._given_up = _given_up_slots(program, slots, here)
+        self._donated_leaves = {
+            program.argument_leaf(k) for k, d in enumerate(program.donated) if d
+        }
         self.steps = self._plan_steps(slots, backend, here, keys)
         # What the call loop reads, unpacked once: (call, inputs, outputs, release, wait).
         # An empty release list is None, so the loop skips it with one test.
@@ -291,8 +294,11 @@ class Engine:
 
     def _check_alive(self, leaves) -> None:
         """An ``ArgumentError`` naming an argument whose buffer is gone, checked before
-        anything runs: otherwise the first fragment reading it fails, naming only itself."""
-        for x, path in zip(leaves, self.signature.in_paths):
+        anything runs: otherwise the first fragment reading it fails, naming only itself;
+        or naming a donated argument passed again as another argument (XLA would give its
+        buffer up while the other still reads it, or be asked to donate it twice)."""
+        paths = self.signature.in_paths
+        for x, path in zip(leaves, paths):
             if isinstance(x, jax.Array) and x.is_deleted():
                 raise ArgumentError(
                     f"argument {path} was donated to an earlier call (or deleted), so its "
@@ -300,6 +306,20 @@ class Engine:
                     f"loop feeds results back: params = step(params, ...)), or leave it out of "
                     f"donate_argnums to keep it."
                 )
+        if not self._donated_leaves:
+            return
+        first: dict = {}
+        for k, x in enumerate(leaves):
+            if isinstance(x, jax.Array):
+                j = first.setdefault(id(x), k)
+                if j != k and (j in self._donated_leaves or k in self._donated_leaves):
+                    donated = paths[j] if j in self._donated_leaves else paths[k]
+                    raise ArgumentError(
+                        f"arguments {paths[j]} and {paths[k]} are one array, and {donated} "
+                        f"is donated: its buffer would be given up while the other still "
+                        f"reads it. Pass a copy for one of them (jnp.copy), or leave it out "
+                        f"of donate_argnums."
+                    )
 
     def check_agreed(self) -> None:
         """At the first call among several processes: every process compiled this program."""

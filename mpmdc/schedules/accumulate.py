@@ -225,10 +225,20 @@ def _unrolled_reduction(kind: str, values: list, microbatches: int):
 
 def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
     kinds = _reductions(reduce, out_tree)
-    for shape, kind in zip(shapes, kinds):
+    for path, shape, kind in zip(_output_paths(out_tree), shapes, kinds):
         if kind == "concat" and not shape:
-            raise _error("reduce='concat' needs outputs with a leading axis; fn returned a scalar.")
+            raise _error(
+                f"reduce='concat' needs outputs with a leading axis; fn's output{path} is a "
+                f"scalar. Return it with one (x[None]), or give it another reduction "
+                f"(a pytree of reductions matching fn's outputs)."
+            )
     return kinds
+
+
+def _output_paths(out_tree) -> list[str]:
+    """The path of each leaf of ``fn``'s outputs (``['loss']``; empty for a lone leaf)."""
+    skeleton = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(skeleton)]
 
 
 def _microbatch(leaves, sizes, i) -> list:

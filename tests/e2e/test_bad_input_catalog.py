@@ -89,6 +89,15 @@ def two_loops(w, x):
     return first + mpmdc.accumulate(lambda mb: two_stage(w, mb), x, microbatches=2)
 
 
+def one_array_twice(world):
+    """A step donating its first argument, called with one array for both arguments."""
+    step = mpmdc.compile(
+        lambda a, b: two_stage(a, world.x) + jnp.sum(b), world.meshes, donate_argnums=0
+    )
+    shared = world.w + 0
+    return step(shared, shared)
+
+
 def reusing_a_donated_argument(world):
     """A donating step called again with one of the arrays it consumed (the other fed back)."""
 
@@ -222,7 +231,7 @@ MISTAKES = [
     Mistake(
         "stage_to_mesh naming a mesh that does not exist",
         errors.StageError,
-        "only 2 meshes",
+        "which is no index of the 2 meshes",
         lambda w: mpmdc.compile(two_stage, w.meshes, stage_to_mesh=(0, 5)),
     ),
     Mistake(
@@ -274,6 +283,13 @@ MISTAKES = [
         errors.SpecError,
         "one entry per argument",
         lambda w: lower(two_stage, w, in_specs=(P(),)),
+    ),
+    Mistake(
+        "in_specs with an argument passed by keyword",
+        errors.SpecError,
+        r"called with 1 positional arguments and keyword arguments x: in_specs gives "
+        r"positional arguments their specs, so pass those arguments positionally",
+        lambda w: mpmdc.compile(two_stage, w.meshes, in_specs=(P(), P())).lower(w.w, x=w.x),
     ),
     Mistake(
         "in_specs naming an axis the mesh lacks",
@@ -330,6 +346,12 @@ MISTAKES = [
         errors.ArgumentError,
         r"argument args\[0\]\[1\] was donated to an earlier call",
         reusing_a_donated_argument,
+    ),
+    Mistake(
+        "one array passed twice, once donated",
+        errors.ArgumentError,
+        r"arguments args\[0\] and args\[1\] are one array, and args\[0\] is donated",
+        one_array_twice,
     ),
     Mistake(
         "calling with a different shape",
@@ -521,8 +543,22 @@ MISTAKES = [
     Mistake(
         "concat of scalar outputs",
         errors.AccumulateError,
-        "needs outputs with a leading axis",
+        "needs outputs with a leading axis; fn's output is a scalar",
         lambda w: lower(lambda a, x: accumulating(a, x, reduce="concat"), w),
+    ),
+    Mistake(
+        "concat of a scalar among other outputs",
+        errors.AccumulateError,
+        r"fn's output\['loss'\] is a scalar. Return it with one",
+        lambda w: lower(
+            lambda a, x: mpmdc.accumulate(
+                lambda mb: {"loss": two_stage(a, mb), "rows": mb},
+                x,
+                microbatches=2,
+                reduce="concat",
+            ),
+            w,
+        ),
     ),
     Mistake(
         "a scalar leaf in the batch",

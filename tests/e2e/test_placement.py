@@ -387,6 +387,7 @@ def test_a_mesh_that_runs_no_stage_is_named_in_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", mpmdc.errors.IdleMeshWarning)
         mpmdc.compile(gapped, meshes[:2], stage_to_mesh=(0, 0, 1)).lower(w, x)
+        mpmdc.compile(lambda x: x, meshes).lower(x)  # (no work at all: nothing idles)
 
 
 def test_a_marked_stage_whose_work_a_shard_map_takes_elsewhere_is_named_at_the_users_line():

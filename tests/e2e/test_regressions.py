@@ -234,6 +234,29 @@ def test_a_new_weak_type_is_a_new_signature():
         assert_same_array(got, want)
 
 
+def test_under_disable_jit_a_compiled_step_runs_op_by_op_as_jit_does():
+    """``jax.disable_jit()`` (a debugging switch) runs a compiled step as it runs a
+    ``jax.jit`` one: the function op by op, markers (a scan's ``every=`` too) and the
+    microbatch loop as identities and a loop; nothing is compiled."""
+    meshes = mpmdc.make_meshes(2, {"d": 2})
+    ws = jnp.stack([jnp.eye(4) * 0.5, jnp.eye(4) * 0.25])
+    x = jnp.arange(32.0).reshape(8, 4) / 32
+
+    def loss(ws, x):
+        def layer(h, w):
+            return jnp.tanh(mpmdc.stage(h, every=1) @ w), None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+
+    def step(ws, x):
+        return mpmdc.accumulate(lambda mb: jax.value_and_grad(loss)(ws, mb), x, microbatches=2)
+
+    compiled = mpmdc.compile(step, meshes)
+    with jax.disable_jit():
+        assert_same_tree(compiled(ws, x), jax.jit(step)(ws, x))
+    assert compiled.cache_info().currsize == 0
+
+
 @pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "float8_e4m3fn", "int2"])
 def test_narrow_dtypes_cross_stages_as_arguments_and_between_fragments(dtype):
     """A 4-bit (or 2-bit) array read by a fragment, as an argument or from another

@@ -82,7 +82,7 @@ def test_eager_call_works_too():
             AccumulateError,
             "does not match the structure",
         ),
-        ({"microbatches": 2, "reduce": "concat"}, AccumulateError, "fn returned a scalar"),
+        ({"microbatches": 2, "reduce": "concat"}, AccumulateError, "fn's output is a scalar"),
     ],
 )
 def test_accumulate_errors(kwargs, error, says):
