@@ -58,27 +58,34 @@ def _misplaced_marker(eqn):
     return None
 
 
+# What a user may have written for a loop primitive a marker is found in.
+_LOOP_NAMES = {
+    jprims.scan_p: "`scan` (jax.lax.scan, lax.map, or fori_loop with static bounds)",
+    jprims.while_p: "`while` (jax.lax.while_loop, or fori_loop with traced bounds)",
+}
+
+
 def _marker_inside(eqn, marker) -> PlacementError:
     """The error for ``marker`` found in the body of ``eqn`` (a loop, conditional or
     ``shard_map``), naming the marker's line, and for a loop what works instead."""
-    name = eqn.primitive.name
+    name = _LOOP_NAMES.get(eqn.primitive, f"`{eqn.primitive.name}`")
     if is_layer_marker(marker):
         return PlacementError(
             f"mpmdc.stage(..., every={marker.params['every']!r}) at {compat.source_line(marker)} "
-            f"runs inside `{name}` (at {compat.source_line(eqn)}); `every=` cuts the iterations "
+            f"runs inside {name} (at {compat.source_line(eqn)}); `every=` cuts the iterations "
             f"of a scan over layers: call it in the scan's own body, outside conditionals, "
             f"while loops and shard_map bodies."
         )
     if is_loop_edge(marker):
         return PlacementError(
-            f"mpmdc.accumulate at {compat.source_line(marker)} runs inside `{name}` (at "
+            f"mpmdc.accumulate at {compat.source_line(marker)} runs inside {name} (at "
             f"{compat.source_line(eqn)}); the microbatch loop must be outside loops, "
             f"conditionals and shard_map bodies. Call mpmdc.accumulate at the top level of "
             f"the compiled function."
         )
     message = (
         f"mpmdc.stage(..., {marker.params['stage']}) at {compat.source_line(marker)} runs "
-        f"inside `{name}` (at {compat.source_line(eqn)}); a stage marker must be outside "
+        f"inside {name} (at {compat.source_line(eqn)}); a stage marker must be outside "
         f"loops, conditionals and shard_map bodies."
     )
     if eqn.primitive is jprims.scan_p:
@@ -87,7 +94,7 @@ def _marker_inside(eqn, marker) -> PlacementError:
             "iteration j then enters stage j // k, and the scan runs as one scan per stage."
         )
     else:
-        message += f" Move mpmdc.stage(...) before or after the `{name}`."
+        message += f" Move mpmdc.stage(...) before or after the {name}."
     return PlacementError(message)
 
 

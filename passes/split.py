@@ -147,13 +147,22 @@ def _can_merge(graph, a, b) -> bool:
     return True
 
 
+_SUMS = frozenset({jprims.add_p, jprims.add_jaxvals_p})
+
+
 def _what_values_carry(jaxpr, env):
     """What a transferred value is, for the transfer report (``mpmdc.ir.traffic``):
-    ``activation``/``cotangent`` where it crosses a stage marker, ``state`` where it is
+    ``activation``/``cotangent`` where it crosses a stage marker (or is the sum of
+    values crossing markers, of one kind: a skip connection's cotangent added to the
+    one crossing with it, wherever placement put the sum), ``state`` where it is
     computed from program inputs alone, ``other`` otherwise."""
     crossing = {}
     depends = set()
     for eqn in jaxpr.eqns:
+        if eqn.primitive in _SUMS:
+            kinds = {crossing.get(a) if is_var(a) else None for a in substituted(eqn.invars, env)}
+            if len(kinds) == 1 and None not in kinds:
+                crossing.update((v, kinds.pop()) for v in eqn.outvars)
         if (
             is_marker(eqn)
             or is_microbatch_marker(eqn)

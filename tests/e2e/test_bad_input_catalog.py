@@ -237,7 +237,7 @@ MISTAKES = [
     Mistake(
         "a stage marker inside a scan body",
         errors.PlacementError,
-        r"runs inside `(scan|while)` \(at .*mpmdc.stage\(h, every=k\)",
+        r"runs inside `(scan|while)` .*\(at .*mpmdc.stage\(h, every=k\)",
         lambda w: lower(marker_in_scan, w),
     ),
     Mistake(

@@ -175,6 +175,25 @@ def _sgd_step(ws, x):
     return [w - 0.1 * g for w, g in zip(ws, grads)]
 
 
+def test_a_skip_connections_cotangent_summed_before_its_crossing_counts_as_a_cotangent():
+    """``h0`` enters stage 1 and, beside stage 1's result, stage 2: its two cotangents
+    are summed where placement puts the sum (stage 1's backward) and the sum crosses to
+    stage 0. It is a cotangent crossing a marker, the floor pipelining pays, not "other"."""
+    meshes = mpmdc.make_meshes(3, {"data": 2})
+
+    def loss(p, x):
+        h0 = jnp.tanh(mpmdc.stage(x, 0) @ p[0])
+        h1 = jnp.tanh(mpmdc.stage(h0, 1) @ p[1])
+        h2, skip = mpmdc.stage((h1, h0), 2)
+        return jnp.mean((jnp.tanh(h2 @ p[2]) + skip) ** 2)
+
+    p, x = [jnp.eye(8) * 0.5] * 3, jnp.ones((16, 8))
+    report = mpmdc.compile(jax.grad(loss), meshes).lower(p, x).transfer_report()
+    activation = 16 * 8 * 4
+    assert report.total("other") == 0
+    assert report.total("activations/cotangents") == 6 * activation
+
+
 def test_an_argument_on_another_mesh_is_counted_in_the_report_and_named_once(meshes4):
     """A parameter committed to another mesh than the one that reads it is moved before
     every call: the transfer report counts it, a warning names it once, the numbers

@@ -106,11 +106,29 @@ def marker_in_cond(x):
     return jax.lax.cond(x[0, 0] > 0, lambda v: mpmdc.stage(v, 1) * 2, lambda v: v, x)
 
 
+def marker_in_fori_loop(x):
+    return jax.lax.fori_loop(0, 2, lambda i, v: mpmdc.stage(v, 1) * 2, x)
+
+
+def marker_in_while_loop(x):
+    return jax.lax.while_loop(lambda v: v[0, 0] < 4, lambda v: mpmdc.stage(v, 1) * 2, x)
+
+
 @pytest.mark.parametrize(
     "fn,where,advice",
     [
         (marker_in_scan, "inside `scan`", "write mpmdc.stage(h, every=k) in its body"),
         (marker_in_cond, "inside `cond`", "Move mpmdc.stage(...) before or after the `cond`"),
+        (
+            marker_in_fori_loop,
+            "inside `scan` (jax.lax.scan, lax.map, or fori_loop with static bounds)",
+            "write mpmdc.stage(h, every=k) in its body",
+        ),
+        (
+            marker_in_while_loop,
+            "inside `while` (jax.lax.while_loop, or fori_loop with traced bounds)",
+            "Move mpmdc.stage(...) before or after the `while`",
+        ),
     ],
 )
 def test_a_marker_inside_a_loop_or_cond_names_its_line(meshes2, fn, where, advice):
