@@ -104,10 +104,16 @@ class _Files:
         self.root = root
         self.seen: set[str] = set()
 
-    def _refuse(self, entry: LeafEntry, path: str, what: str) -> CheckpointError:
+    def _refuse(
+        self,
+        entry: LeafEntry,
+        path: str,
+        what: str,
+        writes: str = "a save writes only folders and regular files",
+    ) -> CheckpointError:
         return CheckpointError(
             f"the checkpoint at {self.root} is damaged: leaf {entry.path}: "
-            f"{os.path.relpath(path, self.root)} {what}; a save writes only folders and files."
+            f"{os.path.relpath(path, self.root)} {what}; {writes}."
         )
 
     def check_folders(self, entry: LeafEntry) -> None:
@@ -131,24 +137,30 @@ class _Files:
         """The entries of ``entry``'s array folder: its ``zarr.json`` and its chunks,
         every chunk a regular file of :func:`chunk_file_bytes`."""
         size = chunk_file_bytes(metadata)
+        chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        grid = [-(-n // c) for n, c in zip(metadata["shape"], chunks)]  # chunks per dimension
+        only = f"a save writes only zarr.json and the chunks of its grid {grid} there"
         folder = os.path.join(self.root, entry.array)
-        pending = [(folder, True)]
+        pending = [(folder, -1)]  # (folder, the dimension its entries index; -1: the array's)
         while pending:
-            path, top = pending.pop()
+            path, dim = pending.pop()
             try:
                 listed = list(os.scandir(path))
             except OSError as err:
                 raise CheckpointError(f"cannot read {path}: {storage.reason(err)}.") from None
             for item in listed:
                 kind = item.stat(follow_symlinks=False).st_mode
-                if top and item.name == INDEX_FILE:
+                if dim < 0 and item.name == INDEX_FILE:
                     continue  # (read and checked already)
-                if top and item.name != "c":
-                    raise self._refuse(entry, item.path, "is no part of a Zarr array")
-                if not top and not item.name.isdigit():  # a chunk's key: c/<index>/<index>...
-                    raise self._refuse(entry, item.path, "is no chunk of a Zarr array")
+                if dim < 0 and item.name != "c":
+                    raise self._refuse(entry, item.path, "is no part of a Zarr array", only)
+                # A chunk's key: c/<index>/<index>..., an index per dimension, in the grid.
+                if dim >= 0 and not (
+                    item.name.isdigit() and dim < len(grid) and int(item.name) < grid[dim]
+                ):
+                    raise self._refuse(entry, item.path, "is no chunk of this array", only)
                 if stat.S_ISDIR(kind):
-                    pending.append((item.path, False))
+                    pending.append((item.path, dim + 1))
                 elif not stat.S_ISREG(kind):
                     raise self._refuse(entry, item.path, f"is {_kind(kind)}")
                 elif item.stat(follow_symlinks=False).st_size != size:

@@ -341,6 +341,13 @@ def _schedule(args) -> int:
     line = f"steady training (steps back to back): bubble {steady:g} per mesh and step"
     if schedule.name in BUBBLE_FORMULAS and not formula_holds(schedule.name, costs):
         line += " (the published formula does not hold at these costs: W is too large)"
+    elif schedule.name in BUBBLE_FORMULAS and not formula_holds(
+        schedule.name, costs, layout.num_meshes, layout.microbatches
+    ):
+        line += (
+            f" (the published formula does not hold at {layout.microbatches} microbatches: "
+            f"too few to fill the pipeline)"
+        )
     elif schedule.name in BUBBLE_FORMULAS:
         formula = bubble_time_formula(schedule.name, layout.num_meshes, costs)
         line += f" (published formula {formula:g})"

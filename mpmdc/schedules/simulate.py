@@ -284,14 +284,28 @@ def bubble_time_formula(schedule_name: str, num_meshes: int, costs: Mapping[str,
     return (num_meshes - 1) * BUBBLE_FORMULAS[schedule_name](f, b, i, w)
 
 
-def formula_holds(schedule_name: str, costs: Mapping[str, float]) -> bool:
+def formula_holds(
+    schedule_name: str,
+    costs: Mapping[str, float],
+    num_meshes: int | None = None,
+    microbatches: int | None = None,
+) -> bool:
     """Whether ``costs`` lie where the schedule's published formula holds (``W <= F`` for
     ZB-H1, ``F = I >= W`` for ZB-V, ``W <= F <= I`` for DualPipeV; everywhere for the
-    others)."""
+    others) and, given the meshes ``p`` and ``microbatches`` ``m``, whether there are
+    enough microbatches to fill the pipeline as the formula assumes (``m >= p`` for
+    interleaved 1F1B and ZB-H1, ``m >= 2p - 1`` for ZB-H2 and ZB-V; any ``m`` for the
+    others: measured by the simulator for ``p`` up to 5)."""
     f, i, w = (float(costs[k]) for k in "FIW")
-    return {"zb-h1": w <= f, "zb-v": f == i and w <= f, "dualpipev": w <= f <= i}.get(
+    if not {"zb-h1": w <= f, "zb-v": f == i and w <= f, "dualpipev": w <= f <= i}.get(
         schedule_name, True
-    )
+    ):
+        return False
+    if num_meshes is None or microbatches is None:
+        return True
+    p = num_meshes
+    least = {"interleaved-1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p - 1}
+    return microbatches >= least.get(schedule_name, 1)
 
 
 # Per schedule, the bubble per mesh and step over ``p - 1`` (see ``bubble_time_formula``).

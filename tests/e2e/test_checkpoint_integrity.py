@@ -423,11 +423,17 @@ FILE_SWAPS = {
     ),
     "a file beside the chunks": (
         lambda saved: (saved / "w" / "notes.txt").write_text("hi"),
-        r"leaf \['w'\]: w/notes.txt is no part of a Zarr array",
+        r"leaf \['w'\]: w/notes.txt is no part of a Zarr array; a save writes only zarr.json "
+        r"and the chunks of its grid \[1, 1\] there",
     ),
     "a file among the chunks": (
         lambda saved: (saved / "w" / "c" / "notes.txt").write_text("hi"),
-        r"leaf \['w'\]: w/c/notes.txt is no chunk of a Zarr array",
+        r"leaf \['w'\]: w/c/notes.txt is no chunk of this array",
+    ),
+    "a chunk outside the grid": (
+        lambda saved: shutil.copy(chunk_files(saved / "w")[0], saved / "w" / "c" / "0" / "2"),
+        r"leaf \['w'\]: w/c/0/2 is no chunk of this array; a save writes only zarr.json and the "
+        r"chunks of its grid \[1, 1\] there",
     ),
 }
 

@@ -111,6 +111,27 @@ def test_formula_domains_hold_on_random_costs(seed):
                 assert got == pytest.approx(formula, abs=1e-9), (name, p, m, costs)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v"])
+def test_the_formulas_need_enough_microbatches_to_fill_the_pipeline(name):
+    """With fewer microbatches than fill the pipeline the steady bubble is more than the
+    published figure: ``formula_holds`` given the meshes and microbatches says where the
+    figure is met, and is tight (one microbatch fewer, it is not)."""
+    costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    for p in (2, 3, 4):
+        held = []
+        for m in range(1, 2 * p + 2):
+            try:
+                per_mesh, layout = planned(name, p, m)
+            except ScheduleError:
+                continue  # (a layout the schedule cannot run)
+            met = steady_bubble(per_mesh, layout, costs) == pytest.approx(
+                bubble_time_formula(name, p, costs), abs=1e-9
+            )
+            assert met == formula_holds(name, costs, p, m), (name, p, m)
+            held.append(met)
+        assert any(held)
+
+
 @pytest.mark.parametrize(("p", "m"), MESHES_AND_MICROBATCHES)
 def test_peak_in_flight_is_the_published_count(p, m):
     """Microbatches' stage activations held at once per mesh: 1F1B p - s, ZB-H1 p, ZB-H2
