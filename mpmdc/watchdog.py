@@ -41,6 +41,8 @@ _BEAT = "mpmdc/{exchange}/beat/{process}"  # a save's beat, while the process wo
 _waits: dict[int, tuple[Callable[[], tuple[str, tuple[int, ...]]], float]] = {}
 _waits_begun = 0  # how many waits this process has begun, to tell that it came back
 _working: set[str] = set()  # the exchanges (saves) this process works on now
+# The running watchdog's :meth:`Watchdog.wait_ended`, called as each wait ends.
+_wait_ended: Callable[[], None] | None = None
 
 
 def beat_seconds(fault_timeout: float) -> float:
@@ -73,6 +75,8 @@ class waiting:
             _waits.pop(self._ident, None)
         else:
             _waits[self._ident] = self._outer
+        if _wait_ended is not None:
+            _wait_ended()
 
 
 def waiting_for(what: str, peers: Iterable[int]) -> waiting:
@@ -241,12 +245,18 @@ class Watchdog:
         self._learnt = False  # this process has been in a wait since: it learnt of the failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpmdc-watchdog", daemon=True)
+        self._publishing = threading.Lock()
 
     def start(self) -> None:
+        global _wait_ended
+        _wait_ended = self.wait_ended
         self._thread.start()
 
     def stop(self) -> None:
         """Stop the thread (before the client it uses is shut down)."""
+        global _wait_ended
+        if _wait_ended == self.wait_ended:
+            _wait_ended = None
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * beat_seconds(self.fault_timeout()))
@@ -264,9 +274,29 @@ class Watchdog:
     def tick(self, client, now: float | None = None) -> None:
         """One beat: publish what lasts, and end the process if the others gave up on it."""
         now = time.monotonic() if now is None else now
-        self._publish_waits(client, now)
+        with self._publishing:
+            self._publish_waits(client, now)
         self._publish_beats(client)
         self._check_peers(now)
+
+    def wait_ended(self) -> None:
+        """As a wait of this process ends: if waits are published, publish what is left
+        at once, not a beat later. A process stopped (``SIGSTOP``) in between would leave
+        the ended wait standing, and a peer following it would find a circle of waits
+        and blame itself. Nothing to do (the common case) when nothing is published."""
+        if self._published is None:
+            return
+        client = self.client()
+        if client is None or not self._publishing.acquire(
+            timeout=beat_seconds(self.fault_timeout())
+        ):
+            return
+        try:
+            self._publish_waits(client, time.monotonic())
+        except Exception:  # the store is going away with the run: the next beat tries again
+            pass
+        finally:
+            self._publishing.release()
 
     def _publish_waits(self, client, now: float) -> None:
         beat = beat_seconds(self.fault_timeout())

@@ -280,22 +280,25 @@ def test_an_argument_on_part_of_the_mesh_reading_it_is_named_with_both_device_se
     ) in moved
 
 
+def stack_sgd_step(w, x):
+    """An SGD step on a scanned stack of ``tanh`` layers, two per stage."""
+
+    def loss(w):
+        def layer(h, wi):
+            return jnp.tanh(mpmdc.stage(h, every=2) @ wi), None
+
+        return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+    return w - 0.1 * jax.grad(loss)(w)
+
+
 def test_a_stacked_parameter_fed_back_is_not_reported_as_moved():
     """A layer stack's stacked weights, as the step returns them (one array over all the
     stage meshes, each stage's rows on its own mesh), are handed over as pieces that
     move nothing: the report counts no argument moved, as for the first call."""
     meshes = mpmdc.make_meshes(2, {"data": 2})
 
-    def step(w, x):
-        def loss(w):
-            def layer(h, wi):
-                return jnp.tanh(mpmdc.stage(h, every=2) @ wi), None
-
-            return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
-
-        return w - 0.1 * jax.grad(loss)(w)
-
-    compiled = mpmdc.compile(step, meshes)
+    compiled = mpmdc.compile(stack_sgd_step, meshes)
     w = jnp.full((4, WIDTH, WIDTH), 0.1)
     x = jnp.ones((8, WIDTH))
     fed_back = compiled(w, x)
@@ -311,23 +314,14 @@ def test_an_uncommitted_stack_under_the_callers_set_mesh_is_placed_without_a_war
     on their meshes as outside it, without a warning, and the numbers are ``jax.jit``'s."""
     meshes = mpmdc.make_meshes(2, {"data": 4})
 
-    def step(w, x):
-        def loss(w):
-            def layer(h, wi):
-                return jnp.tanh(mpmdc.stage(h, every=2) @ wi), None
-
-            return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
-
-        return w - 0.1 * jax.grad(loss)(w)
-
-    compiled = mpmdc.compile(step, meshes, in_specs=(P(), P("data")))
+    compiled = mpmdc.compile(stack_sgd_step, meshes, in_specs=(P(), P("data")))
     w = jnp.full((4, WIDTH, WIDTH), 0.1)
     x = jnp.ones((8, WIDTH))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlacementWarning)
         with jax.set_mesh(meshes[0]):
             got = compiled(w, x)
-        assert_same_array(got, jax.jit(step)(w, x))
+        assert_same_array(got, jax.jit(stack_sgd_step)(w, x))
 
 
 def test_a_stack_from_another_layout_is_reported_moved_piece_by_piece():

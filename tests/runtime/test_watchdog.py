@@ -20,13 +20,16 @@ class Store:
 
     def __init__(self):
         self.values: dict[str, str] = {}
+        self.writes = 0
 
     def key_value_set(self, key, value, allow_overwrite=False):
         assert allow_overwrite or key not in self.values
         self.values[key] = value
+        self.writes += 1
 
     def key_value_delete(self, key):
         self.values.pop(key, None)
+        self.writes += 1
 
     def key_value_try_get(self, key):
         if key not in self.values:
@@ -111,6 +114,24 @@ def test_a_wait_is_published_once_it_lasts_a_beat_and_removed_after(dog):
         assert json.loads(dog.store.values["mpmdc/waiting/0"]) == [[describe()[0], [1]]]
     dog.tick(start + 2.5 * BEAT)
     assert dog.store.values == {}
+
+
+def test_a_published_wait_is_removed_as_it_ends_not_a_beat_later(dog, monkeypatch):
+    """A process stopped (SIGSTOP) right after a long wait ended must not leave that wait
+    published: a peer following it would find a circle of waits and blame itself. A
+    wait ending while waits are published publishes what is left at once; one ending
+    with nothing published (a healthy step) touches nothing."""
+    monkeypatch.setattr(watchdog, "_wait_ended", dog.watchdog.wait_ended)
+    describe = lambda: ("process 0 to reach the program they compiled", (1,))  # noqa: E731
+    with watchdog.waiting(describe):
+        start = watchdog._waits[threading.get_ident()][1]
+        dog.tick(start + 1.5 * BEAT)
+        assert "mpmdc/waiting/0" in dog.store.values
+    assert dog.store.values == {}  # (no tick since)
+    writes = dog.store.writes
+    with watchdog.waiting(describe):
+        pass
+    assert dog.store.writes == writes
 
 
 def test_a_save_beats_while_worked_on_and_stops_after(dog):
