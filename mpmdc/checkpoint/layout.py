@@ -13,9 +13,9 @@
 
 A save writes ``<directory>.<id>.partial`` (a name of its own) and renames it
 ``<directory>`` once every process has written its part, so ``<directory>`` is never seen
-half-written; a removal renames it ``<directory>.<id>.removing`` before removing anything,
-so it is never seen half-removed. Any Zarr v3 reader (TensorStore, zarr-python) reads the arrays; the index
-says which leaf each one is.
+half-written; a removal renames it ``<directory>.<id>.removing`` before removing
+anything, so it is never seen half-removed. Any Zarr v3 reader (TensorStore,
+zarr-python) reads the arrays; the index says which leaf each one is.
 
 Everything read back is checked here before any array is opened (:func:`parse_index`,
 :func:`check_array`): a damaged or hostile file is a ``CheckpointError`` naming it, never

@@ -294,6 +294,18 @@ def _as_flags(message: str) -> str:
     return re.sub(r"schedule='([\w-]+)'", r"--schedule \1", message)
 
 
+def _formula_note(name: str, costs, layout) -> str:
+    """The published steady bubble of schedule ``name``, or why it does not apply."""
+    if not formula_holds(name, costs):
+        return " (the published formula does not hold at these costs: W is too large)"
+    if not formula_holds(name, costs, layout.num_meshes, layout.microbatches):
+        return (
+            f" (the published formula does not hold at {layout.microbatches} microbatches: "
+            f"too few to fill the pipeline)"
+        )
+    return f" (published formula {bubble_time_formula(name, layout.num_meshes, costs):g})"
+
+
 def _schedule(args) -> int:
     costs = _parse_costs(args.costs)
     try:
@@ -339,18 +351,8 @@ def _schedule(args) -> int:
         line += f" (formula (p-1)/(v*m+p-1) = {formula:.4f})"
     print(line)
     line = f"steady training (steps back to back): bubble {steady:g} per mesh and step"
-    if schedule.name in BUBBLE_FORMULAS and not formula_holds(schedule.name, costs):
-        line += " (the published formula does not hold at these costs: W is too large)"
-    elif schedule.name in BUBBLE_FORMULAS and not formula_holds(
-        schedule.name, costs, layout.num_meshes, layout.microbatches
-    ):
-        line += (
-            f" (the published formula does not hold at {layout.microbatches} microbatches: "
-            f"too few to fill the pipeline)"
-        )
-    elif schedule.name in BUBBLE_FORMULAS:
-        formula = bubble_time_formula(schedule.name, layout.num_meshes, costs)
-        line += f" (published formula {formula:g})"
+    if schedule.name in BUBBLE_FORMULAS:
+        line += _formula_note(schedule.name, costs, layout)
     print(line)
     if args.png:
         timeline.save_png(args.png, title=f"{schedule.name}: bubble {timeline.bubble_fraction:.3f}")

@@ -424,7 +424,6 @@ def _given_up_slots(program: Program, slots, here) -> list:
         and v not in taken
         and v not in returned
         and (piece is None or piece.rows is None)
-        and v in slots.index
     ]
 
 

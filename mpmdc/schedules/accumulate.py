@@ -237,8 +237,8 @@ def _checked_reductions(reduce, out_tree, shapes) -> list[str]:
 
 def _output_paths(out_tree) -> list[str]:
     """The path of each leaf of ``fn``'s outputs (``['loss']``; empty for a lone leaf)."""
-    skeleton = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(skeleton)]
+    leaves = jax.tree_util.tree_leaves_with_path(skeleton(out_tree))
+    return [jax.tree_util.keystr(path) for path, _ in leaves]
 
 
 def _microbatch(leaves, sizes, i) -> list:
