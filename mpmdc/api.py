@@ -55,6 +55,7 @@ from mpmdc.signatures import (
     serves,
     signature_key,
     split_args,
+    type_shardings,
 )
 
 
@@ -465,15 +466,17 @@ class Wrapped:
         static = dict(call.static_args)
         leaves, in_paths, in_tree = flat_arguments(call.dynamic, call.kwargs)
         in_types = tuple(map(leaf_type, leaves, in_paths))
+        in_specs, committed_specs = input_specs(options, args, static, call.kwargs, leaves)
         started = time.perf_counter()
-        closed, loop, out_tree, out_paths = self._trace(in_tree, call, in_types)
+        closed, loop, out_tree, out_paths = self._trace(
+            in_tree, call, in_types, type_shardings(leaves, committed_specs)
+        )
         out_specs, wanted_out_meshes = output_specs(options, out_tree, out_paths)
         arg_meshes = tuple(committed_where(leaf, options.meshes) for leaf in leaves)
         arg_blocks = tuple(  # (of those spread over several meshes: see committed_where)
             committed_blocks(leaf) if isinstance(m, tuple) else None
             for leaf, m in zip(leaves, arg_meshes)
         )
-        in_specs, committed_specs = input_specs(options, args, static, call.kwargs, leaves)
         program = Program(
             jaxpr=closed,
             meshes=options.meshes,
@@ -507,9 +510,10 @@ class Wrapped:
         )
         return Traced(program, signature, passes, name, time.perf_counter() - started)
 
-    def _trace(self, in_tree, call: Call, in_types):
+    def _trace(self, in_tree, call: Call, in_types, shardings):
         """``(closed jaxpr, accumulate loop or None, output treedef, output paths)`` of
-        ``fn`` traced on abstract values of ``in_types``, static arguments put back."""
+        ``fn`` traced on abstract values of ``in_types`` typed with ``shardings`` (see
+        :func:`~mpmdc.signatures.type_shardings`), static arguments put back."""
         out_store = {}
 
         def flat_fn(*leaves):
@@ -523,7 +527,8 @@ class Wrapped:
             return out_leaves
 
         leaf_types = [
-            jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in in_types
+            jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=sharding)
+            for (shape, dtype, weak), sharding in zip(in_types, shardings)
         ]
         closed = jax.make_jaxpr(flat_fn)(*leaf_types)
         loops = out_store["loops"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from mpmdc import _jax_compat as compat
 from mpmdc._text import a_type
@@ -90,6 +90,36 @@ def committed_spec(leaf) -> PartitionSpec | None:
     return canonical_spec(sharding.spec)
 
 
+def typed_mesh(leaf):
+    """The abstract mesh ``jax.jit`` puts in a leaf's type: that of a committed
+    ``jax.Array``'s (or a ``ShapeDtypeStruct``'s) ``NamedSharding`` over a mesh with an
+    ``Explicit`` axis, ``None`` for any other leaf (its type holds no sharding). A
+    stacked array held in pieces has none either: no stage's mesh is its mesh."""
+    sharding = getattr(leaf, "sharding", None)
+    if (
+        not isinstance(sharding, NamedSharding)
+        or (isinstance(leaf, jax.Array) and not leaf.committed)
+        or AxisType.Explicit not in sharding.mesh.axis_types
+        or sharding.mesh.axis_names[0] == STAGES_AXIS
+    ):
+        return None
+    return sharding.mesh.abstract_mesh
+
+
+def type_shardings(leaves, committed_specs) -> list:
+    """Per leaf, the sharding it is traced with, as ``jax.jit`` traces it: its own for a
+    leaf whose type holds one (:func:`typed_mesh`) and whose spec the program keeps
+    (``committed_specs``, of :func:`input_specs`), else ``None``.
+
+    One trace has one abstract mesh, as under ``jax.jit``; leaves on meshes of other
+    shapes, axis names or types would make every operation joining them a type error,
+    so then no leaf's type holds a sharding (they are traced by shape and dtype)."""
+    meshes = [typed_mesh(x) if own else None for x, own in zip(leaves, committed_specs)]
+    if len({m for m in meshes if m is not None}) != 1:
+        return [None] * len(leaves)
+    return [None if m is None else x.sharding for x, m in zip(leaves, meshes)]
+
+
 def _sharding_spec(leaf, meshes) -> PartitionSpec | None:
     """The committed spec as written (see :func:`committed_spec`) if a mesh can shard
     the leaf that way: the argument's default ``in_spec`` (``partition`` keeps it where
@@ -111,6 +141,7 @@ class CallKey(NamedTuple):
     treedef: Any
     types: tuple
     specs: tuple  # per leaf: its committed spec, canonical, or None
+    typed: tuple  # per leaf: the abstract mesh of its type's sharding (typed_mesh), or None
     donated: tuple
     context: Any  # what tracing reads besides the arguments (compat.trace_context)
 
@@ -120,10 +151,11 @@ def serves(exe_key: CallKey, exe: Compiled, key: CallKey, given) -> bool:
     every argument leaf has the spec it had then, or one the program ignores (an
     ``in_specs`` entry was ``given`` for it), or the spec the program chose for a leaf
     that had none (uncommitted). So arguments placed by ``step.input_shardings`` and
-    results fed back run on the executable that placed them, as under ``jax.jit``."""
-    if exe_key._replace(specs=()) != key._replace(specs=()):
+    results fed back run on the executable that placed them, as under ``jax.jit``. A
+    leaf whose type held a sharding then (:func:`typed_mesh`) must hold the same now."""
+    if exe_key._replace(specs=(), typed=()) != key._replace(specs=(), typed=()):
         return False
-    return all(
+    return all(then is None or now == then for now, then in zip(key.typed, exe_key.typed)) and all(
         now == then or user is not None or (then is None and now == canonical_spec(chosen))
         for now, then, chosen, user in zip(key.specs, exe_key.specs, exe.argument_specs, given)
     )
@@ -250,9 +282,10 @@ def signature_key(options: CompileOptions, args, kwargs):
         _, paths, _ = flat_arguments(call.dynamic, call.kwargs)
         types = tuple(map(leaf_type, leaves, paths))  # raises, naming the argument
     specs = tuple(map(committed_spec, leaves))
+    typed = tuple(map(typed_mesh, leaves))
     static = (call.static_args, call.static_kwargs)
     donated = (call.donate, call.donate_names)
-    return CallKey(static, treedef, types, specs, donated, compat.trace_context()), leaves
+    return CallKey(static, treedef, types, specs, typed, donated, compat.trace_context()), leaves
 
 
 def refuse_types_alone(options: CompileOptions, args, kwargs, leaves) -> None:

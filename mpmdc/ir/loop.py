@@ -102,9 +102,25 @@ def _stacked(microbatches: int, *batches) -> list:
     rows ``[i*n, (i+1)*n)`` as ``accumulate`` slices them; then the first microbatch's
     index."""
     return [
-        *(jax.numpy.reshape(x, (microbatches, -1, *x.shape[1:])) for x in batches),
+        *(
+            jax.numpy.reshape(
+                x, (microbatches, -1, *x.shape[1:]), out_sharding=_leading_unsharded(x.aval)
+            )
+            for x in batches
+        ),
         jax.numpy.zeros((), jax.numpy.int32),
     ]
+
+
+def _leading_unsharded(aval):
+    """The sharding in the type of ``aval`` stacked along a new leading axis, that axis
+    unsharded (``Explicit`` axes stay on the dimensions they split), or ``None`` where
+    the type holds none: a reshape splitting a sharded axis would put them on the
+    leading one, so that microbatches, not their rows, were spread over devices."""
+    sharding = aval.sharding
+    if all(names is None for names in sharding.spec):
+        return None
+    return sharding.update(spec=PartitionSpec(None, *sharding.spec))
 
 
 def _next_microbatch(*stacked_and_index) -> list:
@@ -276,8 +292,12 @@ def _batches(before: list, entries, microbatches: int, read: set):
     for mesh, edges in sorted(_by_mesh(slices).items()):
         batches = [e.invars[0] for e in edges]
         stacked = [
-            compat.Var(v.aval.update(shape=(microbatches, *e.outvars[0].aval.shape)))
-            for v, e in zip(batches, edges)
+            compat.Var(
+                mb.update(
+                    shape=(microbatches, *mb.shape), sharding=_leading_unsharded(mb) or mb.sharding
+                )
+            )
+            for mb in (e.outvars[0].aval for e in edges)
         ]
         specs = [PartitionSpec(None, *e.params["out_spec"]) for e in edges]
         index = jax.core.ShapedArray((), jax.numpy.int32)

@@ -260,6 +260,118 @@ def test_explicit_axes_under_the_callers_set_mesh_lower_each_fragment_on_its_own
         assert_same_array(g, want, rtol=2e-5, atol=1e-6)
 
 
+def _explicit_meshes(count):
+    explicit = (jax.sharding.AxisType.Explicit,)
+    devices = jax.devices()
+    return [
+        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[2 * i : 2 * i + 2])
+        for i in range(count)
+    ]
+
+
+def _typed_loss(seen):
+    """Megatron pairs on an Explicit axis, the row-parallel product reduced by
+    ``out_sharding``; ``seen`` collects the types of the arguments as traced."""
+
+    def loss(ws, x):
+        seen.append([str(jax.typeof(a)) for a in jax.tree.leaves((ws, x))])
+        for i, (w1, w2) in enumerate(ws):
+            x = mpmdc.stage(x, i)
+            x = jnp.matmul(jnp.tanh(x @ w1), w2, out_sharding=P())
+        return jnp.mean(x**2)
+
+    return loss
+
+
+def test_explicit_arguments_are_traced_with_their_shardings_as_under_jax_jit():
+    """Inside the function an argument's type holds its Explicit sharding, as under
+    ``jax.jit``: the products run sharded as the types say (the numbers are jax.jit's
+    bit for bit), and a product whose result would be sharded twice on one axis is
+    refused, as jax.jit refuses it."""
+    meshes = _explicit_meshes(2)
+    keys = jax.random.split(jax.random.key(3), 5)
+    ws = [
+        (
+            jax.random.normal(keys[2 * i], (D, H)) * 0.3,
+            jax.random.normal(keys[2 * i + 1], (H, D)) * 0.3,
+        )
+        for i in range(2)
+    ]
+    x = jax.random.normal(keys[4], (B, D))
+    specs = (P(None, "x"), P("x", None))
+
+    def placed(mesh_of):
+        return [
+            tuple(jax.device_put(a, NamedSharding(mesh_of(i), s)) for a, s in zip(pair, specs))
+            for i, pair in enumerate(ws)
+        ], jax.device_put(x, NamedSharding(meshes[0], P()))
+
+    mpmdc_types, jit_types = [], []
+    with jax.set_mesh(meshes[0]):
+        got = mpmdc.compile(jax.value_and_grad(_typed_loss(mpmdc_types)), meshes)(
+            *placed(lambda i: meshes[i])
+        )
+        want = jax.jit(jax.value_and_grad(_typed_loss(jit_types)))(*placed(lambda i: meshes[0]))
+    assert mpmdc_types == jit_types
+    assert mpmdc_types[0][0] == "float32[8,16@x]"
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert g.sharding.spec == w.sharding.spec
+
+    def ambiguous(w, x):  # a batch-sharded x times a column-sharded w: f32[8@x,16@x]
+        return jnp.sum(mpmdc.stage(x, 0) @ w)
+
+    w = jax.device_put(ws[0][0], NamedSharding(meshes[0], P(None, "x")))
+    x_rows = jax.device_put(x, NamedSharding(meshes[0], P("x")))
+    with jax.set_mesh(meshes[0]):
+        with pytest.raises(Exception, match="illegally sharded result") as jit_refusal:
+            jax.jit(ambiguous)(w, x_rows)
+        with pytest.raises(type(jit_refusal.value), match="illegally sharded result"):
+            mpmdc.compile(ambiguous, meshes[:1])(w, x_rows)
+
+
+def test_explicit_results_fed_back_compile_nothing_and_a_batch_sharded_on_them_accumulates():
+    """An accumulated step over an Explicit batch sharding (the microbatches stacked with
+    their rows, not the microbatches, spread over the axis), with Adam: its results
+    fed back run on the executable that made them; the numbers are jax.jit's."""
+    meshes = _explicit_meshes(4)
+    keys = jax.random.split(jax.random.key(4), 5)
+    ws = [jax.random.normal(k, (D, D)) * 0.3 for k in keys[:4]]
+    x = jax.random.normal(keys[4], (4 * B, D))
+
+    def loss(ws, x):
+        for i, w in enumerate(ws):
+            x = jnp.tanh(mpmdc.stage(x, i) @ w)
+        return jnp.mean(x**2)
+
+    def step(ws, opt_state, x):
+        value, grads = mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss)(ws, mb), x, microbatches=4, reduce="mean"
+        )
+        updates, opt_state = OPT.update(grads, opt_state, ws)
+        return value, optax.apply_updates(ws, updates), opt_state
+
+    def plain(ws, opt_state, x):
+        value, grads = jax.value_and_grad(loss)(ws, x)
+        updates, opt_state = OPT.update(grads, opt_state, ws)
+        return value, optax.apply_updates(ws, updates), opt_state
+
+    rows = jax.device_put(x, NamedSharding(meshes[0], P("x")))
+    compiled = mpmdc.compile(step, meshes)
+    opt_state = OPT.init(ws)
+    with jax.set_mesh(meshes[0]):
+        state = compiled(ws, opt_state, rows)[1:]
+        with XlaCompiles() as later:
+            got = compiled(*state, rows)
+            got = compiled(*got[1:], rows)
+        want = jax.jit(plain)(ws, opt_state, rows)
+        for _ in range(2):
+            want = jax.jit(plain)(*want[1:], rows)
+    assert later.count == 0
+    # The default bound of a compiled function against jax.jit (docs/design.md).
+    jax.tree.map(lambda g, w: assert_same_array(g, w, rtol=2e-5, atol=1e-6), got, want)
+
+
 # ------------------------------------------------- sharding constraints in the program
 
 
