@@ -85,11 +85,15 @@ def export_fragment(program: Program, eqn, backend, forms: dict) -> jax.export.E
     serializable form (a versioned StableHLO artifact). Each operation's location names
     the line that made it and no frame above it, and the module's own is its first
     operation's, so the bytes do not depend on where the function was traced or
-    exported from."""
+    exported from. It is exported under its own mesh, as it is lowered."""
     jitted, args = _fragment_jit(eqn, program, forms)
     body = eqn.params["jaxpr"].jaxpr.eqns
     at = body[0].source_info.traceback if body else None
-    with compat.traceback_in_locations_limit(1), compat.user_context(at):
+    with (
+        compat.traceback_in_locations_limit(1),
+        compat.user_context(at),
+        jax.set_mesh(program.meshes[eqn.params["mesh"]]),
+    ):
         return jax.export.export(jitted, platforms=(backend.platform,))(*args)
 
 

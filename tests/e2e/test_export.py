@@ -270,6 +270,28 @@ def test_a_host_callback_cannot_be_exported(meshes4):
         mpmdc.export(mpmdc.compile(fn, meshes4[:2]))(jnp.ones(4))
 
 
+def test_a_step_on_explicit_axes_exports_under_the_callers_set_mesh():
+    """Under ``jax.set_mesh(meshes[0])``, as the placement guide says to call a model with
+    ``Explicit`` axes, each fragment is exported under its own mesh (it was refused:
+    arguments on mesh 1 against the context's devices); it runs bitwise as compiled."""
+    meshes = mpmdc.make_meshes(2, {"x": 2}, axis_types=jax.sharding.AxisType.Explicit)
+
+    def fn(ws, x):
+        for i, w in enumerate(ws):
+            x = jax.sharding.reshard(jnp.tanh(mpmdc.stage(x, i) @ w), PartitionSpec())
+        return jnp.sum(x)
+
+    ws = [
+        jax.device_put(jnp.eye(8) * (0.5 + i), NamedSharding(m, PartitionSpec(None, "x")))
+        for i, m in enumerate(meshes)
+    ]
+    x = jnp.linspace(-1, 1, 32, dtype=jnp.float32).reshape(4, 8)
+    compiled = mpmdc.compile(jax.value_and_grad(fn), meshes)
+    with jax.set_mesh(meshes[0]):
+        exported = mpmdc.export(compiled)(ws, x)
+        assert_bitwise(exported.call(ws, x), compiled(ws, x))
+
+
 # ------------------------------------------------------------------- another process
 
 
