@@ -333,6 +333,17 @@ def distributed_client():
     return distributed.global_state.client
 
 
+def detach_distributed_service():
+    """The ``jax.distributed`` coordination service this process hosts, taken from JAX
+    so that its exit does not shut it down (``None`` where it hosts none). Shutting it
+    down waits for every peer's calls in flight, which a stopped peer never ends; the
+    caller keeps it alive for as long as the process lives."""
+    from jax._src import distributed
+
+    service, distributed.global_state.service = distributed.global_state.service, None
+    return service
+
+
 def hook_custom_differentiation(hooks) -> None:
     """Have JAX call ``hooks`` where it differentiates a function by a rule of its own:
 

@@ -72,12 +72,16 @@ def _how(returncode: int) -> str:
 
 
 def _stop(processes: list[_Process], wait: float = 3.0) -> None:
-    """SIGTERM every running process group, then SIGKILL what is left after ``wait`` s."""
+    """SIGTERM every running process group, then SIGKILL what is left after ``wait`` s.
+    A stopped process (SIGSTOP) is continued after the SIGTERM, as a shell's ``kill``
+    does, so that it ends now rather than at the SIGKILL."""
     for sig, pause in ((signal.SIGTERM, wait), (signal.SIGKILL, 0)):
         alive = [p for p in processes if p.popen.poll() is None]
         for p in alive:
             try:
                 os.killpg(p.popen.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(p.popen.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + pause

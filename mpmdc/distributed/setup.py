@@ -189,14 +189,20 @@ def _leave_together() -> None:
 
 
 def _keep_runtime_at_exit() -> None:
-    """Leak one reference to JAX's backend client so that it is never torn down.
+    """Leak one reference to JAX's backend client, and to the coordination service this
+    process hosts, so that neither is torn down.
 
     After a failure a transfer stays in flight that the failed peer will never finish,
     and the client's transfer server waits for it in its destructor, forever (both
     processes hung there about 1 run in 7 of ``tests/multiprocess/faults.py raise``).
-    The process is leaving; the operating system reclaims what the client holds.
+    The service's shutdown waits for each peer's calls in flight: a stopped peer's end
+    only at its heartbeat timeout, after the fault timeout (process 0 took 8 s more to
+    exit). The process is leaving; the operating system reclaims what both hold.
     """
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(jax.devices()[0].client))
+    service = compat.detach_distributed_service()
+    if service is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(service))
 
 
 def _connect_peers() -> None:

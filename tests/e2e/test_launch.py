@@ -76,6 +76,26 @@ def test_a_process_killed_after_a_peer_reported_it_stuck_is_blamed_with_the_repo
     ), err
 
 
+def test_a_stopped_process_is_continued_to_act_on_the_launchers_sigterm(tmp_path, capsys):
+    """A stopped process (SIGSTOP) acts on a signal only when continued: the launcher's
+    SIGTERM comes with a SIGCONT, so its handler runs (else the SIGKILL ends it)."""
+    code = SAYS_ATTEMPT + (
+        "import pathlib, signal, time\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "if i == 1:\n"
+        "    def end(*_): (here / 'terminated').write_text('yes'); os._exit(0)\n"
+        "    signal.signal(signal.SIGTERM, end)\n"
+        "    (here / 'stopping').write_text('yes'); os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "    time.sleep(60)\n"
+        "while not (here / 'stopping').exists(): time.sleep(0.01)\n"
+        "raise SystemExit(1)\n"
+    )
+    status = launch([sys.executable, "-c", code], 2, grace=0.5, timeout=60)
+    _, err = capsys.readouterr()
+    assert status == 1, err
+    assert (tmp_path / "terminated").exists(), err
+
+
 @pytest.mark.slow
 def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
     code = "import time; time.sleep(0.3); raise SystemExit(1)"

@@ -10,13 +10,17 @@ process) trains three steps, fetching each loss, then saves its parameters to
 - ``save``: it agrees on the save, then sleeps before its part of it, so the others
   wait for it at the save's first meeting;
 - ``slow-save``: its writes take 1.5 fault timeouts: it is working, not stuck, and the
-  save completes.
+  save completes;
+- ``stop``: it stops itself (SIGSTOP) before step 2, as ``step`` but with no thread of
+  it left running.
 
 A process that gets an ``mpmdc.MpmdcError`` prints ``caught <type> after <seconds> s:
-<message>`` (seconds since the step or save began) and exits with status 3.
+<message>`` (seconds since the step or save began), then ``exiting at <time.time()>``,
+and exits with status 3.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -74,6 +78,7 @@ def slow(opened):
 
 def caught(err, start) -> None:
     print(f"caught {type(err).__name__} after {time.monotonic() - start:.1f} s: {err}", flush=True)
+    print(f"exiting at {time.time():.3f}", flush=True)
     sys.exit(3)
 
 
@@ -85,6 +90,8 @@ def main():
     for k in range(3):
         if MODE == "step" and SLEEPER and k == 2:
             time.sleep(600)
+        if MODE == "stop" and SLEEPER and k == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
         start = time.monotonic()
         try:
             value, params = compiled(params, x)

@@ -10,6 +10,7 @@ however long its writes take, and not for one that never began its part.
 
 import re
 import sys
+import time
 
 import pytest
 from test_multiprocess import HERE, caught, process_lines, run_launch
@@ -80,6 +81,29 @@ def test_a_stuck_process_ends_the_run_naming_it_and_where_the_others_waited(tmp_
     said = "\n".join(process_lines(output, 0))
     assert "mpmdc: process 0 ends itself, since the others gave up on it: " in said
     assert re.search(r'File ".*hangs.py", line \d+, in main\n +time.sleep\(600\)', said), said
+
+
+def test_a_stopped_process_is_blamed_and_the_run_ends_soon_after_its_peer_gave_up(tmp_path):
+    """Process 1 stops itself (SIGSTOP): no thread of it runs, its watchdog included.
+    Process 0 gives up after the fault timeout, blaming it, and exits at once: its
+    coordination service is not shut down (that waits for the stopped peer's calls in
+    flight until its heartbeat times out, 8 s more here). After the grace the launcher
+    ends process 1 by SIGTERM and SIGCONT (a stopped process acts on a SIGTERM only when
+    continued; else it would end at the SIGKILL, 3 s later). Waiting for both, the run
+    would end 11 s after the grace; it ends within 1.5 s of it, bounded by 4 s here."""
+    grace = 5
+    status, output = hang("stop", 1, 2, tmp_path, grace=grace)
+    ended = time.time()
+    assert status == 3, output[-3000:]
+    assert launcher_line(output) == (
+        f"mpmdc launch: process 1 failed first: it made no progress for {FAULT_TIMEOUT} s "
+        f"while process 0 waited for transfer mesh1->mesh0 on mesh0 (sent by process 1); "
+        f"stopped process 1 ({grace} seconds after process 0 failed)"
+    ), output[-3000:]
+    seconds, message = caught(output, 0)
+    assert seconds < FAULT_TIMEOUT + 3, message
+    (exiting,) = [x for x in process_lines(output, 0) if x.startswith("exiting at ")]
+    assert ended - float(exiting.split()[-1]) - grace < 4, output[-3000:]
 
 
 def test_a_save_waiting_for_a_process_that_never_began_its_part_ends_naming_it(tmp_path):
