@@ -30,7 +30,11 @@ stages mapped to meshes by default or by a random ``stage_to_mesh`` (several sta
 mesh), plain, under ``value_and_grad`` or inside ``accumulate`` under a random
 valid schedule (beside the loss a metric of each microbatch, a flag or a count of
 any width, reduced by ``mean``, ``sum`` or ``max``); a plain program may also return some of its inputs, earlier values and
-captured constants as they are. Results must equal ``jax.jit``'s: dtype, shape and weak
+captured constants as they are. Half the programs run on meshes of ``Explicit`` axes,
+called under the first mesh's ``jax.set_mesh``: their committed inputs are typed with
+their shardings, a ``shard_map``'s operands resharded to its specs, a constraint is a
+``reshard``; a program ``jax.jit`` refuses for its types (committed to the first mesh)
+mpmdc must refuse with an error of the same type. Results must equal ``jax.jit``'s: dtype, shape and weak
 type exactly, values to rtol 1e-5; each must own its buffers (none shared with an
 argument or another result, as under ``jax.jit``); callbacks must record the same
 values per tag. A second test
@@ -141,13 +145,15 @@ INPUT_SPECS = {
 
 
 def meshes_of(desc):
-    """The meshes a program description runs on."""
-    return mpmdc.make_meshes(desc["num_meshes"], dict(desc["mesh_axes"]))
+    """The meshes a program description runs on: ``Explicit`` axes for an explicit one."""
+    kind = jax.sharding.AxisType.Explicit if desc.get("explicit") else None
+    return mpmdc.make_meshes(desc["num_meshes"], dict(desc["mesh_axes"]), axis_types=kind)
 
 
 @st.composite
-def programs(draw):
-    """A random program description: operations, markers, meshes, specs, mode."""
+def programs(draw, explicit_axes: bool = True):
+    """A random program description: operations, markers, meshes, specs, mode; on
+    ``Explicit`` axes or not, where ``explicit_axes`` allows them."""
     num_inputs = draw(st.integers(1, 3))
     # sampled_from shrinks towards its first entry; put the interesting layouts first.
     num_meshes = draw(st.sampled_from([2, 4, 3, 1]))
@@ -313,7 +319,10 @@ def programs(draw):
         st.tuples(st.just("constant"), st.sampled_from(ECHOED_CONSTANTS), st.integers(0, 1)),
     )
     echoes = draw(st.lists(echo, max_size=3)) if mode == "plain" else []
+    # Explicit axes: committed inputs are traced with their shardings in their types.
+    explicit = explicit_axes and draw(st.booleans())
     return dict(
+        explicit=explicit,
         num_inputs=num_inputs,
         ops=ops,
         markers=markers,
@@ -364,6 +373,13 @@ def make_body(desc, meshes, record, reference=False):
             return c(x) * 0.5
         return jnp.tanh(x @ c.astype(x.dtype)) if how == "matmul" else x + c.astype(x.dtype)
 
+    explicit = desc.get("explicit", False)
+
+    def typed_as(x, spec):
+        """``x`` resharded to ``spec`` where its type holds a sharding (Explicit axes),
+        as a shard_map's operand must be; else ``x``."""
+        return jax.sharding.reshard(x, spec) if explicit else x
+
     def body(*inputs):
         if desc["with_key"]:
             *values, key = inputs
@@ -383,7 +399,7 @@ def make_body(desc, meshes, record, reference=False):
                 # its mesh's layout, and jax.jit takes an abstract one from a context mesh
                 if swapped and not reference:
                     mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names[::-1])
-                if abstract and not reference:
+                if (abstract or explicit) and not reference:
                     mesh = mesh.abstract_mesh
                 x = mpmdc.stage(values[i], stage) if marked else values[i]
                 if form == "psum":
@@ -392,7 +408,7 @@ def make_body(desc, meshes, record, reference=False):
                         mesh=mesh,
                         in_specs=P(*spec_axes),
                         out_specs=P(*spec_axes),
-                    )(x)
+                    )(typed_as(x, P(*spec_axes)))
                 else:
                     rows, contraction = spec_axes
                     summed = jax.shard_map(
@@ -400,13 +416,16 @@ def make_body(desc, meshes, record, reference=False):
                         mesh=mesh,
                         in_specs=(P(rows, contraction), P(contraction)),
                         out_specs=P(rows),
-                    )(x, x.T)
+                    )(typed_as(x, P(rows, contraction)), typed_as(x.T, P(contraction)))
                 values.append(summed)
             elif op[0] == "constraint":
                 _, stage, i, marked, spec = op
                 x = mpmdc.stage(values[i], stage) if marked else values[i]
-                sharding = jax.sharding.NamedSharding(mesh_of(stage), P(*(spec or ())))
-                values.append(jax.lax.with_sharding_constraint(x, sharding))
+                if explicit:  # (a constraint on Explicit axes only asserts the type)
+                    values.append(jax.sharding.reshard(x, P(*(spec or ()))))
+                else:
+                    sharding = jax.sharding.NamedSharding(mesh_of(stage), P(*(spec or ())))
+                    values.append(jax.lax.with_sharding_constraint(x, sharding))
             elif op[0] == "constant":
                 _, kind, index, how, i = op
                 values.append(apply_constant(kind, index, how, values[i]))
@@ -634,6 +653,8 @@ def reference_meshes(meshes):
 
 
 def check(desc):
+    if desc.get("explicit"):  # (the shard_maps' meshes are the context's abstract one)
+        desc = without_swapped_axes(desc)
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     fn, args, kwargs = build(desc, meshes, seen)
@@ -643,6 +664,29 @@ def check(desc):
             sharding = jax.sharding.NamedSharding(meshes[mesh], specs[k] or P())
             given[k], specs[k] = jax.device_put(args[k], sharding), None
     compiled = mpmdc.compile(fn, meshes, **{**kwargs, "in_specs": tuple(specs)})
+    if desc.get("explicit"):
+        # Under the first mesh's context, with the committed inputs there for jax.jit: a
+        # program jax.jit refuses for its types, mpmdc refuses with the same error.
+        placed = list(args)
+        for k, mesh in enumerate(desc["committed"]):
+            if mesh is not None:
+                sharding = jax.sharding.NamedSharding(meshes[0], given[k].sharding.spec)
+                placed[k] = jax.device_put(args[k], sharding)
+        reference, _, _ = build(desc, reference_meshes(meshes), expected, reference=True)
+        with jax.set_mesh(meshes[0]):
+            try:
+                want = jax.block_until_ready(jax.jit(reference)(*placed))
+            except Exception as refusal:  # (any error of JAX's type checks)
+                with pytest.raises(type(refusal)):
+                    compiled(*given)
+                event("explicit: refused by jax.jit and mpmdc")
+                return
+            got = jax.block_until_ready(compiled(*given))
+        jax.effects_barrier()
+        assert_same_results(got, want)
+        seen.assert_same_as(expected, **FLOAT32)
+        assert_results_own_their_buffers(got, given)
+        return
     if any(op[0] == "shard_map" and op[7] for op in desc["ops"]):
         # A shard_map built for its stage mesh's axes in another order would lay its
         # shards out by the wrong axis: refused, unless it is dead code or left its mesh.
@@ -673,6 +717,7 @@ def without_swapped_axes(desc):
 
 def _describe(desc):
     event(f"mode={desc['mode']}")
+    event(f"explicit={desc.get('explicit', False)}")
     event(f"meshes={desc['num_meshes']}x{dict(desc['mesh_axes'])}")
     event(f"in_specs={sorted({str(s) for s in desc['in_specs']})}")
     event(f"stage_to_mesh={desc['stage_to_mesh'] is not None}")
@@ -786,7 +831,7 @@ SCALARS = {
 def call_sequences(draw):
     """A plain or differentiated program and 2 to 4 argument variants to call it with."""
     desc = draw(
-        programs()
+        programs(explicit_axes=False)
         .filter(lambda d: d["mode"] != "accumulate" and not d["with_key"])
         .map(without_swapped_axes)
     )
@@ -851,7 +896,7 @@ def test_one_compiled_function_called_with_new_argument_types(case):
 @seeded
 @settings(max_examples=max(EXAMPLES // 6, 10), **FUZZ_SETTINGS)
 @given(
-    programs()
+    programs(explicit_axes=False)
     .filter(lambda d: not d["with_key"])
     .map(without_swapped_axes)
     .map(
