@@ -299,6 +299,10 @@ class Watchdog:
             self._publishing.release()
 
     def _publish_waits(self, client, now: float) -> None:
+        if self.told():
+            # It gave up (or failed): the waits it published stay, for a peer that follows
+            # them to the stuck process before it hears of this failure.
+            return
         beat = beat_seconds(self.fault_timeout())
         lasting = []
         for describe, since in list(_waits.values()):

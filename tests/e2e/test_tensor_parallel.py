@@ -330,6 +330,35 @@ def test_explicit_arguments_are_traced_with_their_shardings_as_under_jax_jit():
             mpmdc.compile(ambiguous, meshes[:1])(w, x_rows)
 
 
+def test_explicit_arguments_on_meshes_of_two_shapes_are_traced_by_shape_and_dtype():
+    """One trace has one abstract mesh: arguments on Explicit meshes of 2 and 4 devices
+    would make every product joining them a type error, so none is typed (each traced
+    replicated); the numbers are jax.jit's."""
+    explicit = (jax.sharding.AxisType.Explicit,)
+    devices = jax.devices()
+    meshes = [
+        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[:2]),
+        jax.make_mesh((4,), ("x",), axis_types=explicit, devices=devices[4:]),
+    ]
+    keys = jax.random.split(jax.random.key(5), 3)
+    ws = [jax.random.normal(k, (D, D)) * 0.3 for k in keys[:2]]
+    x = jax.random.normal(keys[2], (B, D))
+    seen = []
+
+    def loss(ws, x):
+        seen.append([str(jax.typeof(a)) for a in ws])
+        for i, w in enumerate(ws):
+            x = jnp.tanh(mpmdc.stage(x, i) @ w)
+        return jnp.mean(x**2)
+
+    placed = [jax.device_put(w, NamedSharding(m, P(None, "x"))) for w, m in zip(ws, meshes)]
+    got = mpmdc.compile(jax.value_and_grad(loss), meshes)(placed, x)
+    assert seen == [["float32[8,8]", "float32[8,8]"]]
+    want = jax.jit(jax.value_and_grad(loss))(ws, x)
+    # The default bound of a compiled function against jax.jit (docs/design.md).
+    jax.tree.map(lambda g, w: assert_same_array(g, w, rtol=2e-5, atol=1e-6), got, want)
+
+
 def test_explicit_results_fed_back_compile_nothing_and_a_batch_sharded_on_them_accumulates():
     """An accumulated step over an Explicit batch sharding (the microbatches stacked with
     their rows, not the microbatches, spread over the axis), with Adam: its results

@@ -134,6 +134,22 @@ def test_a_published_wait_is_removed_as_it_ends_not_a_beat_later(dog, monkeypatc
     assert dog.store.writes == writes
 
 
+def test_the_waits_of_a_process_that_gave_up_stay_published(dog, monkeypatch):
+    """Process 1 gives up waiting for process 0 and raises; process 2, giving up on
+    process 1 before it hears of that, follows process 1's wait to process 0. Were it
+    taken off as it ended, process 2 would blame process 1 as stuck (three processes,
+    process 0 asleep: ``tests/multiprocess/test_hangs.py``)."""
+    monkeypatch.setattr(watchdog, "_wait_ended", dog.watchdog.wait_ended)
+    describe = lambda: ("transfer mesh1->mesh0 on mesh0 (sent by process 1)", (1,))  # noqa: E731
+    with pytest.raises(RuntimeError), watchdog.waiting(describe):
+        start = watchdog._waits[threading.get_ident()][1]
+        dog.tick(start + 1.5 * BEAT)
+        dog.told[0] = True  # (announced before it raises)
+        raise RuntimeError("process 0 stopped waiting ...")
+    dog.tick(start + 2.5 * BEAT)
+    assert json.loads(dog.store.values["mpmdc/waiting/0"]) == [[describe()[0], [1]]]
+
+
 def test_a_save_beats_while_worked_on_and_stops_after(dog):
     with watchdog.working_on("checkpoint/abc/1"):
         dog.tick(0.0)
