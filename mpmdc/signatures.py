@@ -78,27 +78,32 @@ def checked_outputs(out):
     return [leaf for _, leaf in leaves_with_path], paths, tree
 
 
-def committed_spec(leaf) -> PartitionSpec | None:
-    """The ``PartitionSpec`` of a committed ``jax.Array``'s (or a ``ShapeDtypeStruct``'s)
-    ``NamedSharding``, ``None`` for any other leaf (its spec is free for propagation to
-    choose); cheap, as the call cache reads it per leaf."""
+def _committed_sharding(leaf) -> NamedSharding | None:
+    """A committed ``jax.Array``'s (or a ``ShapeDtypeStruct``'s) ``NamedSharding``,
+    ``None`` for any other leaf; cheap, as the call cache reads it per leaf."""
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or (
         isinstance(leaf, jax.Array) and not leaf.committed
     ):
         return None
-    return canonical_spec(sharding.spec)
+    return sharding
+
+
+def committed_spec(leaf) -> PartitionSpec | None:
+    """The ``PartitionSpec`` of a leaf's committed sharding (:func:`_committed_sharding`),
+    ``None`` for any other leaf (its spec is free for propagation to choose)."""
+    sharding = _committed_sharding(leaf)
+    return None if sharding is None else canonical_spec(sharding.spec)
 
 
 def typed_mesh(leaf):
-    """The abstract mesh ``jax.jit`` puts in a leaf's type: that of a committed
-    ``jax.Array``'s (or a ``ShapeDtypeStruct``'s) ``NamedSharding`` over a mesh with an
-    ``Explicit`` axis, ``None`` for any other leaf (its type holds no sharding). A
-    stacked array held in pieces has none either: no stage's mesh is its mesh."""
-    sharding = getattr(leaf, "sharding", None)
+    """The abstract mesh ``jax.jit`` puts in a leaf's type: that of its committed
+    sharding (:func:`_committed_sharding`) over a mesh with an ``Explicit`` axis,
+    ``None`` for any other leaf (its type holds no sharding). A stacked array held in
+    pieces has none either: no stage's mesh is its mesh."""
+    sharding = _committed_sharding(leaf)
     if (
-        not isinstance(sharding, NamedSharding)
-        or (isinstance(leaf, jax.Array) and not leaf.committed)
+        sharding is None
         or AxisType.Explicit not in sharding.mesh.axis_types
         or sharding.mesh.axis_names[0] == STAGES_AXIS
     ):

@@ -51,6 +51,7 @@ side to use more cores). A failure is
 shrunk by hypothesis; keep it as a named test in ``tests/e2e/test_regressions.py``.
 """
 
+import contextlib
 import os
 from collections import defaultdict
 
@@ -653,7 +654,8 @@ def reference_meshes(meshes):
 
 
 def check(desc):
-    if desc.get("explicit"):  # (the shard_maps' meshes are the context's abstract one)
+    explicit = desc.get("explicit", False)
+    if explicit:  # (the shard_maps' meshes are the context's abstract one)
         desc = without_swapped_axes(desc)
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
@@ -664,29 +666,30 @@ def check(desc):
             sharding = jax.sharding.NamedSharding(meshes[mesh], specs[k] or P())
             given[k], specs[k] = jax.device_put(args[k], sharding), None
     compiled = mpmdc.compile(fn, meshes, **{**kwargs, "in_specs": tuple(specs)})
-    if desc.get("explicit"):
-        # Under the first mesh's context, with the committed inputs there for jax.jit: a
-        # program jax.jit refuses for its types, mpmdc refuses with the same error.
-        placed = list(args)
-        for k, mesh in enumerate(desc["committed"]):
-            if mesh is not None:
-                sharding = jax.sharding.NamedSharding(meshes[0], given[k].sharding.spec)
-                placed[k] = jax.device_put(args[k], sharding)
-        reference, _, _ = build(desc, reference_meshes(meshes), expected, reference=True)
-        with jax.set_mesh(meshes[0]):
-            try:
-                want = jax.block_until_ready(jax.jit(reference)(*placed))
-            except Exception as refusal:  # (any error of JAX's type checks)
-                with pytest.raises(type(refusal)):
-                    compiled(*given)
-                event("explicit: refused by jax.jit and mpmdc")
-                return
-            got = jax.block_until_ready(compiled(*given))
-        jax.effects_barrier()
-        assert_same_results(got, want)
-        seen.assert_same_as(expected, **FLOAT32)
-        assert_results_own_their_buffers(got, given)
+    reference, _, _ = build(desc, reference_meshes(meshes), expected, reference=True)
+    # An explicit program runs under the first mesh's context (every call, or the cache
+    # would trace it again without one).
+    context = (lambda: jax.set_mesh(meshes[0])) if explicit else contextlib.nullcontext
+    with context():
+        if explicit:
+            results = _explicit_results(desc, meshes, compiled, given, reference, args)
+        else:
+            results = _results(desc, compiled, given, reference, args)
+    if results is None:
         return
+    got, want = results
+    jax.effects_barrier()
+    assert_same_results(got, want)
+    seen.assert_same_as(expected, **FLOAT32)
+    assert_results_own_their_buffers(got, given)
+    if desc["echoes"]:  # nor with the next call's (a constant returned each time)
+        with context():
+            again = jax.block_until_ready(compiled(*given))
+        assert_results_own_their_buffers(again, (given, got))
+
+
+def _results(desc, compiled, given, reference, args):
+    """``(mpmdc's results, jax.jit's)``, or ``None`` for a program mpmdc rightly refuses."""
     if any(op[0] == "shard_map" and op[7] for op in desc["ops"]):
         # A shard_map built for its stage mesh's axes in another order would lay its
         # shards out by the wrong axis: refused, unless it is dead code or left its mesh.
@@ -695,17 +698,29 @@ def check(desc):
         except mpmdc.errors.TypeCheckError as e:
             assert "the same axes in another order" in str(e), e
             event("a shard_map for the axes in another order: refused")
-            return
+            return None
     else:
         got = jax.block_until_ready(compiled(*given))
-    reference, _, _ = build(desc, reference_meshes(meshes), expected, reference=True)
-    want = jax.block_until_ready(jax.jit(reference)(*args))
-    jax.effects_barrier()
-    assert_same_results(got, want)
-    seen.assert_same_as(expected, **FLOAT32)
-    assert_results_own_their_buffers(got, given)
-    if desc["echoes"]:  # nor with the next call's (a constant returned each time)
-        assert_results_own_their_buffers(jax.block_until_ready(compiled(*given)), (given, got))
+    return got, jax.block_until_ready(jax.jit(reference)(*args))
+
+
+def _explicit_results(desc, meshes, compiled, given, reference, args):
+    """``(mpmdc's results, jax.jit's)`` of a program on Explicit axes, jax.jit given the
+    committed inputs on the first mesh; ``None`` for a program jax.jit refuses for its
+    types, which mpmdc must refuse with the same error."""
+    placed = list(args)
+    for k, mesh in enumerate(desc["committed"]):
+        if mesh is not None:
+            sharding = jax.sharding.NamedSharding(meshes[0], given[k].sharding.spec)
+            placed[k] = jax.device_put(args[k], sharding)
+    try:
+        want = jax.block_until_ready(jax.jit(reference)(*placed))
+    except Exception as refusal:  # (any error of JAX's type checks)
+        with pytest.raises(type(refusal)):
+            compiled(*given)
+        event("explicit: refused by jax.jit and mpmdc")
+        return None
+    return jax.block_until_ready(compiled(*given)), want
 
 
 def without_swapped_axes(desc):
