@@ -5,10 +5,12 @@
     <directory>/
       zarr.json          the root group; attributes["mpmdc"] is the index: the format's
                          version and, per leaf, its pytree path, its array's name, shape,
-                         dtype and chunk shape, and the PRNG implementation of a typed key
+                         dtype, chunk shape and chunks' checksums, and the PRNG
+                         implementation of a typed key
       params/w/zarr.json one Zarr v3 array per leaf, at the leaf's full logical shape,
       params/w/c/0/0     in chunks that each saved shard covers whole, each ending in its
-                         CRC32C checksum (Zarr v3's ``crc32c`` codec)
+                         CRC32C checksum (Zarr v3's ``crc32c`` codec), which the index
+                         records too: a chunk put in another's place is found
       COMMITTED          written last: the save completed, and which save it was
 
 A save writes ``<directory>.<id>.partial`` (a name of its own) and renames it
@@ -28,7 +30,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
@@ -40,8 +42,10 @@ from mpmdc.errors import CheckpointError
 from mpmdc.ir.keys import is_key, key_data_type
 
 FORMAT = "mpmdc-checkpoint"
-VERSION = 2  # 2: chunk shapes in the index, a CRC32C checksum after every chunk
-READABLE = (1, 2)  # versions this code reads: 1 has no checksums, which it reads as they are
+# 2: chunk shapes in the index, a CRC32C checksum after every chunk; 3: every chunk's
+# checksum in the index too (a chunk swapped with another holds a checksum of its own bytes)
+VERSION = 3
+READABLE = (1, 2, 3)  # versions this code reads: 1 has no checksums, which it reads as they are
 COMMITTED = "COMMITTED"
 PARTIAL_SUFFIX = ".partial"
 REMOVING_SUFFIX = ".removing"  # a checkpoint being removed (``CheckpointManager``)
@@ -54,6 +58,7 @@ MAX_RANK = 32  # TensorStore's limit on an array's dimensions
 # array's writes, reads and checksums over every core (measured in docs/performance.md).
 CHUNK_BYTES = 16 * 2**20
 CHECKSUM_BYTES = 4  # the CRC32C that ends each chunk from version 2
+CHECKSUM_DIGITS = 2 * CHECKSUM_BYTES  # its hex digits in the index, from version 3
 NAME_MAX = 255  # bytes of one file name on the filesystems checkpoints live on
 MAX_DOCUMENT_BYTES = 2**30  # the largest JSON file a restore reads (an index of ~3M leaves)
 # The characters of an array's node names (:func:`_segment` writes no others), so that a
@@ -68,7 +73,9 @@ class LeafEntry:
     typed PRNG key, ``key<fry>``, is stored as its key data, with ``key_impl`` naming the
     implementation that wraps it again); ``weak_type`` is the saved array's weak type, as
     JAX promotes it; ``chunks`` the stored array's chunk shape (``None`` in version 1,
-    which did not record it)."""
+    which did not record it); ``checksums`` the checksum ending each chunk's file, 8 hex
+    digits per chunk in the grid's row-major order (:func:`chunk_number`; ``None`` before
+    version 3)."""
 
     path: str
     array: str
@@ -77,6 +84,7 @@ class LeafEntry:
     key_impl: str | None = None
     weak_type: bool = False
     chunks: tuple[int, ...] | None = None
+    checksums: str | None = None
 
     def stored_type(self) -> tuple[tuple[int, ...], np.dtype]:
         """The shape and dtype of the stored array (:func:`stored_type` of the leaf)."""
@@ -93,6 +101,24 @@ class Index:
 
     leaves: tuple[LeafEntry, ...]
     version: int = VERSION
+
+    def with_checksums(self, found: dict[str, dict[int, str]]) -> Index:
+        """This index with every chunk's checksum recorded: ``found[array][number]`` is
+        the checksum of chunk ``number`` (:func:`chunk_number`) of array ``array``. A
+        chunk no process found is a ``CheckpointError``."""
+        leaves = []
+        for leaf in self.leaves:
+            count = math.prod(chunk_grid(leaf.stored_type()[0], leaf.chunks))
+            mine = found.get(leaf.array, {})
+            missing = next((k for k in range(count) if k not in mine), None)
+            if missing is not None:
+                raise CheckpointError(
+                    f"no process wrote chunk {missing} of leaf {leaf.path} ({count} chunks); "
+                    f"every chunk of a saved array is written by the process holding it."
+                )
+            checksums = "".join(mine[k] for k in range(count))
+            leaves.append(replace(leaf, checksums=checksums))
+        return Index(tuple(leaves), self.version)
 
     def as_json(self) -> dict:
         """The root group's ``zarr.json``, with this index as the ``mpmdc`` attribute."""
@@ -126,6 +152,7 @@ class _LeafModel(BaseModel):
     key_impl: str | None = None
     weak_type: bool = False
     chunks: list[_Length] | None = Field(default=None, max_length=MAX_RANK)
+    checksums: str | None = Field(default=None, pattern="^[0-9a-f]*$")
 
 
 class _IndexModel(BaseModel):
@@ -273,6 +300,10 @@ def _checked_leaf(leaf: _LeafModel, version: int, where: str) -> LeafEntry:
         raise bad(f"its shape {leaf.shape} has a negative length")
     if version >= 2 and leaf.chunks is None:
         raise bad("it has no chunk shape")
+    if version >= 3 and leaf.checksums is None:
+        raise bad("it has no chunk checksums")
+    if version < 3 and leaf.checksums is not None:
+        raise bad(f"it has chunk checksums, which format version {version} does not record")
     if leaf.chunks is not None and (
         any(c < 1 for c in leaf.chunks) or len(leaf.chunks) < len(leaf.shape)
     ):
@@ -285,6 +316,7 @@ def _checked_leaf(leaf: _LeafModel, version: int, where: str) -> LeafEntry:
         leaf.key_impl,
         leaf.weak_type,
         None if leaf.chunks is None else tuple(leaf.chunks),
+        leaf.checksums,
     )
     try:
         stored = entry.stored_type()
@@ -301,6 +333,13 @@ def _checked_leaf(leaf: _LeafModel, version: int, where: str) -> LeafEntry:
         raise bad(f"its dtype {leaf.dtype!r} is not spelled as a save writes it ({stored[1]})")
     if entry.chunks is not None and len(entry.chunks) != len(stored[0]):
         raise bad(f"its chunk shape {leaf.chunks} does not fit its stored shape {list(stored[0])}")
+    if entry.checksums is not None:
+        count = math.prod(chunk_grid(stored[0], entry.chunks))
+        if len(entry.checksums) != CHECKSUM_DIGITS * count:
+            raise bad(
+                f"its chunk checksums are {len(entry.checksums)} hex digits, not the "
+                f"{CHECKSUM_DIGITS * count} of the {count} chunks of its grid"
+            )
     return entry
 
 
@@ -374,6 +413,21 @@ def chunk_file_bytes(metadata: dict) -> int:
     chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
     checksum = any(c["name"] == "crc32c" for c in metadata["codecs"])
     return nbytes(chunks, metadata["data_type"]) + (CHECKSUM_BYTES if checksum else 0)
+
+
+def chunk_grid(shape, chunks) -> list[int]:
+    """Chunks per dimension of an array of ``shape`` in chunks of ``chunks`` (a chunk at
+    the edge may reach past the array)."""
+    return [-(-n // c) for n, c in zip(shape, chunks)]
+
+
+def chunk_number(grid, position) -> int:
+    """The row-major number of the chunk at ``position`` (an index per dimension) in a
+    ``grid`` (:func:`chunk_grid`): where the index records its checksum."""
+    number = 0
+    for i, n in zip(position, grid):
+        number = number * n + i
+    return number
 
 
 def nbytes(shape, dtype) -> int:

@@ -23,6 +23,7 @@ from mpmdc import _jax_compat as compat
 from mpmdc._text import a_type
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
+    CHECKSUM_DIGITS,
     COMMITTED,
     INDEX_FILE,
     NUMBERS,
@@ -32,6 +33,8 @@ from mpmdc.checkpoint.layout import (
     LeafEntry,
     check_array,
     chunk_file_bytes,
+    chunk_grid,
+    chunk_number,
     nbytes,
     parse_index,
     path_text,
@@ -97,8 +100,9 @@ class _Files:
     pipe or a device (which a read could wait on, or never finish). Each folder on the way
     to an array is looked at once (``lstat``); each array's folder is listed, its chunk
     files must have the size its metadata implies, and a file that is neither its
-    ``zarr.json`` nor a chunk is refused. A chunk whose bytes were swapped with another
-    chunk of the same size is not found here (its checksum is of its own bytes)."""
+    ``zarr.json`` nor a chunk is refused. From format version 3 each chunk must end in
+    the checksum the index records for it, so a chunk put in another's place (which ends
+    in the checksum of its own bytes) is found too."""
 
     def __init__(self, root: str):
         self.root = root
@@ -137,13 +141,14 @@ class _Files:
         """The entries of ``entry``'s array folder: its ``zarr.json`` and its chunks,
         every chunk a regular file of :func:`chunk_file_bytes`."""
         size = chunk_file_bytes(metadata)
-        chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-        grid = [-(-n // c) for n, c in zip(metadata["shape"], chunks)]  # chunks per dimension
+        grid = chunk_grid(metadata["shape"], metadata["chunk_grid"]["configuration"]["chunk_shape"])
         only = f"a save writes only zarr.json and the chunks of its grid {grid} there"
         folder = os.path.join(self.root, entry.array)
-        pending = [(folder, -1)]  # (folder, the dimension its entries index; -1: the array's)
+        # (folder, the dimension its entries index, -1 for the array's; the chunk
+        # position its path has named so far)
+        pending: list[tuple[str, int, tuple[int, ...]]] = [(folder, -1, ())]
         while pending:
-            path, dim = pending.pop()
+            path, dim, position = pending.pop()
             try:
                 listed = list(os.scandir(path))
             except OSError as err:
@@ -159,8 +164,9 @@ class _Files:
                     item.name.isdigit() and dim < len(grid) and int(item.name) < grid[dim]
                 ):
                     raise self._refuse(entry, item.path, "is no chunk of this array", only)
+                at = position if dim < 0 else (*position, int(item.name))
                 if stat.S_ISDIR(kind):
-                    pending.append((item.path, dim + 1))
+                    pending.append((item.path, dim + 1, at))
                 elif not stat.S_ISREG(kind):
                     raise self._refuse(entry, item.path, f"is {_kind(kind)}")
                 elif item.stat(follow_symlinks=False).st_size != size:
@@ -170,6 +176,28 @@ class _Files:
                         f"{item.stat(follow_symlinks=False).st_size:,} bytes, not the "
                         f"{size:,} of its chunk (cut short, or not written by mpmdc)."
                     )
+                elif entry.checksums is not None and len(at) == len(grid):
+                    self._check_checksum(entry, item.path, chunk_number(grid, at))
+
+    def _check_checksum(self, entry: LeafEntry, path: str, number: int) -> None:
+        """Chunk file ``path`` (chunk ``number`` of ``entry``'s array) ends in the checksum
+        the index records for that chunk."""
+        want = entry.checksums[CHECKSUM_DIGITS * number : CHECKSUM_DIGITS * (number + 1)]
+        chunk = os.path.relpath(path, self.root)
+        try:
+            found = storage.chunk_checksum(path)
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot read the checkpoint at {self.root}: leaf {entry.path}, chunk {chunk}: "
+                f"{storage.reason(err)}."
+            ) from None
+        if found != want:
+            raise CheckpointError(
+                f"the checkpoint at {self.root} is damaged: leaf {entry.path}, chunk {chunk} is "
+                f"not the chunk saved there: it ends in checksum {found}, the index records "
+                f"{want} (another chunk, of this array or of another checkpoint, was put in "
+                f"its place). Restore another checkpoint."
+            )
 
 
 def _kind(mode: int) -> str:

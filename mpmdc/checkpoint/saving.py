@@ -12,20 +12,25 @@ A save that fails removes its partial folder; nothing else removes it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Annotated
 
 import jax
 import numpy as np
 import tensorstore as ts
+from pydantic import Field, TypeAdapter, ValidationError
 
 from mpmdc import distributed, watchdog
 from mpmdc._text import a_type
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import (
+    CHECKSUM_DIGITS,
     COMMITTED,
     INDEX_FILE,
     NAME_MAX,
@@ -34,6 +39,8 @@ from mpmdc.checkpoint.layout import (
     LeafEntry,
     array_metadata,
     array_names,
+    chunk_grid,
+    chunk_number,
     chunk_shape,
     group_names,
     partial_name,
@@ -42,6 +49,10 @@ from mpmdc.checkpoint.layout import (
 )
 from mpmdc.errors import CheckpointError, MpmdcError, MpmdRuntimeError
 from mpmdc.ir.keys import is_key
+
+# Threads reading chunk files' checksums back after a save: each read waits on the
+# filesystem (a shared one above all), not on a core.
+CHECKSUM_READERS = 16
 
 
 @dataclass
@@ -175,9 +186,17 @@ class Save:
                 pending += [store[index].write(value) for index, value in write.shards]
         for future in pending:
             future.result()
+        found = _checksums(self.partial, self.writes)
+        if not self.first:
+            storage.write_json(self._checksum_file(jax.process_index()), _as_json(found))
         self._meet("written", f"the end of its writes to {self.partial}")
         if self.first:
-            storage.write_json(os.path.join(self.partial, INDEX_FILE), self.index.as_json())
+            for peer in range(1, jax.process_count()):
+                path = self._checksum_file(peer)
+                _merge(found, storage.read_json(path), path)
+                os.remove(path)
+            index = self.index.with_checksums(found)
+            storage.write_json(os.path.join(self.partial, INDEX_FILE), index.as_json())
             storage.write_json(
                 os.path.join(self.partial, COMMITTED),
                 {"time": time.time(), "processes": jax.process_count(), "save": self.save_id},
@@ -188,6 +207,12 @@ class Save:
                 self.after_commit()
         self._meet("committed", f"the commit of {self.directory}")
         self._forget()
+
+    def _checksum_file(self, process: int) -> str:
+        """Where ``process`` (not 0) leaves the checksums of the chunks it wrote for
+        process 0, which records them in the index and removes the file before the
+        commit. A name no array or group takes (a key starting ``__`` is escaped)."""
+        return os.path.join(self.partial, f"__checksums.{process}.json")
 
     def _meet(self, stage: str, what: str, value: str = "") -> dict[int, str]:
         """Wait for every process to reach ``stage``; each process's ``value``, by process."""
@@ -325,6 +350,54 @@ def _checked_type(x, text: str, directory: str) -> tuple[tuple[int, ...], np.dty
             f"cast it (e.g. to a wider type) before saving."
         )
     return shape, dtype
+
+
+def _checksums(root: str, writes: list[_LeafWrite]) -> dict[str, dict[int, str]]:
+    """The checksum ending each chunk file this process wrote into ``root``, by array
+    name and chunk number (:func:`~mpmdc.checkpoint.layout.chunk_number`), read back from
+    the files, where TensorStore put them as it wrote: four bytes a chunk."""
+    chunks = []  # (array name, chunk number, file)
+    for write in writes:
+        shape = write.metadata["shape"]
+        sizes = write.metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        grid = chunk_grid(shape, sizes)
+        for index, _ in write.shards:
+            bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
+            spans = [range(a // c, -(-b // c)) for (a, b), c in zip(bounds, sizes)]
+            for position in itertools.product(*spans):
+                where = os.path.join(root, write.name, "c", *map(str, position))
+                chunks.append((write.name, chunk_number(grid, position), where))
+    found: dict[str, dict[int, str]] = {}
+    with ThreadPoolExecutor(max_workers=CHECKSUM_READERS) as pool:
+        tails = pool.map(storage.chunk_checksum, [where for _, _, where in chunks])
+        for (name, number, _), tail in zip(chunks, tails):
+            found.setdefault(name, {})[number] = tail
+    return found
+
+
+def _as_json(found: dict[str, dict[int, str]]) -> dict:
+    """``found`` (:func:`_checksums`) as a JSON object: chunk numbers as text."""
+    return {name: {str(k): tail for k, tail in tails.items()} for name, tails in found.items()}
+
+
+# What a peer leaves process 0 (:func:`_as_json`): chunk numbers as text, 8 hex digits each.
+_PEER_CHECKSUMS = TypeAdapter(
+    dict[str, dict[int, Annotated[str, Field(pattern=f"^[0-9a-f]{{{CHECKSUM_DIGITS}}}$")]]]
+)
+
+
+def _merge(found: dict[str, dict[int, str]], document: dict, path: str) -> None:
+    """Add the checksums another process left in ``path`` (``document``, as
+    :func:`_as_json` writes them) to ``found``."""
+    try:
+        theirs = _PEER_CHECKSUMS.validate_python(document)
+    except ValidationError as err:
+        raise CheckpointError(
+            f"{path}, written by another process of this save, is damaged "
+            f"({err.errors(include_url=False)[0]['msg']}); save again."
+        ) from None
+    for name, tails in theirs.items():
+        found.setdefault(name, {}).update(tails)
 
 
 def _on_host(writes: list[_LeafWrite], copy: bool) -> list[_LeafWrite]:

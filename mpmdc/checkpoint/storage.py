@@ -18,6 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from mpmdc.checkpoint.layout import (
+    CHECKSUM_BYTES,
     COMMITTED,
     MAX_DOCUMENT_BYTES,
     REMOVING_SUFFIX,
@@ -123,6 +124,16 @@ def read_bytes(path: str) -> bytes:
             return f.read(MAX_DOCUMENT_BYTES + 1)
         except OSError as err:
             raise CheckpointError(f"cannot read {path}: {reason(err)}.") from None
+
+
+def chunk_checksum(path: str) -> str:
+    """The checksum that ends chunk file ``path`` (a regular file, checked already), in
+    hex; an ``OSError`` when it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        return os.pread(fd, CHECKSUM_BYTES, os.fstat(fd).st_size - CHECKSUM_BYTES).hex()
+    finally:
+        os.close(fd)
 
 
 def read_json(path: str) -> dict:

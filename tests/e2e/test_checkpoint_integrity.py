@@ -4,7 +4,8 @@
   directory (threads, separate processes) exactly one commits; the others raise.
 - A save's partial folder is its own: nothing else, no other save or manager, removes it.
 - A restore checks everything it reads: the index and every array's metadata (against
-  each other and the target), a checksum per chunk, every array inside the checkpoint;
+  each other and the target), a checksum per chunk, which the index records too (a chunk
+  put in another's place is found), every array inside the checkpoint;
   damaged or hostile files are ``CheckpointError``s naming the file, never a crash, a raw
   Python error or wrong values.
 """
@@ -321,11 +322,12 @@ def test_a_shape_beyond_memory_in_index_and_array_is_refused_before_anything_is_
     """Index and array agreeing on a shape no machine holds: refused before any read
     (without a target, onto a bare sharding, which takes the index's shape, and spread
     over every device), never an allocation that aborts the process."""
-    for path in (saved / "zarr.json", saved / "w" / "zarr.json"):
-        edit_json(
-            path,
-            lambda d: (index_leaves(d)[1] if "attributes" in d else d).update(shape=[10**13, 6]),
-        )
+    huge = [10**13, 6]  # in one chunk, as the index records one chunk's checksum
+    edit_json(saved / "zarr.json", lambda d: index_leaves(d)[1].update(shape=huge, chunks=huge))
+    edit_json(
+        saved / "w" / "zarr.json",
+        lambda a: (a.update(shape=huge), a["chunk_grid"]["configuration"].update(chunk_shape=huge)),
+    )
     mesh = jax.make_mesh((8,), ("x",))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     says = r"would read .* bytes into this process \(the largest: leaf \['w'\], float32\[1000"
@@ -490,7 +492,20 @@ ROOT_EDITS = {
     ),
     "version": (
         lambda d: d["attributes"]["mpmdc"].update(version=99),
-        "format version 99; this mpmdc reads versions 1, 2",
+        "format version 99; this mpmdc reads versions 1, 2, 3",
+    ),
+    "no checksums": (lambda d: index_leaves(d)[1].pop("checksums"), "it has no chunk checksums"),
+    "checksums cut short": (
+        lambda d: index_leaves(d)[1].update(checksums=index_leaves(d)[1]["checksums"][:6]),
+        "its chunk checksums are 6 hex digits, not the 8 of the 1 chunks of its grid",
+    ),
+    "checksums not hex": (
+        lambda d: index_leaves(d)[1].update(checksums="checksum"),
+        "String should match pattern",
+    ),
+    "checksums in version 2": (
+        lambda d: d["attributes"]["mpmdc"].update(version=2),
+        "it has chunk checksums, which format version 2 does not record",
     ),
     "not ours": (lambda d: d["attributes"].pop("mpmdc"), "Field required at attributes.mpmdc"),
     "nested deep": (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, "nested deeper"),
@@ -615,9 +630,60 @@ def test_a_target_sharding_of_another_rank_says_it_does_not_fit(saved):
         assert "damaged" not in str(e.value)
 
 
+def test_a_chunk_put_in_another_chunks_place_is_named(tmp_path):
+    """A chunk ends in a checksum of its own bytes, which a chunk swapped with another of
+    the same size, or copied from the same leaf of another step, passes: the index
+    records every chunk's checksum, and a restore names the chunk that is not its own."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, P("x"))
+
+    def tree(step: int) -> dict:
+        return {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4) + step, rows)}
+
+    save(tmp_path / "1", tree(1))
+    save(tmp_path / "2", tree(2))
+    chunks = tmp_path / "2" / "w" / "c"
+    first, second = chunks / "1" / "0", chunks / "2" / "0"
+
+    def swap() -> None:
+        os.rename(first, tmp_path / "aside")
+        os.rename(second, first)
+        os.rename(tmp_path / "aside", second)
+
+    swap()
+    for target in (None, {"w": rows}):
+        with pytest.raises(
+            CheckpointError, match=r"leaf \['w'\], chunk w/c/1/0 is not the chunk saved there"
+        ):
+            restore(tmp_path / "2", target)
+    swap()
+    np.testing.assert_array_equal(restore(tmp_path / "2", {"w": rows})["w"], tree(2)["w"])
+    shutil.copy(tmp_path / "1" / "w" / "c" / "3" / "0", chunks / "3" / "0")
+    with pytest.raises(
+        CheckpointError, match=r"leaf \['w'\], chunk w/c/3/0 is not the chunk saved there"
+    ):
+        restore(tmp_path / "2", {"w": rows})
+
+
+def test_a_checkpoint_of_the_second_format_version_reads_without_the_indexs_checksums(saved):
+    """Version 2 recorded no chunk checksums in the index: made so here, it restores the
+    same values."""
+    want = restore(saved)
+
+    def version_two(document):
+        document["attributes"]["mpmdc"]["version"] = 2
+        for leaf in index_leaves(document):
+            leaf.pop("checksums")
+
+    edit_json(saved / "zarr.json", version_two)
+    got = restore(saved)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path])
+
+
 def test_a_checkpoint_of_the_first_format_version_reads_without_checksums(saved):
     """Version 1 recorded no chunk shapes and wrote no checksums: made so here from a
-    version 2 checkpoint, it restores the same values."""
+    checkpoint of today's version, it restores the same values."""
     want = restore(saved)
     for folder in ("w", "k"):
         edit_json(saved / folder / "zarr.json", lambda a: a["codecs"].pop())
@@ -628,6 +694,7 @@ def test_a_checkpoint_of_the_first_format_version_reads_without_checksums(saved)
         document["attributes"]["mpmdc"]["version"] = 1
         for leaf in index_leaves(document):
             leaf.pop("chunks")
+            leaf.pop("checksums")
 
     edit_json(saved / "zarr.json", version_one)
     got = restore(saved)
