@@ -322,6 +322,9 @@ class Wrapped:
         self._cache = ExecutableCache(
             options.cache_size, f"mpmdc: executables of {qualified_name(fn)}"
         )
+        # The last lower()'s program, until a call of its types compiles it: the call
+        # then traces nothing again (as jax.jit's call after its lower() does not).
+        self._lowered = ExecutableCache(1, f"mpmdc: program lowered of {qualified_name(fn)}")
 
     def __repr__(self) -> str:
         return f"<mpmdc.compile of {qualified_name(self.fn)} over {len(self.meshes)} meshes>"
@@ -348,7 +351,11 @@ class Wrapped:
         if values:
             refuse_types_alone(self.options, args, kwargs, leaves)
         exe = self._cache.get(key, self._serving(key, args, kwargs))
-        if exe is None:
+        lowered = self._lowered.peek(key) if exe is None else None
+        if lowered is not None:
+            self._lowered.cache_clear()
+            exe = lowered.compile()
+        elif exe is None:
             backend = backends.get(self.backend)
             backend.check_can_run(self.meshes)
             # XLA compiles each module while the `lower` pass lowers the next.
@@ -406,6 +413,7 @@ class Wrapped:
         ``clear_cache()``); the next call compiles again. ``jax.clear_caches()`` does this
         for every compiled function."""
         self._cache.cache_clear()
+        self._lowered.cache_clear()
 
     def cache_info(self) -> CacheInfo:
         """How the executable cache has served calls: ``hits`` (an executable was kept),
@@ -455,8 +463,13 @@ class Wrapped:
 
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass. Calls with
-        these argument types run on what the result's ``compile()`` returns."""
-        return self.trace(*args, **kwargs).lower()
+        these argument types run on what the result's ``compile()`` returns; the first of
+        them compiles it, tracing nothing again, unless another ``lower()`` came between."""
+        lowered = self.trace(*args, **kwargs).lower()
+        cache, key, reuse = lowered._kept
+        if reuse and cache.peek(key) is None:
+            self._lowered.put(key, lowered)
+        return lowered
 
     @cycles_collected_after()  # (see its docstring)
     def _traced(self, args, kwargs, passes) -> Traced:

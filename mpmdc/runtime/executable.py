@@ -141,7 +141,8 @@ class Compiled:
     def call_flat(self, leaves):
         """Run with already-checked flat arguments; returns the output pytree (see
         :meth:`~mpmdc.runtime.engine.Engine.run`)."""
-        return self._engine.run(leaves)
+        with _no_context_mesh():
+            return self._engine.run(leaves)
 
     def run_timed(self, *args, **kwargs):
         """Run once, one thread per mesh, and measure when each fragment and transfer ran.
@@ -157,6 +158,10 @@ class Compiled:
         """
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         self.signature.check(args, kwargs, leaves, treedef)
+        with _no_context_mesh():
+            return self._run_timed(leaves)
+
+    def _run_timed(self, leaves):
         engine = self._engine
         if not self.multiprocess:
             env = engine.start(leaves)
@@ -176,6 +181,15 @@ class Compiled:
             distributed.announce_failure(str(err))
             raise
         return engine.finish(env), distributed.merge_timelines(topic, timeline)
+
+
+def _no_context_mesh():
+    """A context without the caller's ``jax.set_mesh`` mesh, for a call's own work
+    besides its compiled fragments (a stack cut into its stages' rows, pieces joined, key
+    data sent between processes): eager operations on arrays on their own meshes, which
+    JAX refuses under a context mesh of another shape. The fragments were traced under
+    the caller's context already; their executables do not read it."""
+    return jax.set_mesh(None)
 
 
 # Memory figures of one fragment that do not add up over a mesh's fragments: the mesh

@@ -8,6 +8,7 @@ Each case is an Optax optimizer on a residual model whose blocks end in a bias (
 import math
 import re
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -322,6 +323,46 @@ def test_an_uncommitted_stack_under_the_callers_set_mesh_is_placed_without_a_war
         with jax.set_mesh(meshes[0]):
             got = compiled(w, x)
         assert_same_array(got, jax.jit(stack_sgd_step)(w, x))
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_a_committed_stack_is_cut_into_its_stages_rows_under_the_callers_set_mesh(axis_type):
+    """A committed stack not in the step's own layout (returned by a step on 4 meshes,
+    whole on one device, whole on the other mesh) is cut into its stages' rows under a
+    caller's ``jax.set_mesh`` as outside it: the cut runs where the stack is, not on the
+    context mesh, which JAX would refuse. The numbers are ``jax.jit``'s."""
+
+    def step(w, x, every=4):
+        def loss(w):
+            def layer(h, wi):
+                return jnp.tanh(mpmdc.stage(h, every=every) @ wi), None
+
+            return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w)
+
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    devices = jax.devices()
+    meshes = [
+        jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=devices[4 * i : 4 * i + 4])
+        for i in range(2)
+    ]
+    compiled = mpmdc.compile(step, meshes)
+    w = jnp.full((8, WIDTH, WIDTH), 0.1)
+    x = jnp.ones((8, WIDTH))
+    from_four = mpmdc.compile(partial(step, every=2), mpmdc.make_meshes(4, {"data": 2}))(w, x)
+    assert from_four.sharding.spec == P("stages")
+    for stack in (
+        from_four,
+        jax.device_put(w, devices[0]),
+        jax.device_put(w, NamedSharding(meshes[1], P())),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PlacementWarning)  # (moved: said elsewhere)
+            with jax.set_mesh(meshes[0]):
+                got = compiled(stack, x)
+        assert got.sharding.spec == P("stages")
+        assert_same_array(got, jax.jit(step)(stack, x))
 
 
 def test_a_stack_from_another_layout_is_reported_moved_piece_by_piece():

@@ -178,6 +178,33 @@ def test_a_static_argument_by_name_is_in_the_cache_key(meshes2):
     assert float(compiled(WS, X)) == pytest.approx(3 * float(one), rel=5e-7)
 
 
+def test_a_call_after_lower_compiles_what_lower_made_without_tracing_again(meshes2):
+    """As ``jax.jit``: ``lower()`` then a call of the same types traces once (a warning
+    made while tracing is said once); a call of other types, or after another
+    ``lower()`` or ``clear_cache()``, traces as it would have."""
+    traces = []
+
+    def fn(ws, x):
+        traces.append(x.shape)
+        return loss(ws, x)
+
+    step = mpmdc.compile(fn, meshes2)
+    lowered = step.lower(WS, X)
+    assert float(step(WS, X)) == float(lowered.compile()(WS, X))
+    assert traces == [X.shape]
+    assert step.cache_info().misses == 1
+    step(WS, X)
+    assert traces == [X.shape] and step.cache_info().hits == 1
+    wider = jnp.ones((8, 8))
+    step.lower(WS, wider)
+    step.lower(WS, X[:2])  # (the program kept is this one, not the last but one)
+    step(WS, wider)
+    assert traces == [X.shape, wider.shape, (2, 8), wider.shape]
+    step.clear_cache()
+    step(WS, X[:2])
+    assert traces[-1] == (2, 8) and len(traces) == 5
+
+
 def test_an_argname_the_function_lacks_is_named(meshes2):
     with pytest.raises(
         errors.ArgumentError, match=r"static_argnames names \['scal'\].*ws, x, scale"

@@ -924,9 +924,10 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     st.sampled_from(["none", "norm_outside", "norm_inside"]),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
 )
 def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
-    desc, skip_step, stacked_param, frozen
+    desc, skip_step, stacked_param, frozen, in_context
 ):
     """Random programs as the loss of a training step (one batch, or microbatches in
     ``accumulate`` under a random valid schedule; the layer stacks' weights computed in
@@ -941,12 +942,16 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     lives with it), each with the spec it came in with
     (the parameter's where one is given), so a loop feeding them back moves and compiles
     nothing. A parameter several meshes read is sent to them and its gradient
-    contributions summed on the way back, somewhere: where is not checked."""
+    contributions summed on the way back, somewhere: where is not checked. Some steps
+    are called under the first mesh's ``jax.set_mesh``, a stacked parameter (and its
+    momentum) then committed whole to the last mesh: cut into its stages' rows where it
+    is, not on the context mesh."""
     desc = {**desc, "stacked_param": stacked_param}
     _describe(desc)
     event(f"skip_step={skip_step}")
     event(f"stacked_param={stacked_param}")
     event(f"frozen={frozen}")
+    event(f"in_context={in_context}")
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     n = desc["num_inputs"] + stacked_param
@@ -1027,7 +1032,14 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
                 came_in = canonical_spec(program.in_specs[j])
                 assert specs[k] is None or came_in == canonical_spec(specs[k]), j
                 assert canonical_spec(program.out_specs[1 + j]) == came_in, j
-    got = jax.block_until_ready(compiled(params, momenta, *batch))
+    given = (params, momenta)
+    if in_context and stacked_param:  # (jax.jit is given the stack uncommitted)
+        whole_on_last = jax.sharding.NamedSharding(meshes[-1], P())
+        given = jax.tree.map(
+            lambda a: jax.device_put(a, whole_on_last) if a.ndim == 3 else a, given
+        )
+    with jax.set_mesh(meshes[0]) if in_context else contextlib.nullcontext():
+        got = jax.block_until_ready(compiled(*given, *batch))
     want = jax.block_until_ready(
         jax.jit(training_step(expected, reference_meshes(meshes), reference=True))(
             params, momenta, *batch

@@ -9,7 +9,8 @@ stack (an embedding and a head of their own, or one matrix tied between them); t
 optimizer (from SGD to optax's wrappers that keep state of the stack's shape, decide the
 update in a conditional, scale it by per-leaf norms or factor its moments); a skip-step
 guard or none; one batch or microbatches under a random schedule; the batch replicated
-or split on ``data``.
+or split on ``data``; the first call's state uncommitted, on one device or whole on the
+last mesh; the calls made under the first mesh's ``jax.set_mesh`` or not.
 
 Tolerance: the noise floor is measured on each example, as ``jax.jit`` of the same steps
 on the batch with its rows reversed (every sum over rows taken in another order) against
@@ -18,6 +19,7 @@ of its largest value (a float32 ulp or so of a value the reversal happened not t
 mpmdc sums a global norm per stage, which the reversal does not reorder).
 """
 
+import contextlib
 import warnings
 
 import jax
@@ -28,6 +30,8 @@ import pytest
 from helpers import rows_by_mesh
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_differential import EXAMPLES, FUZZ_SETTINGS, seeded
 
 import mpmdc
@@ -75,6 +79,11 @@ def models(draw):
         microbatches=draw(st.sampled_from([2, 4])) if accumulate else None,
         schedule=draw(st.sampled_from(["1f1b", "gpipe", "zb-h1"])) if accumulate else None,
         split_batch=draw(st.booleans()),
+        # Where the first call's state is (fed back after it), and whether the calls are
+        # made under the first mesh's ``jax.set_mesh``, where a stack placed otherwise is
+        # still cut into its stages' rows where it is.
+        given=draw(st.sampled_from(["uncommitted", "on a device", "on the last mesh"])),
+        in_context=draw(st.booleans()),
     )
 
 
@@ -175,7 +184,15 @@ def test_a_layer_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(mod
     compiled = mpmdc.compile(step, meshes, in_specs=(None, None, batch, batch))
 
     state = (params, tx.init(params))
-    got = run(compiled, state, x, y)
+    where = {
+        "uncommitted": None,
+        "on a device": jax.devices()[0],
+        "on the last mesh": NamedSharding(meshes[-1], P()),
+    }[model["given"]]
+    given = state if where is None else jax.device_put(state, where)
+    context = (lambda: jax.set_mesh(meshes[0])) if model["in_context"] else contextlib.nullcontext
+    with context():
+        got = run(compiled, given, x, y)
     want = run(jax.jit(step), state, x, y)
     floor = run(jax.jit(step), state, x[::-1], y[::-1])
     within_noise(got, want, floor)
@@ -189,7 +206,7 @@ def test_a_layer_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(mod
         }
 
     misses = compiled.cache_info().misses
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), context():
         warnings.simplefilter("error", PlacementWarning)
         again = compiled(*got[1], x, y)
     assert compiled.cache_info().misses == misses
