@@ -56,7 +56,8 @@ every earlier stage gets separate forward and backward fragments.
 
 Program inputs live on the mesh of their earliest user, outputs on the mesh of
 their producer; before anything reads an input, it counts as being where the result
-fed back for it is made.
+fed back for it is made, and once placed equations read it, as being on their meshes
+too (it is sent to a mesh once, whatever reads it there).
 """
 
 from __future__ import annotations
@@ -247,12 +248,13 @@ class PlacementState:
     def present(self, v) -> set[int]:
         """The meshes ``v`` is (or will be) on: its producer's and its placed users';
         a program input's is where it lives, with its earliest placed user, or before
-        anything reads it where the result fed back for it (:func:`_fed_back`) is made."""
+        anything reads it where the result fed back for it (:func:`_fed_back`) is made,
+        and its placed users' (it is sent to a mesh once, whatever reads it there)."""
         j = self.producer.get(v)
+        out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
         if j is None:
             home = self.lives_with(v)
-            return set() if home is None else {self.mesh(self.stage[home])}
-        out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
+            return out if home is None else out | {self.mesh(self.stage[home])}
         if self.stage[j] is not None:
             out.add(self.mesh(self.stage[j]))
         return out

@@ -268,8 +268,10 @@ def _warn(scan, what: list[str], why: str) -> None:
     named = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
     warnings.warn(
         f"a layer stack{where} cannot be one array over the stage meshes: {why}. Its "
-        f"stacked arrays ({named}) are kept whole on one mesh, and each step moves every "
-        f"stage's rows to it and back. Give every stage the same number of layers (a "
+        f"stacked arrays ({named}) are kept whole on one mesh, and each step sends them to "
+        f"every mesh running one of their stages (whole, or a stage's rows with each "
+        f"microbatch where that moves fewer bytes) and the gradients back. Give every "
+        f"stage the same number of layers (a "
         f"fixed every=k dividing the stack, where every='balanced' splits it unevenly), one "
         f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
         PlacementWarning,

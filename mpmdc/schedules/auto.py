@@ -193,9 +193,11 @@ class Auto(Chooser):
         if best is None:
             over = [(name, why) for name, _, why in tried if "over its cap" in why]
             shown = "; ".join(f"{name} {why.split(' holds ', 1)[-1]}" for name, why in over[:3])
+            # (A schedule synthesized under the cap fits it: none was found.)
             raise ScheduleError(
-                f"none of the {len(tried)} schedules considered runs {pipeline.num_stages} "
-                f"stages on {pipeline.num_meshes} meshes within the memory cap"
+                f"none of the {len(tried)} built-in schedules runs {pipeline.num_stages} "
+                f"stages on {pipeline.num_meshes} meshes within the memory cap, nor does "
+                f"any order list scheduling finds"
                 + (f" (e.g. {shown})" if shown else "")
                 + "; raise the cap or use more microbatches of smaller size."
             )
@@ -347,9 +349,11 @@ def candidates(pipeline: Pipeline) -> list[Schedule]:
                     )
                 except ScheduleError:
                     continue
+                # (A cap of bytes, ``units`` microbatches of the largest stage: a mesh
+                # may hold parts of more microbatches' activations within it.)
                 how = (
-                    f"{'>'.join(order)} first, at most {units} microbatches per mesh, "
-                    f"stage_to_mesh={list(placement)}"
+                    f"{'>'.join(order)} first, at most {units} microbatches' worth of "
+                    f"activations per mesh, stage_to_mesh={list(placement)}"
                 )
                 out.append(Synthesized(per_mesh, placement, how))
     return out

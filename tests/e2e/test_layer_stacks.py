@@ -24,6 +24,7 @@ from helpers import assert_same_tree, largest_difference, rows_by_mesh
 import mpmdc
 from mpmdc.errors import IdleMeshWarning, PlacementWarning, StageError
 from mpmdc.ir.program import placement_of
+from mpmdc.ir.traffic import CATEGORIES
 
 LAYERS, WIDTH, MICROBATCHES = 8, 16, 4
 ATOL = 5e-6  # ten times the noise floor above
@@ -335,6 +336,37 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     assert largest_difference(got, want) < ATOL
     w1 = got[0][1]["layers"]["w1"]
     assert len(rows_by_mesh(w1, meshes)) == 1  # whole, on one mesh
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_a_stack_kept_whole_is_sent_to_each_mesh_once_not_with_every_microbatch(meshes4, schedule):
+    """8 stages of one layer on 4 meshes keep the stack whole on mesh0. At 8
+    microbatches, moving the stack once or a stage's row with each microbatch costs as
+    many bytes; the mesh that receives the stack for its forward slices slices its
+    backward's rows there too (a program input is sent to a mesh once, whatever reads
+    it there), rather than receiving them again with every microbatch."""
+    layers, width = 8, 16
+
+    def loss(ws, x):
+        def layer(h, w):
+            return jnp.tanh(mpmdc.stage(h, every=1) @ w), None
+
+        return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    def step(ws, x):
+        return mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss)(ws, mb), x, microbatches=layers, reduce="mean"
+        )
+
+    ws = jnp.full((layers, width, width), 0.1)
+    x = jnp.ones((4 * layers, width))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlacementWarning)  # (kept whole: said elsewhere)
+        report = mpmdc.compile(step, meshes4, schedule=schedule).lower(ws, x).transfer_report()
+    state = CATEGORIES.index("parameters/optimizer state")
+    sent = {(k.src, k.dst): k.values[state] for k in report.links if k.values[state]}
+    assert sent == {(0, 1): 1, (0, 2): 1, (0, 3): 1}, sent
+    assert report.total("parameters/optimizer state") == 3 * ws.nbytes
 
 
 @pytest.mark.slow
