@@ -214,8 +214,19 @@ def lowered_from_target(target, options: DumpOptions):
             raise UsageError(
                 f"--args needs --meshes (e.g. --meshes '4x(data=2)') to compile {where}"
             )
+        structs = [a.to_struct() for a in options.args]
+        try:
+            inspect.signature(target).bind(*structs)
+        except TypeError as err:  # (the signature says what the call would fail on)
+            raise UsageError(
+                f"--args gives {len(structs)} argument type{'' if len(structs) == 1 else 's'}, but "
+                f"{where}{_parameters(target)} "
+                f"cannot take them ({err}); give one type per positional argument"
+            ) from None
+        except ValueError:  # (no signature to check: the call will say)
+            pass
         meshes = make_meshes(options.meshes.count, options.meshes.axes)
-        return compile(target, meshes).lower(*(a.to_struct() for a in options.args))
+        return compile(target, meshes).lower(*structs)
     required = [
         p.name
         for p in inspect.signature(target).parameters.values()
@@ -234,3 +245,8 @@ def lowered_from_target(target, options: DumpOptions):
             f"mpmdc.compile(fn, meshes).lower(...) from it, or pass --args and --meshes"
         )
     return result
+
+
+def _parameters(target) -> str:
+    """``target``'s parameter list as its signature prints it, ``(x, w)``."""
+    return str(inspect.signature(target))

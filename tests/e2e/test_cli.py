@@ -215,6 +215,10 @@ def test_a_warning_is_said_by_the_command_not_at_a_line_of_it(capsys, plain_file
             ["--meshes", "4x(data=2)"],
         ),
         (["dump", "{plain}:loss", "--args", "f32[8,16], f32[4,8]"], "--args needs --meshes"),
+        (
+            ["dump", "{plain}:loss", "--args", "f32[16,4]", "--meshes", "2x(data=2)"],
+            ["--args gives 1 argument type, but", ":loss(w, x) cannot take them", "'x'"],
+        ),
         (["dump", "{plain}:loss"], ["takes arguments (w, x)", "--args"]),
         (["dump", "{plain}:not_lowered"], "returned int, not mpmdc.Lowered"),
         (["dump", MLP2, "--stages", "all"], "unrecognized arguments: --stages"),
