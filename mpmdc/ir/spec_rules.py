@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.calls import CALL_BODIES, call_body
@@ -70,6 +70,17 @@ def _shape(v) -> tuple:
 
 def _replicated(v) -> Spec:
     return (None,) * len(_shape(v))
+
+
+def _typed(v) -> Spec | None:
+    """The spec ``v``'s type states on a mesh of ``Explicit`` axes (JAX types values there
+    with their shardings, and lowers them so), else ``None``: the rules decide."""
+    sharding = getattr(getattr(v, "aval", None), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if not types or any(t != AxisType.Explicit for t in types):
+        return None
+    return _padded(sharding.spec, len(_shape(v)))
 
 
 def _is_sharded(spec: Spec) -> bool:
@@ -323,17 +334,26 @@ def _spec_of(found: dict, v) -> Spec:
 
 def _propagate(jaxpr: jcore.Jaxpr, in_specs: list[Spec]) -> dict:
     """The sharded values' specs (a value left out is replicated)."""
-    found = {v: spec for v, spec in zip(jaxpr.invars, in_specs) if _is_sharded(spec)}
+    found = {}
+    for v, spec in zip(jaxpr.invars, in_specs):
+        stated = _typed(v)
+        spec = spec if stated is None else stated
+        if _is_sharded(spec):
+            found[v] = spec
     for eqn in jaxpr.eqns:
-        if eqn.primitive not in _SPEC_SOURCES and not any(
-            is_var(a) and a in found for a in eqn.invars
+        typed = [_typed(v) for v in eqn.outvars]
+        if (
+            eqn.primitive not in _SPEC_SOURCES
+            and not any(is_var(a) and a in found for a in eqn.invars)
+            and not any(t is not None and _is_sharded(t) for t in typed)
         ):
             continue
         specs = [_spec_of(found, a) for a in eqn.invars]
         rule = spec_rules.get(eqn.primitive, _same_shape)
-        for v, spec in zip(eqn.outvars, rule(eqn, specs)):
+        for v, spec, stated in zip(eqn.outvars, rule(eqn, specs), typed):
+            spec = _without_repeats(spec) if stated is None else stated
             if _is_sharded(spec):
-                found[v] = _without_repeats(spec)
+                found[v] = spec
     return found
 
 
