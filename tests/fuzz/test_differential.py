@@ -944,8 +944,9 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     nothing. A parameter several meshes read is sent to them and its gradient
     contributions summed on the way back, somewhere: where is not checked. Some steps
     are called under the first mesh's ``jax.set_mesh``, a stacked parameter (and its
-    momentum) then committed whole to the last mesh: cut into its stages' rows where it
-    is, not on the context mesh."""
+    momentum) then committed whole to the last mesh and moved to where it is read, not
+    on the context mesh (these programs read a slice of it, so it is never cut into
+    stage rows: ``test_stacks.py`` calls stacks so)."""
     desc = {**desc, "stacked_param": stacked_param}
     _describe(desc)
     event(f"skip_step={skip_step}")
