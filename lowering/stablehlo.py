@@ -12,7 +12,7 @@ from jax.experimental import checkify
 
 from mpmdc import _jax_compat as compat
 from mpmdc.ir.program import Program, find_eqns
-from mpmdc.ir.sharding import named
+from mpmdc.ir.sharding import canonical_spec, named
 
 
 def _throw(error) -> None:
@@ -39,14 +39,26 @@ def _raising_checks(body):
     return run
 
 
+def _as_traced(x, aval):
+    """``x`` with the sharding its body's input was traced with, where its type states
+    another (``Explicit`` axes put shardings in types). A program input given an
+    ``in_specs`` entry arrives sharded so, but is traced replicated, as ``jax.jit``
+    traces an argument given ``in_shardings``; the body's equations expect that type."""
+    traced = canonical_spec(aval.sharding.spec)
+    if canonical_spec(jax.typeof(x).sharding.spec) == traced:
+        return x
+    return jax.sharding.reshard(x, traced)
+
+
 def _fragment_function(eqn):
     """A Python callable running fragment ``eqn``'s body, named after the fragment."""
     body = compat.replaying_fun(eqn.params["jaxpr"])
     if any(find_eqns(eqn.params["jaxpr"].jaxpr.eqns, lambda e: e.primitive is compat.check_p)):
         body = _raising_checks(body)
+    avals = [v.aval for v in eqn.params["jaxpr"].jaxpr.invars]
 
     def run(*args):
-        return body(*args)
+        return body(*map(_as_traced, args, avals))
 
     run.__name__ = run.__qualname__ = eqn.params["name"]
     return run
