@@ -44,6 +44,8 @@ def _as_traced(x, aval):
     another (``Explicit`` axes put shardings in types). A program input given an
     ``in_specs`` entry arrives sharded so, but is traced replicated, as ``jax.jit``
     traces an argument given ``in_shardings``; the body's equations expect that type."""
+    if not hasattr(aval, "sharding"):  # (a token has no sharding)
+        return x
     traced = canonical_spec(aval.sharding.spec)
     if canonical_spec(jax.typeof(x).sharding.spec) == traced:
         return x

@@ -29,6 +29,9 @@ from mpmdc.ir.keys import is_key
 from mpmdc.ir.program import Program
 
 _POLL_PEERS_EVERY = 0.25  # seconds between looks at the key-value store while waiting
+# A sender whose own fragment failed breaks its connections as it fails, a moment before
+# it announces why: the receiver waits this long for the news before blaming the sender.
+_ANNOUNCEMENT_GRACE = 2.0
 
 
 def _digest(text: str | bytes) -> str:
@@ -94,6 +97,15 @@ class _InFlight:
     arrays: list
 
 
+def _announced_failure() -> str | None:
+    """What a peer announced (:func:`mpmdc.distributed.first_failure`), waiting up to
+    ``_ANNOUNCEMENT_GRACE`` seconds for it; ``None`` if none did (a sender that died)."""
+    deadline = time.monotonic() + min(_ANNOUNCEMENT_GRACE, distributed.fault_timeout_seconds())
+    while (failure := distributed.first_failure()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return failure
+
+
 class Progress:
     """The results this process is waiting for during one call, oldest first.
 
@@ -124,9 +136,9 @@ class Progress:
             try:
                 jax.block_until_ready(entry.arrays)
             except Exception as err:
-                # A transfer whose sender broke the connection: the sender announced why
-                # before it exited, so that cause is named rather than the broken link.
-                failure = distributed.first_failure() if entry.step.senders else None
+                # A transfer whose sender broke the connection: the sender announces why
+                # (or a peer, why it died), so that cause is named rather than the link.
+                failure = _announced_failure() if entry.step.senders else None
                 if failure is not None:
                     raise self._stopped(failure) from None
                 raise self.fault(entry.step, err) from None

@@ -237,3 +237,57 @@ def test_a_waiter_hearing_of_a_failure_names_who_failed_first_and_whom_it_blamed
     )
     store.key_value_delete("mpmdc/failed/2")
     assert exchange.first_failure() == "process 3 failed: process 3 raised ValueError"
+
+
+class _BrokenTransfer:
+    """A received array whose sender broke the connection."""
+
+    def is_ready(self):
+        return True
+
+    def block_until_ready(self):
+        raise RuntimeError("recv() failed: Transport endpoint is not connected")
+
+
+def test_a_broken_transfer_names_the_failure_its_sender_announces_a_moment_later(monkeypatch):
+    """A sender whose own fragment failed breaks its connections a moment before it
+    announces why: the receiver waits for that news and names it (the sender blaming
+    the process that died), not the sender as dead (trial: process 0 blamed a live
+    process 1 after process 2 was killed)."""
+    from mpmdc.runtime import peers
+
+    store, looks = Store(), []
+
+    def dir_get(prefix):
+        looks.append(prefix)
+        if len(looks) == 6:  # the sender's announcement lands after a few looks
+            store.values["mpmdc/failed/1"] = json.dumps(
+                {"message": "process 1: transfer failed; process 2 died", "culprit": 2}
+            )
+        return Store.key_value_dir_get(store, prefix)
+
+    store.key_value_dir_get = dir_get
+    monkeypatch.setattr(exchange, "client", lambda: store)
+    monkeypatch.setattr(peers.jax, "process_index", lambda: 0)
+    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,))
+    progress = peers.Progress(lambda step, err: AssertionError("blamed the sender"))
+    progress.in_flight.append(peers._InFlight(step, [_BrokenTransfer()]))
+    with pytest.raises(Exception) as raised:
+        progress.settle()
+    assert str(raised.value) == (
+        "process 0 stopped waiting for transfer mesh1->mesh0 on mesh0 (sent by process 1): "
+        "process 1, blaming process 2, failed: process 1: transfer failed; process 2 died."
+    )
+
+
+def test_a_broken_transfer_whose_sender_announces_nothing_blames_the_sender(monkeypatch):
+    """A sender that died announces nothing: after the grace the receiver blames it."""
+    from mpmdc.runtime import peers
+
+    monkeypatch.setattr(exchange, "client", lambda: Store())
+    monkeypatch.setattr(peers, "_ANNOUNCEMENT_GRACE", 0.2)
+    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,))
+    progress = peers.Progress(lambda step, err: ValueError(f"the sender: {err}"))
+    progress.in_flight.append(peers._InFlight(step, [_BrokenTransfer()]))
+    with pytest.raises(ValueError, match="the sender: recv"):
+        progress.settle()
