@@ -30,13 +30,17 @@ Rules, in the order they apply:
    user. So a parameter, its optimizer state, its update and its new value share the
    mesh of the stage that uses the parameter, and a global gradient norm is reduced
    per mesh with only scalars crossing. What nothing places runs in the first stage.
+   Before it, a cut of a program input (a smaller value made of that input alone: a
+   stage's rows of a layer stack kept whole on one mesh) runs where the input lives, so
+   the cut moves, not the input (:func:`place_cuts`).
 5. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
    puts its outputs in microbatch ``i``, and ``microbatch[None]`` outside the loop
    (the start of a running sum, the loop's results). An equation reading values of several
    microbatches belongs to the latest of them (so the running sum of gradients
    moves from one microbatch's backward fragment to the next); one reading none
    belongs to the microbatch all its users agree on, or to none (work outside the
-   loop, such as slicing the batch into microbatches).
+   loop, such as slicing the batch into microbatches, and a cut of a program input:
+   computed once per step, not once per microbatch).
 6. Cheap equations are cloned into every stage that uses them instead of being
    transferred: those computed from literals alone (constants, ``iota``, broadcasts
    of literals, a jitted helper building a mask from them), shape or type changes
@@ -46,9 +50,10 @@ Rules, in the order they apply:
    microbatch's tokens), which therefore move the small values, never the large result.
 
 The rules are steps a test can run alone on a :func:`placement_state`:
-:func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_by_bytes`
-(rule 4: the optimizer, a tied weight's summed gradient) and :func:`clone_small_values`
-(rule 6); program inputs (a tied weight too) then live with their earliest user.
+:func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_cuts` and
+:func:`place_by_bytes` (rule 4: a cut of an input; the optimizer, a tied weight's summed
+gradient) and :func:`clone_small_values` (rule 6); program inputs (a tied weight too)
+then live with their earliest user.
 
 The transpose count of an equation is the largest count among the markers it
 depends on, so the last stage's backward shares a fragment with its forward and
@@ -469,6 +474,19 @@ class PlacementState:
             changed = follow_operands(self, members, through_boundaries)
             changed |= follow_users(self, members)
 
+    def cuts(self) -> dict:
+        """``{equation: program input}`` of the equations outside any loop that make a
+        smaller value of one program input alone (:func:`_cuts_an_input`: a stage's rows
+        of a layer stack kept whole on one mesh)."""
+        return {
+            i: self.reads[i][0]
+            for i, eqn in enumerate(self.eqns)
+            if self.stage[i] is None
+            and self.microbatch[i] is None
+            and i not in self.cheap
+            and _cuts_an_input(eqn, self.reads[i], self.producer)
+        }
+
     def pipeline_work(self) -> tuple[set[int], set[int]]:
         """The equations that depend on a marker (the pipeline's own work), and those
         whose results reach a forward marker without depending on one (what prepares
@@ -491,15 +509,19 @@ class PlacementState:
 
     def run(self) -> list:
         """Stage per equation index."""
+        cuts = self.cuts()
         for t in sorted(set(self.transpose)):
             members = [
                 i
                 for i in sorted(self.depends | self.prepares)
-                if self.stage[i] is None and self.transpose[i] == t
+                if self.stage[i] is None and self.transpose[i] == t and i not in cuts
             ]
             self.settle(members, through_boundaries=False)
             # Still unplaced: a cotangent leaving a stage's backward is the best hint left.
             self.settle(members, through_boundaries=True)
+            # As soon as their users are placed (the forward's, for a parameter): where
+            # an input lives must be known when its gradient's sum is placed.
+            place_cuts(self, cuts)
         rest = [i for i, s in enumerate(self.stage) if s is None and i not in self.cheap]
         place_by_bytes(self, rest)
         for i in rest:
@@ -528,6 +550,28 @@ def follow_users(state: PlacementState, members) -> bool:
         if state.stage[i] is None and i in state.prepares:
             changed |= state.place(i, state.from_users(i))
     return changed
+
+
+def place_cuts(state: PlacementState, cuts: dict) -> None:
+    """Rule 4's first step, a step of :func:`partition`: a cut of a program input not
+    placed yet (``cuts``, of :meth:`PlacementState.cuts`) runs where the input lives,
+    with its earliest user otherwise placed, or the earliest user of any of its cuts:
+    the cut, smaller than the input, is what moves. So each mesh running stages of a layer stack
+    kept whole on another receives its stages' rows once per step, not the stack."""
+    by_input: dict = {}
+    for i, a in cuts.items():
+        if state.stage[i] is None:
+            by_input.setdefault(a, []).append(i)
+    for a, members in by_input.items():
+        home = state.lives_with(a)
+        if home is None:
+            users = [
+                j for i in members for v in state.eqns[i].outvars for j in state.placed_users(v)
+            ]
+            home = state.earliest(users)
+        if home is not None:
+            for i in members:
+                state.place(i, state.stage[home])
 
 
 def place_by_bytes(state: PlacementState, members) -> None:
@@ -637,9 +681,23 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
                 for j in users.get(v, ())
                 if not is_microbatch_marker(eqns[j])
             }
-            if len(of_users) == 1:
+            if len(of_users) == 1 and not (
+                LOOP in of_users and _cuts_an_input(eqns[i], reads[i], producer)
+            ):
                 microbatch[i] = of_users.pop()
     return microbatch
+
+
+def _cuts_an_input(eqn, operands, producer) -> bool:
+    """Whether ``eqn`` makes a smaller value of one program input (or constant) alone: a
+    stage's rows of a layer stack kept whole on one mesh. It is computed once, before
+    the loop, where the input is, and its result moves, not the input."""
+    return (
+        len(operands) == 1
+        and operands[0] not in producer
+        and not eqn.effects
+        and sum(nbytes(v.aval) for v in eqn.outvars) < sum(nbytes(a.aval) for a in operands)
+    )
 
 
 def _order(microbatch) -> int:

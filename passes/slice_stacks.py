@@ -9,8 +9,11 @@ them), and work on a stacked value runs per piece by the rules of
 :mod:`mpmdc.ir.stack_rules` (an optimizer's update per stage; a global norm as
 partial sums). An input that such work reads whole alongside a stacked value (an
 optimizer state) is taken in pieces too, and results held in pieces are returned in
-pieces. ``Program.in_pieces``/``out_pieces`` record which rows of which argument or
-result each input or output is, for the runtime to hand over and assemble.
+pieces. A stack that cannot be one array over the stage meshes stays whole; each
+stage's rows of it are taken once, however many equations read them (its forward and
+its backward), so they move to the stage's mesh once. ``Program.in_pieces`` and
+``out_pieces`` record which rows of which argument or result each input or output is,
+for the runtime to hand over and assemble.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from mpmdc.ir.program import (
     Piece,
     Program,
     find_eqns,
+    is_var,
     make_closed_jaxpr,
     placement_of,
     substituted,
@@ -191,8 +195,9 @@ def slice_stacks(program: Program) -> Program:
                 program.in_paths[i] if rows is None else _rows_text(program.in_paths[i], *rows)
             )
             donated.append(program.donated[i])
+    eqns, taken = _rows_taken_once(walk.eqns, {new_inputs[v][0] for v in whole_layouts})
     outvars, out_pieces, out_specs, out_paths, wanted = [], [], [], [], []
-    for i, v in enumerate(substituted(jaxpr.outvars, walk.env)):
+    for i, v in enumerate(substituted(substituted(jaxpr.outvars, walk.env), taken)):
         found = walk.stack_of(v)
         if found is not None and (why := layout_problem(program, found.layout)):
             kept_whole.setdefault(why, []).append(f"result {program.out_paths[i]}")
@@ -215,9 +220,7 @@ def slice_stacks(program: Program) -> Program:
             _warn(scans[0] if scans else None, what, why)
     feedback = _stack_feedback(whole_inputs, whole_results)
     debug = jaxpr.debug_info._replace(arg_names=tuple(in_paths), result_paths=tuple(out_paths))
-    closed = make_closed_jaxpr(
-        jaxpr.constvars, program.jaxpr.consts, invars, outvars, walk.eqns, debug
-    )
+    closed = make_closed_jaxpr(jaxpr.constvars, program.jaxpr.consts, invars, outvars, eqns, debug)
     return program.replace(
         jaxpr=closed,
         in_pieces=tuple(in_pieces),
@@ -230,6 +233,29 @@ def slice_stacks(program: Program) -> Program:
         wanted_out_meshes=tuple(wanted) if program.wanted_out_meshes is not None else None,
         stack_feedback=feedback or None,
     )
+
+
+def _rows_taken_once(eqns, whole: set) -> tuple[list, dict]:
+    """``(eqns, renaming)``: ``eqns`` with the rows of an input kept whole (in ``whole``)
+    taken once however many equations take them (a stage's forward and backward), each
+    later take renamed to the first, so a mesh receives a stage's rows once."""
+    first: dict = {}
+    renaming: dict = {}
+    out = []
+    for eqn in eqns:
+        invars = substituted(eqn.invars, renaming)
+        if (
+            (rows := group_rows(eqn)) is not None
+            and is_var(eqn.invars[0])
+            and eqn.invars[0] in whole
+        ):
+            key = (eqn.invars[0], rows)
+            if key in first:
+                renaming[eqn.outvars[0]] = first[key]
+                continue
+            first[key] = eqn.outvars[0]
+        out.append(eqn if invars == list(eqn.invars) else eqn.replace(invars=invars))
+    return out, renaming
 
 
 def _stack_feedback(inputs: list, results: list) -> tuple:
@@ -268,10 +294,10 @@ def _warn(scan, what: list[str], why: str) -> None:
     named = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
     warnings.warn(
         f"a layer stack{where} cannot be one array over the stage meshes: {why}. Its "
-        f"stacked arrays ({named}) are kept whole on one mesh, and each step sends them to "
-        f"every mesh running one of their stages (whole, or a stage's rows with each "
-        f"microbatch where that moves fewer bytes) and the gradients back. Give every "
-        f"stage the same number of layers (a "
+        f"stacked arrays ({named}) are kept whole on one mesh, and each step sends every "
+        f"other mesh running one of their stages those stages' rows (and an optimizer "
+        f"state's, where the update runs) and the new rows back. Give every stage the "
+        f"same number of layers (a "
         f"fixed every=k dividing the stack, where every='balanced' splits it unevenly), one "
         f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
         PlacementWarning,

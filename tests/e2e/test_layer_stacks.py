@@ -339,12 +339,11 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
-def test_a_stack_kept_whole_is_sent_to_each_mesh_once_not_with_every_microbatch(meshes4, schedule):
-    """8 stages of one layer on 4 meshes keep the stack whole on mesh0. At 8
-    microbatches, moving the stack once or a stage's row with each microbatch costs as
-    many bytes; the mesh that receives the stack for its forward slices slices its
-    backward's rows there too (a program input is sent to a mesh once, whatever reads
-    it there), rather than receiving them again with every microbatch."""
+def test_a_stack_kept_whole_sends_each_mesh_its_stages_rows_once_per_step(meshes4, schedule):
+    """8 stages of one layer on 4 meshes keep the stack whole on mesh0. Each other mesh
+    receives the rows of its two stages once per step, taken on mesh0 before the loop
+    (the forward's and the backward's take one value): not the stack whole, and not a
+    stage's rows with every microbatch."""
     layers, width = 8, 16
 
     def loss(ws, x):
@@ -359,14 +358,17 @@ def test_a_stack_kept_whole_is_sent_to_each_mesh_once_not_with_every_microbatch(
         )
 
     ws = jnp.full((layers, width, width), 0.1)
-    x = jnp.ones((4 * layers, width))
+    x = jnp.sin(jnp.arange(4.0 * layers * width)).reshape(4 * layers, width)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlacementWarning)  # (kept whole: said elsewhere)
-        report = mpmdc.compile(step, meshes4, schedule=schedule).lower(ws, x).transfer_report()
+        lowered = mpmdc.compile(step, meshes4, schedule=schedule).lower(ws, x)
+    report = lowered.transfer_report()
     state = CATEGORIES.index("parameters/optimizer state")
     sent = {(k.src, k.dst): k.values[state] for k in report.links if k.values[state]}
-    assert sent == {(0, 1): 1, (0, 2): 1, (0, 3): 1}, sent
-    assert report.total("parameters/optimizer state") == 3 * ws.nbytes
+    assert sent == {(0, 1): 2, (0, 2): 2, (0, 3): 2}, sent
+    row = ws.nbytes // layers
+    assert report.total("parameters/optimizer state") == 6 * row
+    assert largest_difference(lowered.compile()(ws, x), jax.jit(step)(ws, x)) < ATOL
 
 
 @pytest.mark.slow

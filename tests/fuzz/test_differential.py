@@ -947,12 +947,19 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     momentum) then committed whole to the last mesh and moved to where it is read, not
     on the context mesh (these programs read a slice of it, so it is never cut into
     stage rows: ``test_stacks.py`` calls stacks so)."""
-    desc = {**desc, "stacked_param": stacked_param}
-    _describe(desc)
+    _describe({**desc, "stacked_param": stacked_param})
     event(f"skip_step={skip_step}")
     event(f"stacked_param={stacked_param}")
     event(f"frozen={frozen}")
     event(f"in_context={in_context}")
+    check_training_step(desc, skip_step, stacked_param, frozen, in_context)
+
+
+def check_training_step(desc, skip_step, stacked_param, frozen, in_context, note=event):
+    """The properties of :func:`test_a_training_step_keeps_parameters_and_state_where_
+    they_go_in` for one program; ``note`` records what it saw (Hypothesis's ``event``
+    inside a test)."""
+    desc = {**desc, "stacked_param": stacked_param}
     meshes = meshes_of(desc)
     seen, expected = Recorder(), Recorder()
     n = desc["num_inputs"] + stacked_param
@@ -1016,7 +1023,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
         assert program.out_meshes[1 + j] == program.in_meshes[j], j
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
-            event("a parameter read on one mesh")
+            note("a parameter read on one mesh")
             if batch and not (frozen and k == n - 1):  # the momentum may live with the sum
                 for j in (k, n + k):
                     assert program.out_meshes[1 + j] == program.in_meshes[j], j
@@ -1049,3 +1056,96 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     jax.effects_barrier()
     assert_same_results(got, want)
     seen.assert_same_as(expected, **FLOAT32)
+
+
+def test_a_stacked_parameter_cut_for_two_meshes_keeps_its_momentum_with_it():
+    """Found with ``MPMDC_FUZZ_SEED=59``: a stacked parameter read in slices by stages
+    on two meshes; its slices run where it lives and move. Placed only after every
+    transpose count, they left the parameter nowhere while its gradient's sum was
+    placed, and its momentum came to live on the other mesh (moved every step)."""
+    check_training_step(
+        dict(
+            explicit=False,
+            num_inputs=2,
+            ops=[
+                ("unary", "cond", 0),
+                ("stack", 1, 2, 2, "input", 0, 0),
+                ("constant", "module_jax", 0, "matmul", 0),
+                ("constant", "module_jax", 0, "matmul", 0),
+                ("checkpointed_layer", 0, "module_jax", 0, 0),
+                ("binary", "add", 0, 0),
+                ("layer", 0, "jitted_helper", 0, 2),
+                ("custom_layer", 1, "custom_jvp", 0, 0),
+                ("stack", 0, (1, 2), 3, "closure", 7, 8),
+                ("binary", "matmul", 0, 0),
+                ("constant", "module_jax", 0, "matmul", 5),
+                ("layer", 1, "jitted_helper", 0, 9),
+                ("unary", "scan", 12),
+                ("custom_layer", 1, "custom_vjp", 0, 13),
+                ("stack", 0, 1, 2, "input", 9, 4),
+                ("shard_map", 1, 16, True, "matmul", (None, "d"), ("d",), False, True),
+                ("shard_map", 0, 12, True, "matmul", (None, "d"), ("d",), False, False),
+                ("constant", "module_jax", 0, "matmul", 13),
+                ("shard_map", 0, 18, False, "matmul", (None, "d"), ("d",), False, False),
+                ("binary", "sub", 0, 1),
+                ("layer", 1, "module_numpy", 0, 21),
+                ("checkpointed_layer", 1, "module_numpy", 1, 10),
+                ("effect", True, 8),
+                ("binary", "max", 19, 8),
+                ("unary", "cond", 8),
+                ("unary", "scan", 15),
+                ("constant", "closure", 0, "add", 14),
+                ("constraint", 0, 5, False, None),
+                ("checkpointed_layer", 1, "module_jax", 1, 17),
+                ("binary", "mul", 26, 24),
+                ("shard_map", 0, 4, True, "psum", ("d",), (), False, False),
+                ("layer", 1, "module_numpy", 0, 18),
+                ("constraint", 1, 33, False, None),
+                ("binary", "mul", 10, 19),
+                ("unary", "roll_rows", 31),
+                ("constant", "module_numpy", 0, "matmul", 27),
+                ("constraint", 0, 7, False, None),
+                ("unary", "tanh", 31),
+                ("effect", True, 17),
+                ("stack", 0, 1, 1, "closure", 11, 15),
+                ("shard_map", 0, 30, True, "psum", ("d",), (), False, True),
+                ("constraint", 0, 36, False, None),
+                ("binary", "sub", 31, 22),
+                ("constant", "module_numpy", 1, "matmul", 28),
+                ("unary", "roll_rows", 37),
+                ("custom_layer", 1, "custom_jvp", 1, 23),
+                ("constraint", 1, 21, False, None),
+                ("binary", "sub", 42, 20),
+                ("effect", False, 40),
+                ("constant", "module_jax", 0, "matmul", 33),
+                ("stack", 1, (1,), 1, "input", 0, 12),
+                ("unary", "sin", 0),
+                ("unary", "cond", 5),
+                ("binary", "max", 0, 46),
+                ("unary", "cond", 27),
+                ("unary", "sin", 7),
+                ("unary", "tagged", 3),
+                ("custom_layer", 1, "custom_vjp", 0, 51),
+                ("stack", 1, 3, 3, "closure", 58, 37),
+            ],
+            markers={},
+            num_meshes=2,
+            mesh_axes=(("d", 1),),
+            in_specs=[None, None],
+            committed=[None, 1],
+            mode="value_and_grad",
+            schedule="zb-h1",
+            microbatches=2,
+            computed_batch=True,
+            stacked_loss=False,
+            metric=("int8", "mean"),
+            stage_to_mesh=(1, 0),
+            with_key=False,
+            echoes=[],
+        ),
+        skip_step="none",
+        stacked_param=True,
+        frozen=False,
+        in_context=False,
+        note=lambda _: None,
+    )

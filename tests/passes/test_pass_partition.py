@@ -17,6 +17,7 @@ from mpmdc.passes.partition import (
     follow_operands,
     follow_users,
     place_by_bytes,
+    place_cuts,
     placement_state,
 )
 
@@ -252,6 +253,46 @@ def test_place_by_bytes_puts_work_on_a_parameter_where_the_parameter_lives(meshe
     assert [names[i] for i in rest] == ["mul"]
     place_by_bytes(state, rest)
     assert state.stage[rest[0]] == 0  # w's first reader is stage 0's matmul
+
+
+def test_place_cuts_runs_a_cut_of_an_input_where_the_input_lives(meshes2):
+    """Stage 0 reads ``w`` whole, stage 1 two of its columns: the slice runs in stage 0,
+    where ``w`` lives, so two columns move to stage 1's mesh, not ``w``."""
+
+    def fn(w, x):
+        h = mpmdc.stage(x, 0) @ w
+        return mpmdc.stage(h, 1) @ w[:, :2]
+
+    names, state = _state(fn, meshes2, W, X)
+    cuts = state.cuts()
+    assert [names[i] for i in cuts] == ["slice"]
+    for t in sorted(set(state.transpose)):
+        members = [i for i in _unplaced(state) if state.transpose[i] == t and i not in cuts]
+        state.settle(members, False)
+        state.settle(members, True)
+    place_cuts(state, cuts)
+    assert [state.stage[i] for i in cuts] == [0]
+    program = split(vma_typecheck(placed(fn, meshes2, W, X)))
+    moved = [
+        a.aval.shape
+        for e in program.jaxpr.jaxpr.eqns
+        if e.primitive is transfer_p
+        for a in e.invars
+    ]
+    assert (8, 2) in moved and (8, 8) not in moved, moved
+
+
+def test_a_cut_of_an_input_read_in_the_loop_is_taken_once_before_it(meshes2):
+    """A microbatch's work reads two columns of ``w``: they are taken once, before the
+    loop, not in every microbatch's iteration."""
+
+    def fn(w, x):
+        return mpmdc.accumulate(
+            lambda xb: jnp.sum(mpmdc.stage(xb, 0) @ w[:, :2]), x, microbatches=2
+        )
+
+    assert ("slice", "s0_fwd") in labelled(placed(fn, meshes2, W, X))  # before the loop
+    assert_same_as_jit(fn, meshes2, W, X)
 
 
 def test_clone_small_values_copies_a_constant_into_each_stage_using_it(meshes2):
