@@ -485,6 +485,28 @@ def test_a_constraint_no_stage_can_run_is_a_type_error(tp_meshes, where):
         mpmdc.compile(fn, tp_meshes).lower(*args)
 
 
+def _explicit_meshes():
+    """Two meshes of two devices over one ``Explicit`` axis ``x``."""
+    explicit = (jax.sharding.AxisType.Explicit,)
+    devices = jax.devices()
+    return [
+        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[2 * i : 2 * i + 2])
+        for i in range(2)
+    ]
+
+
+def _stack_from_input(x):
+    """A loss of 8 scanned layers in 4 stages, their weights and carry made from ``x``."""
+    ws = jnp.stack([x * (0.3 + 0.1 * k) for k in range(8)])
+
+    def layer(h, w):
+        h = jnp.tanh(mpmdc.stage(h, every=2) @ w)
+        return h, h * 0.5
+
+    h, ys = jax.lax.scan(layer, x, ws)
+    return jnp.sum(h + jnp.mean(ys, axis=0))
+
+
 @pytest.mark.parametrize("spec", [P("x"), P(None, "x")])
 def test_a_scanned_stack_on_explicit_axes_keeps_the_specs_its_types_state(spec):
     """On Explicit axes a value's type states its sharding and a fragment is lowered
@@ -492,27 +514,11 @@ def test_a_scanned_stack_on_explicit_axes_keeps_the_specs_its_types_state(spec):
     made from it) is sharded gets the spec its type states at every fragment boundary
     (the backward's carry crossed replicated, and lowering its scan failed on carry
     types that differ); the numbers are ``jax.jit``'s."""
-    devices = jax.devices()
-    explicit = (jax.sharding.AxisType.Explicit,)
-    meshes = [
-        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[2 * i : 2 * i + 2])
-        for i in range(2)
-    ]
-
-    def loss(x):
-        ws = jnp.stack([x * (0.3 + 0.1 * k) for k in range(8)])
-
-        def layer(h, w):
-            h = jnp.tanh(mpmdc.stage(h, every=2) @ w)
-            return h, h * 0.5
-
-        h, ys = jax.lax.scan(layer, x, ws)
-        return jnp.sum(h + jnp.mean(ys, axis=0))
-
+    meshes = _explicit_meshes()
     x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 4)), NamedSharding(meshes[0], spec))
     with jax.set_mesh(meshes[0]):
-        got = mpmdc.compile(jax.value_and_grad(loss), meshes)(x)
-        want = jax.jit(jax.value_and_grad(loss))(x)
+        got = mpmdc.compile(jax.value_and_grad(_stack_from_input), meshes)(x)
+        want = jax.jit(jax.value_and_grad(_stack_from_input))(x)
     # The default bound of a compiled function against jax.jit (docs/design.md).
     for g, w in zip(got, want):
         assert_same_array(g, w, rtol=2e-5, atol=1e-6)
@@ -525,24 +531,12 @@ def test_an_argument_given_in_specs_on_explicit_axes_is_traced_replicated_as_und
     so: each fragment brings it to the type its body was traced with (the stack's
     backward, lowered with the argument typed sharded, failed on scan carry types that
     differ: fuzz seed 47). The numbers are ``jax.jit``'s."""
-    devices = jax.devices()
-    explicit = (jax.sharding.AxisType.Explicit,)
-    meshes = [
-        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[2 * i : 2 * i + 2])
-        for i in range(2)
-    ]
+    meshes = _explicit_meshes()
     traced = []
 
     def loss(x):
         traced.append(jax.typeof(x))
-        ws = jnp.stack([x * (0.3 + 0.1 * k) for k in range(8)])
-
-        def layer(h, w):
-            h = jnp.tanh(mpmdc.stage(h, every=2) @ w)
-            return h, h * 0.5
-
-        h, ys = jax.lax.scan(layer, x, ws)
-        return jnp.sum(h + jnp.mean(ys, axis=0))
+        return _stack_from_input(x)
 
     x = jax.random.normal(jax.random.key(0), (4, 4))
     sharding = NamedSharding(meshes[0], spec)
