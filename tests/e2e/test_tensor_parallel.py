@@ -485,16 +485,6 @@ def test_a_constraint_no_stage_can_run_is_a_type_error(tp_meshes, where):
         mpmdc.compile(fn, tp_meshes).lower(*args)
 
 
-def _explicit_meshes():
-    """Two meshes of two devices over one ``Explicit`` axis ``x``."""
-    explicit = (jax.sharding.AxisType.Explicit,)
-    devices = jax.devices()
-    return [
-        jax.make_mesh((2,), ("x",), axis_types=explicit, devices=devices[2 * i : 2 * i + 2])
-        for i in range(2)
-    ]
-
-
 def _stack_from_input(x):
     """A loss of 8 scanned layers in 4 stages, their weights and carry made from ``x``."""
     ws = jnp.stack([x * (0.3 + 0.1 * k) for k in range(8)])
@@ -514,7 +504,7 @@ def test_a_scanned_stack_on_explicit_axes_keeps_the_specs_its_types_state(spec):
     made from it) is sharded gets the spec its type states at every fragment boundary
     (the backward's carry crossed replicated, and lowering its scan failed on carry
     types that differ); the numbers are ``jax.jit``'s."""
-    meshes = _explicit_meshes()
+    meshes = _explicit_meshes(2)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 4)), NamedSharding(meshes[0], spec))
     with jax.set_mesh(meshes[0]):
         got = mpmdc.compile(jax.value_and_grad(_stack_from_input), meshes)(x)
@@ -531,7 +521,7 @@ def test_an_argument_given_in_specs_on_explicit_axes_is_traced_replicated_as_und
     so: each fragment brings it to the type its body was traced with (the stack's
     backward, lowered with the argument typed sharded, failed on scan carry types that
     differ: fuzz seed 47). The numbers are ``jax.jit``'s."""
-    meshes = _explicit_meshes()
+    meshes = _explicit_meshes(2)
     traced = []
 
     def loss(x):
