@@ -556,8 +556,9 @@ def place_cuts(state: PlacementState, cuts: dict) -> None:
     """Rule 4's first step, a step of :func:`partition`: a cut of a program input not
     placed yet (``cuts``, of :meth:`PlacementState.cuts`) runs where the input lives,
     with its earliest user otherwise placed, or the earliest user of any of its cuts:
-    the cut, smaller than the input, is what moves. So each mesh running stages of a layer stack
-    kept whole on another receives its stages' rows once per step, not the stack."""
+    the cut, smaller than the input, is what moves. So each mesh running stages of a
+    layer stack kept whole on another receives its stages' rows once per step, not the
+    stack."""
     by_input: dict = {}
     for i, a in cuts.items():
         if state.stage[i] is None:

@@ -10,6 +10,7 @@ import pytest
 
 from mpmdc import watchdog
 from mpmdc.distributed import exchange
+from mpmdc.runtime import peers
 
 TIMEOUT = 10.0
 BEAT = watchdog.beat_seconds(TIMEOUT)
@@ -254,8 +255,6 @@ def test_a_broken_transfer_names_the_failure_its_sender_announces_a_moment_later
     announces why: the receiver waits for that news and names it (the sender blaming
     the process that died), not the sender as dead (trial: process 0 blamed a live
     process 1 after process 2 was killed)."""
-    from mpmdc.runtime import peers
-
     store, looks = Store(), []
 
     def dir_get(prefix):
@@ -282,8 +281,6 @@ def test_a_broken_transfer_names_the_failure_its_sender_announces_a_moment_later
 
 def test_a_broken_transfer_whose_sender_announces_nothing_blames_the_sender(monkeypatch):
     """A sender that died announces nothing: after the grace the receiver blames it."""
-    from mpmdc.runtime import peers
-
     monkeypatch.setattr(exchange, "client", lambda: Store())
     monkeypatch.setattr(peers, "_ANNOUNCEMENT_GRACE", 0.2)
     step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,))
