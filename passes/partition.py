@@ -32,7 +32,12 @@ Rules, in the order they apply:
    per mesh with only scalars crossing. What nothing places runs in the first stage.
    Before it, a cut of a program input (a smaller value made of that input alone: a
    stage's rows of a layer stack kept whole on one mesh) runs where the input lives, so
-   the cut moves, not the input (:func:`place_cuts`).
+   the cut moves, not the input (:func:`place_cuts`). After it, the work after the
+   microbatch loop moves between each two meshes where a minimum cut of the bytes it
+   moves says (:func:`place_by_min_cut`): placed an equation at a time, a chain can
+   look as cheap on either mesh at each step and cost more in all (a stage's rows of a
+   stack kept whole, updated where its gradient is, with the state's rows sent there
+   and the new rows back).
 5. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
    puts its outputs in microbatch ``i``, and ``microbatch[None]`` outside the loop
    (the start of a running sum, the loop's results). An equation reading values of several
@@ -51,8 +56,8 @@ Rules, in the order they apply:
 
 The rules are steps a test can run alone on a :func:`placement_state`:
 :func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_cuts` and
-:func:`place_by_bytes` (rule 4: a cut of an input; the optimizer, a tied weight's summed
-gradient) and :func:`clone_small_values` (rule 6); program inputs (a tied weight too)
+:func:`place_by_bytes` and :func:`place_by_min_cut` (rule 4: a cut of an input; the
+optimizer, a tied weight's summed gradient) and :func:`clone_small_values` (rule 6); program inputs (a tied weight too)
 then live with their earliest user.
 
 The transpose count of an equation is the largest count among the markers it
@@ -69,10 +74,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import re
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from jax.extend import core as jcore
 from jax.extend.core import primitives as jprims
@@ -461,6 +468,15 @@ class PlacementState:
             self.suggest(candidates, self.homes_read_next(i, v))
         return self.cheapest(i, candidates, with_users=False)
 
+    def made_by(self, v) -> list[int]:
+        """The placed equations ``v`` is made by, looking through cheap ones."""
+        j = self.producer.get(v)
+        if j is None:
+            return []
+        if j not in self.cheap:
+            return [j]
+        return [k for a in self.reads[j] for k in self.made_by(a)]
+
     def from_users(self, i):
         """Rule 3: the earliest stage among ``i``'s placed users, or ``None``."""
         j = self.earliest(j for v in self.eqns[i].outvars for j in self.placed_users(v))
@@ -527,7 +543,41 @@ class PlacementState:
         for i in rest:
             if self.stage[i] is None:
                 self.place(i, self.default)
+        place_by_min_cut(self, self.after_loop())
         return self.stage
+
+    def after_loop(self) -> list[int]:
+        """The equations that may run on any mesh after the microbatch loop (the optimizer,
+        a tied weight's summed gradient) and the work on program inputs that only they
+        read (a state's rows): neither reaching a marker or the loop nor reading the
+        pipeline's work but through the loop's results. (Without a loop, the pipeline's
+        work reaches the step's end: a parameter's gradient is made there.)"""
+        piped = set()  # (values the pipeline's work makes, up to the loop's results)
+        for i, eqn in enumerate(self.eqns):
+            if is_loop_edge(eqn) or is_microbatch_marker(eqn):
+                continue
+            if self.seeded[i] is not None or not piped.isdisjoint(self.reads[i]):
+                piped.update(eqn.outvars)
+        feeding = set()  # (equations whose results reach a marker or the loop)
+        for i in reversed(range(len(self.eqns))):
+            eqn = self.eqns[i]
+            if (
+                is_marker(eqn)
+                or is_loop_edge(eqn)
+                or self.seeded[i] is not None
+                or self.microbatch[i] is not None
+                or any(j in feeding for v in eqn.outvars for j in self.users.get(v, ()))
+            ):
+                feeding.add(i)
+        return [
+            i
+            for i, eqn in enumerate(self.eqns)
+            if i not in feeding
+            and piped.isdisjoint(self.reads[i])
+            and i not in self.cheap
+            and i not in self.mesh_bound
+            and not eqn.effects
+        ]
 
 
 def follow_operands(state: PlacementState, members, through_boundaries: bool) -> bool:
@@ -633,6 +683,147 @@ def place_by_bytes(state: PlacementState, members) -> None:
         ]
         if later:
             state.transpose[i] = max(state.transpose[i], min(later))
+
+
+class _Net(NamedTuple):
+    """A value's bytes moved per step: to every mesh among its equations' (its producer
+    and its users) and ``pins`` (meshes it must reach anyway) but the first, so
+    ``weight * (meshes - 1)``; ``small`` if it has at most ``_SMALL`` elements."""
+
+    weight: int
+    eqns: tuple[int, ...]
+    pins: frozenset[int]
+    small: bool
+
+
+def _nets(state: PlacementState, members) -> list[_Net]:
+    """The values the equations ``members`` read or make (looking through cheap
+    equations, whose clones run beside their users), each as a :class:`_Net`. A result
+    fed back for a program input (a parameter's new value) is one more, which weighs
+    more than all the others together: made away from where the input lives, it moves
+    at the start of every call, where nothing overlaps it."""
+    values = {a: None for i in members for a in state.operands(i, inputs=True)}
+    values.update((v, None) for i in members for v in state.eqns[i].outvars)
+    wanted = state.program.wanted_out_meshes
+    outputs = state.program.jaxpr.jaxpr.outvars
+    pinned = {}
+    if wanted is not None:
+        pinned = {v: {m} for v, m in zip(outputs, wanted) if m is not None and is_var(v)}
+    nets, feeds = [], []
+    for v in values:
+        j = state.producer.get(v)
+        users = tuple(state.placed_users(v))
+        made = () if j is None else (j,)
+        size = math.prod(v.aval.shape)
+        nets.append(
+            _Net(nbytes(v.aval), made + users, frozenset(pinned.get(v, ())), size <= _SMALL)
+        )
+        result = state.fed_back.get(v)
+        if result is not None and (made := state.made_by(result)):
+            feeds.append((nbytes(result.aval), (*made, *users), size <= _SMALL))
+    heavy = 1 + sum(net.weight for net in nets)
+    nets += [_Net(weight * heavy, found, frozenset(), small) for weight, found, small in feeds]
+    return nets
+
+
+def place_by_min_cut(state: PlacementState, members) -> None:
+    """Rule 4's last step, a step of :func:`partition`: the equations ``members`` (the work
+    after the microbatch loop, :meth:`PlacementState.after_loop`) move between each two
+    meshes wherever a minimum cut moves fewer bytes per step in all. Placed one
+    equation at a time, a chain can look as cheap on either mesh at every step and
+    cost more in all: a stage's rows of a layer stack kept whole, whose update reads
+    the gradient's rows on the stage's mesh and the parameter's and optimizer state's
+    rows where the stack lives, then sends the new rows back."""
+    members = set(members)
+    nets = _nets(state, members)
+    touching: dict = {}
+    for k, net in enumerate(nets):
+        for j in net.eqns:
+            touching.setdefault(j, []).append(k)
+    # (One pass: a second finds little to move, at the cost of the first.)
+    for pair, spanning in _spanned_pairs(state, members, nets).items():
+        _swap(state, members, nets, touching, pair, spanning)
+
+
+def _spanned_pairs(state: PlacementState, members, nets: list[_Net]) -> dict:
+    """``{(a, b): nets}``: the pairs of meshes that nets of more than a few elements span
+    other than through equations that stay where they are (a parameter read on two
+    meshes), and those nets: only there can a cut save more than a few elements' bytes."""
+    pairs: dict = {}
+    for k, net in enumerate(nets):
+        if net.small:
+            continue
+        fixed = {state.mesh(state.stage[j]) for j in net.eqns if j not in members} | net.pins
+        where = fixed | {state.mesh(state.stage[j]) for j in net.eqns if j in members}
+        for pair in itertools.combinations(sorted(where), 2):
+            if not fixed.issuperset(pair):
+                pairs.setdefault(pair, []).append(k)
+    return pairs
+
+
+def _swap(state: PlacementState, members, nets: list[_Net], touching: dict, pair, spanning):
+    """Move ``members`` placed on the meshes ``pair`` between the two as a minimum cut of
+    the :class:`_Net` s says, if that moves fewer bytes. Only those
+    joined to the ``spanning`` nets through nets of more than a few elements take part
+    (the rest could save a few elements' bytes). A net of two equations is an edge of
+    its weight; a larger one two nodes joined by its weight, each of its equations tied
+    to both (Lawler's construction)."""
+    import networkx as nx  # (here, not at the top: it is a tenth of `import mpmdc`)
+
+    a, b = pair
+    on_pair = {i for i in members if state.mesh(state.stage[i]) in pair}
+    free = {j for k in spanning for j in nets[k].eqns if j in on_pair}
+    todo = list(free)
+    while todo:
+        for k in touching.get(todo.pop(), ()):
+            if not nets[k].small:
+                found = [j for j in nets[k].eqns if j in on_pair and j not in free]
+                free.update(found)
+                todo += found
+    graph = nx.DiGraph()
+    graph.add_nodes_from(pair)
+    before = 0  # (bytes of the nets the cut decides, as placed now)
+    for k in {k for i in free for k in touching[i]}:
+        net = nets[k]
+        where = {state.mesh(state.stage[j]) for j in net.eqns if j not in free} | net.pins
+        nodes = [("eqn", j) for j in net.eqns if j in free] + [m for m in pair if m in where]
+        if len(nodes) < 2:
+            continue
+        meshes = {m if m in pair else state.mesh(state.stage[m[1]]) for m in nodes}
+        before += net.weight * (meshes == set(pair))
+        if len(nodes) == 2:
+            graph.add_edge(*nodes, capacity=net.weight)
+            graph.add_edge(*nodes[::-1], capacity=net.weight)
+            continue
+        graph.add_edge(("in", k), ("out", k), capacity=net.weight)
+        for node in nodes:
+            graph.add_edge(node, ("in", k))
+            graph.add_edge(("out", k), node)
+    residual = nx.flow.boykov_kolmogorov(graph, a, b)
+    if residual.graph["flow_value"] >= before:
+        return
+    # An equation the cut puts on either side at the same cost stays where it is: the
+    # sides moved to are what ``a`` reaches and what reaches ``b`` by unsaturated edges.
+    unsaturated = nx.DiGraph(
+        (u, v) for u, v, d in residual.edges(data=True) if d["flow"] < d["capacity"]
+    )
+    unsaturated.add_nodes_from(pair)
+    sides = {a: nx.descendants(unsaturated, a), b: nx.ancestors(unsaturated, b)}
+    for i in sorted(free):
+        for m, side in sides.items():
+            if ("eqn", i) in side and state.mesh(state.stage[i]) != m:
+                state.stage[i] = _stage_on(state, i, m)
+
+
+def _stage_on(state: PlacementState, i: int, mesh: int) -> int:
+    """The stage on ``mesh`` for equation ``i``: that of its operands' producers and
+    users there latest in pipeline order, else the mesh's first."""
+    near = [state.producer[a] for a in state.operands(i, inputs=False)]
+    near += [j for v in state.eqns[i].outvars for j in state.placed_users(v)]
+    stages = {state.stage[j] for j in near if state.mesh(state.stage[j]) == mesh}
+    if stages:
+        return max(stages, key=lambda s: state.key(s, state.transpose[i]))
+    return min(s for s in set(state.stage) if s is not None and state.mesh(s) == mesh)
 
 
 def _infer_microbatches(eqns, flow: DefUse, cheap):

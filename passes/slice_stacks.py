@@ -294,9 +294,10 @@ def _warn(scan, what: list[str], why: str) -> None:
     named = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
     warnings.warn(
         f"a layer stack{where} cannot be one array over the stage meshes: {why}. Its "
-        f"stacked arrays ({named}) are kept whole on one mesh, and each step sends every "
-        f"other mesh running one of their stages those stages' rows (and an optimizer "
-        f"state's, where the update runs) and the new rows back. Give every stage the "
+        f"stacked arrays ({named}) are kept whole on one mesh: each step sends every "
+        f"other mesh running one of their stages those stages' rows, and their gradients' "
+        f"rows come back (an update after the microbatch loop runs where the stack is). "
+        f"Give every stage the "
         f"same number of layers (a "
         f"fixed every=k dividing the stack, where every='balanced' splits it unevenly), one "
         f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",

@@ -371,6 +371,53 @@ def test_a_stack_kept_whole_sends_each_mesh_its_stages_rows_once_per_step(meshes
     assert largest_difference(lowered.compile()(ws, x), jax.jit(step)(ws, x)) < ATOL
 
 
+@pytest.mark.parametrize(
+    "schedule", ["interleaved-1f1b", pytest.param("dualpipev", marks=pytest.mark.slow)]
+)
+def test_a_stack_kept_whole_is_updated_where_it_lives_and_only_gradient_rows_come_back(
+    meshes4, schedule
+):
+    """The same stack, updated by Adam in the step: each other mesh receives its stages'
+    rows once (the forward's and the backward's) and sends back their gradient rows
+    once; the update of every row runs on mesh0 with the stack and its moments, so no
+    moment's rows go out and no updated rows come back (three of each per stage)."""
+    layers, width = 8, 16
+    tx = optax.adam(1e-2)
+
+    def loss(ws, x):
+        def layer(h, w):
+            return jnp.tanh(mpmdc.stage(h, every=1) @ w), None
+
+        return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    def step(ws, opt_state, x):
+        value, grads = mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss)(ws, mb), x, microbatches=layers, reduce="mean"
+        )
+        updates, opt_state = tx.update(grads, opt_state, ws)
+        return value, optax.apply_updates(ws, updates), opt_state
+
+    ws = 0.1 + 0.01 * jnp.sin(jnp.arange(layers * width * width)).reshape(layers, width, width)
+    x = jnp.sin(jnp.arange(4.0 * layers * width)).reshape(4 * layers, width)
+    args = (ws, tx.init(ws), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlacementWarning)  # (kept whole: said elsewhere)
+        lowered = mpmdc.compile(step, meshes4, schedule=schedule).lower(*args)
+    report = lowered.transfer_report()
+    row = ws.nbytes // layers
+    rows = {
+        (k.src, k.dst): b // row
+        for k in report.links
+        if (b := k.bytes[CATEGORIES.index("parameters/optimizer state")] + k.bytes[-1]) >= row
+    }
+    # (two stages per mesh: their rows out, their gradients' rows back; scalars aside)
+    assert rows == {(0, m): 2 for m in (1, 2, 3)} | {(m, 0): 2 for m in (1, 2, 3)}, rows
+    got = lowered.compile()(*args)
+    assert largest_difference(got, jax.jit(step)(*args)) < ATOL
+    stacked = [a for a in jax.tree.leaves(got[1:]) if a.ndim]  # (the stack and its moments)
+    assert [rows_by_mesh(a, meshes4) for a in stacked] == [{0: [(0, layers)]}] * 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
 def test_a_stack_whose_stages_all_run_on_one_mesh_stays_there_without_a_warning(meshes4, schedule):

@@ -17,6 +17,7 @@ from mpmdc.passes.partition import (
     follow_operands,
     follow_users,
     place_by_bytes,
+    place_by_min_cut,
     place_cuts,
     placement_state,
 )
@@ -280,6 +281,32 @@ def test_place_cuts_runs_a_cut_of_an_input_where_the_input_lives(meshes2):
         for a in e.invars
     ]
     assert (8, 2) in moved and (8, 8) not in moved, moved
+
+
+def test_place_by_min_cut_moves_a_chain_after_the_loop_to_where_its_inputs_live(meshes2):
+    """The momentum update after the loop, put on stage 1 by hand (one equation at a
+    time, each costs about as much on either mesh): the cut moves the whole chain to
+    stage 0, where ``w``, its gradient and so ``m`` are, and nothing moves after the
+    loop."""
+
+    def fn(w, m, x):
+        def grad(xb):
+            return jax.grad(lambda w: jnp.sum(mpmdc.stage(mpmdc.stage(xb, 0) @ w, 1) ** 2))(w)
+
+        g = mpmdc.accumulate(grad, x, microbatches=2)
+        m = 0.9 * m + g
+        return w - 0.1 * m, m
+
+    w, x = jnp.eye(16) * 0.5, jnp.ones((4, 16))  # (more than a few elements: worth a cut)
+    names, state = _state(fn, meshes2, w, w, x)
+    state.run()
+    after = state.after_loop()
+    assert [names[i] for i in after] == ["mul", "add", "mul", "sub"]
+    assert {state.stage[i] for i in after} == {0}
+    for i in after:
+        state.stage[i] = 1
+    place_by_min_cut(state, after)
+    assert {state.stage[i] for i in after} == {0}
 
 
 def test_a_cut_of_an_input_read_in_the_loop_is_taken_once_before_it(meshes2):
