@@ -19,10 +19,17 @@ same step:
   cotangent backward across the three stage boundaries.
 
     python benchmarks/layer_stacks.py [--layers 8 32 64]
+
+With ``--kept-whole``, the scanned model in 8 stages on the 4 meshes (interleaved 1F1B and
+DualPipeV: two stages to a mesh, so the stack is kept whole on one mesh) instead: per
+step, the bytes of parameters and optimizer state sent between meshes and of the other
+values (the gradients' rows) against the stacked parameters' rows of the stages off the
+stack's mesh, and ``lower()``'s time (median of 3).
 """
 
 import argparse
 import importlib.util
+import warnings
 from pathlib import Path
 
 import _common
@@ -124,6 +131,33 @@ def measure(layers: int, scanned: bool, meshes, scans: str = "fused") -> dict:
     }
 
 
+def kept_whole(layers: int, schedule: str, meshes) -> dict:
+    """What a step of the scanned model in 8 stages on 4 meshes moves, the stack kept whole."""
+    model = llama.Llama(**{**CONFIG, "stages": 8}, layers=layers, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    optimizer = llama.default_optimizer()
+    tokens = jax.random.randint(jax.random.key(1), (BATCH, LENGTH + 1), 0, CONFIG["vocab"])
+    args = (params, optimizer.init(params), tokens)
+    step = llama.make_step(graphdef, optimizer, microbatches=8, schedule=schedule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mpmdc.errors.PlacementWarning)  # (kept whole: meant)
+        lowers = _common.seconds(
+            lambda: mpmdc.compile(lambda *a: step(*a), meshes).lower(*args), repeat=REPEAT
+        )
+        report = mpmdc.compile(step, meshes).lower(*args).transfer_report()
+    off_home = nbytes(params["blocks"]) * (len(meshes) - 1) // len(meshes)
+    state, other = (report.total(c) for c in ("parameters/optimizer state", "other"))
+    return {
+        "schedule": schedule,
+        "layers": layers,
+        "stack rows off its mesh B": off_home,
+        "parameters/state sent B": state,
+        "other sent B": other,
+        "sent / rows": (state + other) / (2 * off_home),
+        "lower s": lowers,
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 64])
@@ -134,9 +168,22 @@ def main():
         help="the `split` pass's option: a stage's scan inside its fragment, or a fragment "
         "of its own that equal stages share",
     )
+    parser.add_argument(
+        "--kept-whole",
+        action="store_true",
+        help="the scanned model in 8 stages on 4 meshes, its stack kept whole: what it moves",
+    )
     options = parser.parse_args()
     meshes = _common.four_meshes()
     _common.warm_up(meshes)
+    if options.kept_whole:
+        rows = [
+            kept_whole(layers, schedule, meshes)
+            for layers in options.layers
+            for schedule in ("interleaved-1f1b", "dualpipev")
+        ]
+        _common.report("layer_stacks_kept_whole", rows, list(rows[0]))
+        return
     rows = [
         measure(layers, scanned, meshes, options.scans)
         for layers in options.layers

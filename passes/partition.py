@@ -688,20 +688,21 @@ def place_by_bytes(state: PlacementState, members) -> None:
 class _Net(NamedTuple):
     """A value's bytes moved per step: to every mesh among its equations' (its producer
     and its users) and ``pins`` (meshes it must reach anyway) but the first, so
-    ``weight * (meshes - 1)``; ``small`` if it has at most ``_SMALL`` elements."""
+    ``weight * (meshes - 1)``; ``scalar`` if it has one element."""
 
     weight: int
     eqns: tuple[int, ...]
     pins: frozenset[int]
-    small: bool
+    scalar: bool
 
 
 def _nets(state: PlacementState, members) -> list[_Net]:
     """The values the equations ``members`` read or make (looking through cheap
-    equations, whose clones run beside their users), each as a :class:`_Net`. A result
-    fed back for a program input (a parameter's new value) is one more, which weighs
-    more than all the others together: made away from where the input lives, it moves
-    at the start of every call, where nothing overlaps it."""
+    equations, whose clones run beside their users), each as a :class:`_Net`. Where
+    ``members`` make a result fed back for a program input (a parameter's new value) or
+    read that input, one more joins its makers and the input's readers and weighs more
+    than all the others together: made away from where the input lives, the result
+    moves at the start of every call, where nothing overlaps it."""
     values = {a: None for i in members for a in state.operands(i, inputs=True)}
     values.update((v, None) for i in members for v in state.eqns[i].outvars)
     wanted = state.program.wanted_out_meshes
@@ -709,20 +710,24 @@ def _nets(state: PlacementState, members) -> list[_Net]:
     pinned = {}
     if wanted is not None:
         pinned = {v: {m} for v, m in zip(outputs, wanted) if m is not None and is_var(v)}
-    nets, feeds = [], []
+    nets = []
     for v in values:
         j = state.producer.get(v)
-        users = tuple(state.placed_users(v))
         made = () if j is None else (j,)
-        size = math.prod(v.aval.shape)
         nets.append(
-            _Net(nbytes(v.aval), made + users, frozenset(pinned.get(v, ())), size <= _SMALL)
+            _Net(
+                nbytes(v.aval),
+                made + tuple(state.placed_users(v)),
+                frozenset(pinned.get(v, ())),
+                math.prod(v.aval.shape) == 1,
+            )
         )
-        result = state.fed_back.get(v)
-        if result is not None and (made := state.made_by(result)):
-            feeds.append((nbytes(result.aval), (*made, *users), size <= _SMALL))
     heavy = 1 + sum(net.weight for net in nets)
-    nets += [_Net(weight * heavy, found, frozenset(), small) for weight, found, small in feeds]
+    for v, result in state.fed_back.items():
+        found = (*state.made_by(result), *state.placed_users(v))
+        if not members.isdisjoint(found):
+            scalar = math.prod(v.aval.shape) == 1
+            nets.append(_Net(nbytes(v.aval) * heavy, found, frozenset(), scalar))
     return nets
 
 
@@ -746,12 +751,12 @@ def place_by_min_cut(state: PlacementState, members) -> None:
 
 
 def _spanned_pairs(state: PlacementState, members, nets: list[_Net]) -> dict:
-    """``{(a, b): nets}``: the pairs of meshes that nets of more than a few elements span
+    """``{(a, b): nets}``: the pairs of meshes that nets of more than one element span
     other than through equations that stay where they are (a parameter read on two
-    meshes), and those nets: only there can a cut save more than a few elements' bytes."""
+    meshes), and those nets: only there can a cut save more than scalars' bytes."""
     pairs: dict = {}
     for k, net in enumerate(nets):
-        if net.small:
+        if net.scalar:
             continue
         fixed = {state.mesh(state.stage[j]) for j in net.eqns if j not in members} | net.pins
         where = fixed | {state.mesh(state.stage[j]) for j in net.eqns if j in members}
@@ -763,11 +768,11 @@ def _spanned_pairs(state: PlacementState, members, nets: list[_Net]) -> dict:
 
 def _swap(state: PlacementState, members, nets: list[_Net], touching: dict, pair, spanning):
     """Move ``members`` placed on the meshes ``pair`` between the two as a minimum cut of
-    the :class:`_Net` s says, if that moves fewer bytes. Only those
-    joined to the ``spanning`` nets through nets of more than a few elements take part
-    (the rest could save a few elements' bytes). A net of two equations is an edge of
-    its weight; a larger one two nodes joined by its weight, each of its equations tied
-    to both (Lawler's construction)."""
+    the :class:`_Net` s says, if that moves fewer bytes. Only those joined to the
+    ``spanning`` nets through nets of more than one element take part (the rest, joined
+    to them by scalars alone, could save scalars' bytes). A net of two equations is an
+    edge of its weight; a larger one two nodes joined by its weight, each of its
+    equations tied to both (Lawler's construction)."""
     import networkx as nx  # (here, not at the top: it is a tenth of `import mpmdc`)
 
     a, b = pair
@@ -776,7 +781,7 @@ def _swap(state: PlacementState, members, nets: list[_Net], touching: dict, pair
     todo = list(free)
     while todo:
         for k in touching.get(todo.pop(), ()):
-            if not nets[k].small:
+            if not nets[k].scalar:
                 found = [j for j in nets[k].eqns if j in on_pair and j not in free]
                 free.update(found)
                 todo += found
@@ -786,11 +791,13 @@ def _swap(state: PlacementState, members, nets: list[_Net], touching: dict, pair
     for k in {k for i in free for k in touching[i]}:
         net = nets[k]
         where = {state.mesh(state.stage[j]) for j in net.eqns if j not in free} | net.pins
-        nodes = [("eqn", j) for j in net.eqns if j in free] + [m for m in pair if m in where]
-        if len(nodes) < 2:
+        loose = [j for j in net.eqns if j in free]
+        ends = [m for m in pair if m in where]
+        if len(loose) + len(ends) < 2:
             continue
-        meshes = {m if m in pair else state.mesh(state.stage[m[1]]) for m in nodes}
-        before += net.weight * (meshes == set(pair))
+        split = {state.mesh(state.stage[j]) for j in loose} | set(ends) == set(pair)
+        before += net.weight * split
+        nodes = [("eqn", j) for j in loose] + ends
         if len(nodes) == 2:
             graph.add_edge(*nodes, capacity=net.weight)
             graph.add_edge(*nodes[::-1], capacity=net.weight)
@@ -804,15 +811,23 @@ def _swap(state: PlacementState, members, nets: list[_Net], touching: dict, pair
         return
     # An equation the cut puts on either side at the same cost stays where it is: the
     # sides moved to are what ``a`` reaches and what reaches ``b`` by unsaturated edges.
-    unsaturated = nx.DiGraph(
-        (u, v) for u, v, d in residual.edges(data=True) if d["flow"] < d["capacity"]
-    )
-    unsaturated.add_nodes_from(pair)
-    sides = {a: nx.descendants(unsaturated, a), b: nx.ancestors(unsaturated, b)}
+    sides = {a: _unsaturated_reach(residual.succ, a), b: _unsaturated_reach(residual.pred, b)}
     for i in sorted(free):
         for m, side in sides.items():
             if ("eqn", i) in side and state.mesh(state.stage[i]) != m:
                 state.stage[i] = _stage_on(state, i, m)
+
+
+def _unsaturated_reach(edges, start) -> set:
+    """The nodes ``start`` reaches by edges (``edges``: a residual network's successors,
+    or its predecessors to go against them) with capacity left."""
+    seen, todo = {start}, [start]
+    while todo:
+        for node, edge in edges[todo.pop()].items():
+            if node not in seen and edge["flow"] < edge["capacity"]:
+                seen.add(node)
+                todo.append(node)
+    return seen
 
 
 def _stage_on(state: PlacementState, i: int, mesh: int) -> int:

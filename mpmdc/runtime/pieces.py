@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mpmdc import _jax_compat as compat
 from mpmdc.ir.program import Piece
 from mpmdc.ir.sharding import STAGES_AXIS, axes_of
 
@@ -166,8 +167,10 @@ def _concatenated(pieces, sharding, axis: int):
 
 
 def _assembled(pieces, sharding, axis: int):
-    """One array from ``pieces`` (rows along ``axis``, in order), their shards its own."""
+    """One array from ``pieces`` (rows along ``axis``, in order), their shards its own,
+    weakly typed where they are (as ``jax.jit``'s result is)."""
     shape = list(pieces[0].shape)
     shape[axis] = sum(p.shape[axis] for p in pieces)
     shards = [s.data for p in pieces for s in p.addressable_shards]
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
+    out = jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
+    return compat.weakly_typed(out) if pieces[0].weak_type else out
