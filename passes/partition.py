@@ -30,14 +30,15 @@ Rules, in the order they apply:
    user. So a parameter, its optimizer state, its update and its new value share the
    mesh of the stage that uses the parameter, and a global gradient norm is reduced
    per mesh with only scalars crossing. What nothing places runs in the first stage.
-   Before it, a cut of a program input (a smaller value made of that input alone: a
-   stage's rows of a layer stack kept whole on one mesh) runs where the input lives, so
-   the cut moves, not the input (:func:`place_cuts`). After it, the work after the
-   microbatch loop moves between each two meshes where a minimum cut of the bytes it
-   moves says (:func:`place_by_min_cut`): placed an equation at a time, a chain can
-   look as cheap on either mesh at each step and cost more in all (a stage's rows of a
-   stack kept whole, updated where its gradient is, with the state's rows sent there
-   and the new rows back).
+   Before it, a cut of a program input (a smaller value made of that input alone, laid
+   out otherwise or not: a stage's rows of a layer stack kept whole on one mesh, its
+   layer axis first or not) runs where the input lives, so the cut moves, not the
+   input (:func:`place_cuts`). After it, the work after the microbatch loop moves
+   between each two meshes where a minimum cut of the bytes it moves says
+   (:func:`place_by_min_cut`): placed an equation at a time, a chain can look as cheap
+   on either mesh at each step and cost more in all (a stage's rows of a stack kept
+   whole, updated where its gradient is, with the state's rows sent there and the new
+   rows back).
 5. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
    puts its outputs in microbatch ``i``, and ``microbatch[None]`` outside the loop
    (the start of a running sum, the loop's results). An equation reading values of several
@@ -55,10 +56,10 @@ Rules, in the order they apply:
    microbatch's tokens), which therefore move the small values, never the large result.
 
 The rules are steps a test can run alone on a :func:`placement_state`:
-:func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_cuts` and
+:func:`follow_operands` (rule 2), :func:`follow_users` (rule 3), :func:`place_cuts`,
 :func:`place_by_bytes` and :func:`place_by_min_cut` (rule 4: a cut of an input; the
-optimizer, a tied weight's summed gradient) and :func:`clone_small_values` (rule 6); program inputs (a tied weight too)
-then live with their earliest user.
+optimizer, a tied weight's summed gradient) and :func:`clone_small_values` (rule 6);
+program inputs (a tied weight too) then live with their earliest user.
 
 The transpose count of an equation is the largest count among the markers it
 depends on, so the last stage's backward shares a fragment with its forward and
@@ -88,7 +89,7 @@ from mpmdc.passes.base import Property, register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.calls import call_body
-from mpmdc.ir.graph import DefUse, def_use
+from mpmdc.ir.graph import DefUse, def_use, relaid_input
 from mpmdc.ir.primitives import (
     LOOP,
     LoopEdge,
@@ -493,15 +494,24 @@ class PlacementState:
     def cuts(self) -> dict:
         """``{equation: program input}`` of the equations outside any loop that make a
         smaller value of one program input alone (:func:`_cuts_an_input`: a stage's rows
-        of a layer stack kept whole on one mesh)."""
-        return {
-            i: self.reads[i][0]
-            for i, eqn in enumerate(self.eqns)
-            if self.stage[i] is None
-            and self.microbatch[i] is None
-            and i not in self.cheap
-            and _cuts_an_input(eqn, self.reads[i], self.producer)
-        }
+        of a layer stack kept whole on one mesh), and of those laying the input out
+        otherwise for them (moving its layer axis first)."""
+        made = {v: e for e in self.eqns for v in e.outvars}
+        out = {}
+        for i, eqn in enumerate(self.eqns):
+            if (
+                self.stage[i] is None
+                and self.microbatch[i] is None
+                and i not in self.cheap
+                and _cuts_an_input(eqn, self.reads[i], made)
+            ):
+                out[i] = relaid_input(self.reads[i][0], made)
+                v = self.reads[i][0]
+                while (j := self.producer.get(v)) is not None:
+                    if self.stage[j] is None and j not in self.cheap:
+                        out[j] = out[i]
+                    v = self.reads[j][0]
+        return out
 
     def pipeline_work(self) -> tuple[set[int], set[int]]:
         """The equations that depend on a marker (the pipeline's own work), and those
@@ -852,6 +862,7 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
     traced between the batch's slices and the first carry, where ``accumulate`` traced
     its function: it runs once per microbatch, as under ``jax.jit``, whatever it reads."""
     reads, producer, users = flow.reads, flow.producer, flow.readers
+    made = {v: e for e in eqns for v in e.outvars}
     microbatch: list[int | str | None] = [None] * len(eqns)
     slices = [i for i, e in enumerate(eqns) if is_loop_edge(e, LoopEdge.SLICE)]
     after = [i for i, e in enumerate(eqns) if is_loop_edge(e) and i > slices[-1]] if slices else []
@@ -889,19 +900,21 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
                 if not is_microbatch_marker(eqns[j])
             }
             if len(of_users) == 1 and not (
-                LOOP in of_users and _cuts_an_input(eqns[i], reads[i], producer)
+                LOOP in of_users and _cuts_an_input(eqns[i], reads[i], made)
             ):
                 microbatch[i] = of_users.pop()
     return microbatch
 
 
-def _cuts_an_input(eqn, operands, producer) -> bool:
-    """Whether ``eqn`` makes a smaller value of one program input (or constant) alone: a
-    stage's rows of a layer stack kept whole on one mesh. It is computed once, before
-    the loop, where the input is, and its result moves, not the input."""
+def _cuts_an_input(eqn, operands, made: dict) -> bool:
+    """Whether ``eqn`` makes a smaller value of one program input (or constant) alone, or
+    of one laid out otherwise (:func:`relaid_input`; ``made``: variable -> equation): a
+    stage's rows of a layer stack kept whole on one mesh, its layer axis first or not.
+    It is computed once, before the loop, where the input is, and its result moves, not
+    the input."""
     return (
         len(operands) == 1
-        and operands[0] not in producer
+        and relaid_input(operands[0], made) is not None
         and not eqn.effects
         and sum(nbytes(v.aval) for v in eqn.outvars) < sum(nbytes(a.aval) for a in operands)
     )

@@ -25,6 +25,7 @@ from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
+from mpmdc.ir.graph import relaid_input
 from mpmdc.ir.program import (
     Piece,
     Program,
@@ -195,7 +196,7 @@ def slice_stacks(program: Program) -> Program:
                 program.in_paths[i] if rows is None else _rows_text(program.in_paths[i], *rows)
             )
             donated.append(program.donated[i])
-    eqns, taken = _rows_taken_once(walk.eqns, {new_inputs[v][0] for v in whole_layouts})
+    eqns, taken = _rows_taken_once(walk.eqns)
     outvars, out_pieces, out_specs, out_paths, wanted = [], [], [], [], []
     for i, v in enumerate(substituted(substituted(jaxpr.outvars, walk.env), taken)):
         found = walk.stack_of(v)
@@ -235,10 +236,13 @@ def slice_stacks(program: Program) -> Program:
     )
 
 
-def _rows_taken_once(eqns, whole: set) -> tuple[list, dict]:
-    """``(eqns, renaming)``: ``eqns`` with the rows of an input kept whole (in ``whole``)
-    taken once however many equations take them (a stage's forward and backward), each
-    later take renamed to the first, so a mesh receives a stage's rows once."""
+def _rows_taken_once(eqns) -> tuple[list, dict]:
+    """``(eqns, renaming)``: ``eqns`` with the rows of a program input (a layer stack
+    kept whole), or of one laid out otherwise (:func:`relaid_input`: its layer axis moved
+    first), taken once however many equations take them (a stage's forward and
+    backward), each later take renamed to the first, so a mesh receives a stage's rows
+    once."""
+    made = {v: e for e in eqns for v in e.outvars}
     first: dict = {}
     renaming: dict = {}
     out = []
@@ -247,7 +251,7 @@ def _rows_taken_once(eqns, whole: set) -> tuple[list, dict]:
         if (
             (rows := group_rows(eqn)) is not None
             and is_var(eqn.invars[0])
-            and eqn.invars[0] in whole
+            and relaid_input(eqn.invars[0], made) is not None
         ):
             key = (eqn.invars[0], rows)
             if key in first:

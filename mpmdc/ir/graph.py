@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from jax.extend.core import primitives as jprims
+
 from mpmdc.ir.program import is_var, vars_of
+
+# Equations that lay a value's elements out otherwise and change nothing else.
+_RELAYOUTS = frozenset({jprims.transpose_p, jprims.reshape_p, jprims.squeeze_p})
 
 
 class DefUse(NamedTuple):
@@ -38,6 +43,18 @@ def def_use(eqns: Sequence) -> DefUse:
                 seen.append(i)
         producer.update((v, i) for v in eqn.outvars if is_var(v))
     return DefUse(producer, readers, reads)
+
+
+def relaid_input(v, producers: dict):
+    """The program input (or constant) that ``v`` is laid out from by transposes and
+    reshapes alone (a stack's layer axis moved first: ``jnp.moveaxis(w, 1, 0)``), ``v``
+    itself if it is one, else ``None``. ``producers``: variable -> its equation."""
+    while v in producers:
+        eqn = producers[v]
+        if eqn.primitive not in _RELAYOUTS or len(vars_of(eqn.invars)) != 1 or eqn.effects:
+            return None
+        v = eqn.invars[0]
+    return v
 
 
 def release_plan(jaxpr) -> list[list]:

@@ -384,26 +384,29 @@ def test_a_stack_that_cannot_be_one_array_warns_stays_whole_and_computes(
     assert len(rows_by_mesh(w1, meshes)) == 1  # whole, on one mesh
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
-def test_a_stack_kept_whole_sends_each_mesh_its_stages_rows_once_per_step(meshes4, schedule):
+@pytest.mark.parametrize(
+    "schedule,axis", [("interleaved-1f1b", 0), ("dualpipev", 0), ("interleaved-1f1b", 1)]
+)
+def test_a_stack_kept_whole_sends_each_mesh_its_stages_rows_once_per_step(meshes4, schedule, axis):
     """8 stages of one layer on 4 meshes keep the stack whole on mesh0. Each other mesh
     receives the rows of its two stages once per step, taken on mesh0 before the loop
     (the forward's and the backward's take one value): not the stack whole, and not a
-    stage's rows with every microbatch."""
+    stage's rows with every microbatch. So also where the stack's layer axis is not its
+    first (Linen's ``variable_axes={"params": 1}``): the scan reads it moved first."""
     layers, width = 8, 16
 
     def loss(ws, x):
         def layer(h, w):
             return jnp.tanh(mpmdc.stage(h, every=1) @ w), None
 
-        return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+        return jnp.mean(jax.lax.scan(layer, x, jnp.moveaxis(ws, axis, 0))[0] ** 2)
 
     def step(ws, x):
         return mpmdc.accumulate(
             lambda mb: jax.value_and_grad(loss)(ws, mb), x, microbatches=layers, reduce="mean"
         )
 
-    ws = jnp.full((layers, width, width), 0.1)
+    ws = jnp.moveaxis(jnp.full((layers, width, width), 0.1), 0, axis)
     x = jnp.sin(jnp.arange(4.0 * layers * width)).reshape(4 * layers, width)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlacementWarning)  # (kept whole: said elsewhere)

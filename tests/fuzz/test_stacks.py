@@ -6,7 +6,8 @@ and its state come back whole on one mesh and no state rows leave it; and a seco
 call, the results fed back, moves and compiles nothing.
 
 Drawn: 2 or 4 meshes of 2 devices, one stage on each or two (interleaved 1F1B, or on 2
-meshes DualPipeV or ZB-V); 1 or 2 layers per stage; the layer
+meshes DualPipeV or ZB-V, the stacked leaves' layer axis first or second); 1 or 2
+layers per stage; the layer
 (a residual MLP, or one with a layer norm before it); what comes before and after the
 stack (an embedding and a head of their own, or one matrix tied between them); the
 optimizer (from SGD to optax's wrappers that keep state of the stack's shape, decide the
@@ -81,6 +82,9 @@ def models(draw):
     return dict(
         meshes=meshes,
         stages=meshes * (1 + kept_whole),
+        # Where the stacked leaves hold their layers (Linen's variable_axes): second,
+        # read moved first, for a stack kept whole.
+        layer_axis=draw(st.sampled_from([0, 1])) if kept_whole else 0,
         every=draw(st.sampled_from([1, 2])),
         norm=draw(st.booleans()),
         tied=draw(st.booleans()),
@@ -112,6 +116,9 @@ def init(model, key):
     }
     if model["norm"]:
         params["layers"]["scale"] = 1.0 + 0.1 * jax.random.normal(k[3], (layers, WIDTH))
+    params["layers"] = jax.tree.map(
+        lambda a: jnp.moveaxis(a, 0, model["layer_axis"]), params["layers"]
+    )
     if not model["tied"]:
         params["head"] = jax.random.normal(k[4], (WIDTH, OUT)) * 0.4
     return params
@@ -127,7 +134,8 @@ def loss_fn(model):
         return h + jnp.tanh(a @ w["w1"] + w["b1"]) @ w["w2"], None
 
     def loss(params, x, y):
-        h, _ = jax.lax.scan(layer, x @ params["embed"], params["layers"])
+        stack = jax.tree.map(lambda a: jnp.moveaxis(a, model["layer_axis"], 0), params["layers"])
+        h, _ = jax.lax.scan(layer, x @ params["embed"], stack)
         head = params["embed"].T if model["tied"] else params["head"]
         return jnp.mean((h @ head - y) ** 2)
 
@@ -180,6 +188,12 @@ def within_noise(got, want, floor):
         assert difference <= bound, (path, difference, bound)
 
 
+def _stacked(leaf, model) -> bool:
+    """Whether ``leaf`` is a stacked parameter's or a state of its shape."""
+    axis = model["layer_axis"]
+    return leaf.ndim > axis and leaf.shape[axis] == model["stages"] * model["every"]
+
+
 def check_kept_whole(model, compiled, meshes, state, x, y, stacked):
     """The stack and its state whole on one mesh, and no state rows leaving it: the
     parameters and optimizer state sent per step are at most the stacked parameters'
@@ -187,8 +201,7 @@ def check_kept_whole(model, compiled, meshes, state, x, y, stacked):
     one take) and what else the step reads, once to each other mesh."""
     homes = {tuple(rows_by_mesh(leaf, meshes)) for leaf in stacked}
     assert len(homes) == 1 and len(homes.pop()) == 1, homes
-    layers = len(stacked[0])
-    whole = [a for a in jax.tree.leaves(state) if a.ndim and a.shape[0] == layers]
+    whole = [a for a in jax.tree.leaves(state) if _stacked(a, model)]
     rows = sum(a.nbytes for a in jax.tree.leaves(state[0]["layers"]))
     rest = sum(a.nbytes for a in jax.tree.leaves(state)) - sum(a.nbytes for a in whole)
     with warnings.catch_warnings():
@@ -232,8 +245,7 @@ def test_a_layer_stack_trains_as_under_jit_with_each_stages_rows_on_its_mesh(mod
         a.weak_type for a in jax.tree.leaves(want)
     ]
 
-    layers = model["stages"] * model["every"]
-    stacked = [a for a in jax.tree.leaves(got[1]) if a.ndim and a.shape[0] == layers]
+    stacked = [a for a in jax.tree.leaves(got[1]) if _stacked(a, model)]
     assert len(stacked) >= len(params["layers"])
     if model["stages"] > model["meshes"]:
         check_kept_whole(model, compiled, meshes, state, x, y, stacked)
