@@ -761,16 +761,18 @@ def place_by_min_cut(state: PlacementState, members) -> None:
 
 
 def _spanned_pairs(state: PlacementState, members, nets: list[_Net]) -> dict:
-    """``{(a, b): nets}``: the pairs of meshes that nets of more than one element span
-    other than through equations that stay where they are (a parameter read on two
-    meshes), and those nets: only there can a cut save more than scalars' bytes."""
+    """``{(a, b): nets}``: the pairs of meshes running stages that nets of more than one
+    element span other than through equations that stay where they are (a parameter
+    read on two meshes), and those nets: only there can a cut save more than scalars'
+    bytes."""
+    staged = {state.mesh(s) for s in state.stage if s is not None}
     pairs: dict = {}
     for k, net in enumerate(nets):
         if net.scalar:
             continue
         fixed = {state.mesh(state.stage[j]) for j in net.eqns if j not in members} | net.pins
         where = fixed | {state.mesh(state.stage[j]) for j in net.eqns if j in members}
-        for pair in itertools.combinations(sorted(where), 2):
+        for pair in itertools.combinations(sorted(where & staged), 2):
             if not fixed.issuperset(pair):
                 pairs.setdefault(pair, []).append(k)
     return pairs

@@ -301,10 +301,9 @@ def _warn(scan, what: list[str], why: str) -> None:
         f"stacked arrays ({named}) are kept whole on one mesh: each step sends every "
         f"other mesh running one of their stages those stages' rows, and their gradients' "
         f"rows come back (an update after the microbatch loop runs where the stack is). "
-        f"Give every stage the "
-        f"same number of layers (a "
-        f"fixed every=k dividing the stack, where every='balanced' splits it unevenly), one "
-        f"stage per mesh, and meshes of one shape to keep each stage's rows on its mesh.",
+        f"Give every stage the same number of layers (a fixed every=k dividing the stack, "
+        f"where every='balanced' splits it unevenly), one stage per mesh, and meshes of "
+        f"one shape to keep each stage's rows on its mesh.",
         PlacementWarning,
         stacklevel=compat.user_stacklevel(),
     )
