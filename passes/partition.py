@@ -734,10 +734,18 @@ def _nets(state: PlacementState, members) -> list[_Net]:
         )
     heavy = 1 + sum(net.weight for net in nets)
     for v, result in state.fed_back.items():
-        found = (*state.made_by(result), *state.placed_users(v))
-        if not members.isdisjoint(found):
-            scalar = math.prod(v.aval.shape) == 1
-            nets.append(_Net(nbytes(v.aval) * heavy, found, frozenset(), scalar))
+        makers, readers = state.made_by(result), list(state.placed_users(v))
+        if members.isdisjoint(makers + readers):
+            continue
+        scalar = math.prod(v.aval.shape) == 1
+        # The input lives with its earliest reader: where that stays put, the result is
+        # tied to its mesh; where the cut may move it, to every reader.
+        home = state.earliest(readers)
+        if home is not None and home not in members:
+            pins, found = frozenset({state.mesh(state.stage[home])}), tuple(makers)
+        else:
+            pins, found = frozenset(), (*makers, *readers)
+        nets.append(_Net(nbytes(v.aval) * heavy, found, pins, scalar))
     return nets
 
 
