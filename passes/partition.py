@@ -496,16 +496,15 @@ class PlacementState:
         smaller value of one program input alone (:func:`_cuts_an_input`: a stage's rows
         of a layer stack kept whole on one mesh), and of those laying the input out
         otherwise for them (moving its layer axis first)."""
-        made = {v: e for e in self.eqns for v in e.outvars}
         out = {}
         for i, eqn in enumerate(self.eqns):
             if (
                 self.stage[i] is None
                 and self.microbatch[i] is None
                 and i not in self.cheap
-                and _cuts_an_input(eqn, self.reads[i], made)
+                and _cuts_an_input(eqn, self.reads[i], self.eqns, self.producer)
             ):
-                out[i] = relaid_input(self.reads[i][0], made)
+                out[i] = relaid_input(self.reads[i][0], self.eqns, self.producer)
                 v = self.reads[i][0]
                 while (j := self.producer.get(v)) is not None:
                     if self.stage[j] is None and j not in self.cheap:
@@ -872,7 +871,6 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
     traced between the batch's slices and the first carry, where ``accumulate`` traced
     its function: it runs once per microbatch, as under ``jax.jit``, whatever it reads."""
     reads, producer, users = flow.reads, flow.producer, flow.readers
-    made = {v: e for e in eqns for v in e.outvars}
     microbatch: list[int | str | None] = [None] * len(eqns)
     slices = [i for i, e in enumerate(eqns) if is_loop_edge(e, LoopEdge.SLICE)]
     after = [i for i, e in enumerate(eqns) if is_loop_edge(e) and i > slices[-1]] if slices else []
@@ -910,21 +908,21 @@ def _infer_microbatches(eqns, flow: DefUse, cheap):
                 if not is_microbatch_marker(eqns[j])
             }
             if len(of_users) == 1 and not (
-                LOOP in of_users and _cuts_an_input(eqns[i], reads[i], made)
+                LOOP in of_users and _cuts_an_input(eqns[i], reads[i], eqns, producer)
             ):
                 microbatch[i] = of_users.pop()
     return microbatch
 
 
-def _cuts_an_input(eqn, operands, made: dict) -> bool:
+def _cuts_an_input(eqn, operands, eqns, producer: dict) -> bool:
     """Whether ``eqn`` makes a smaller value of one program input (or constant) alone, or
-    of one laid out otherwise (:func:`relaid_input`; ``made``: variable -> equation): a
+    of one laid out otherwise (:func:`relaid_input`, over ``eqns``, one of them): a
     stage's rows of a layer stack kept whole on one mesh, its layer axis first or not.
     It is computed once, before the loop, where the input is, and its result moves, not
     the input."""
     return (
         len(operands) == 1
-        and relaid_input(operands[0], made) is not None
+        and relaid_input(operands[0], eqns, producer) is not None
         and not eqn.effects
         and sum(nbytes(v.aval) for v in eqn.outvars) < sum(nbytes(a.aval) for a in operands)
     )
@@ -1027,25 +1025,16 @@ def _place(state: PlacementState) -> dict[int, Placement]:
     }
 
 
-def _output_placements(outvars, eqns, producer, cheap, placement) -> list[Placement | None]:
+def _output_placements(state: PlacementState, outvars, placement) -> list[Placement | None]:
     """Each output's placement: an output made by a cheap equation (a cast of a small
-    gradient) stays with what it is made from; ``None`` for one made from nothing placed
-    (a constant, an input returned as is)."""
-
-    def sources(v):
-        """The placed equations a value comes from, looking through cheap ones."""
-        j = producer.get(v)
-        if j is None:
-            return []
-        if j not in cheap:
-            return [placement[j]]
-        return [p for a in vars_of(eqns[j].invars) for p in sources(a)]
-
-    found = [sources(v) if is_var(v) else [] for v in outvars]
+    gradient) stays with what it is made from (:meth:`PlacementState.made_by`); ``None``
+    for one made from nothing placed (a constant, an input returned as is)."""
+    found = [[placement[j] for j in state.made_by(v)] if is_var(v) else [] for v in outvars]
     return [max(s, key=Placement.order_key) if s else None for s in found]
 
 
 _PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
+_INDEX = re.compile(r"\[\d+\]")
 
 
 def _fed_back(program: Program) -> dict:
@@ -1055,22 +1044,29 @@ def _fed_back(program: Program) -> dict:
     for it, so the next call reads the input where that result is made. An argument that
     is an array has no such place (the results may come in another order): unpaired,
     but for a layer stack's stacked array kept whole and its result
-    (``Program.stack_feedback``)."""
+    (``Program.stack_feedback``). A function returning one pytree, not a tuple, has
+    its whole result in that place (``out['w']`` pairs with ``args[0]['w']``). A place
+    two inputs or two results share pairs nothing: which is fed back is not known."""
     jaxpr = program.jaxpr.jaxpr
     inputs = set(jaxpr.invars)
 
-    def key(path, v):
-        return tuple(_PATH_KEY.findall(path)[1:]), v.aval.shape, v.aval.dtype
+    def key(keys, v):
+        return tuple(keys), v.aval.shape, v.aval.dtype
 
     results: dict = {}
     for path, v in zip(program.out_paths, jaxpr.outvars):
+        keys = _PATH_KEY.findall(path)
+        if keys and _INDEX.fullmatch(keys[0]):  # (one result of a tuple)
+            keys = keys[1:]
         if is_var(v) and v not in inputs:
-            results.setdefault(key(path, v), []).append(v)
-    pairs = {}
+            results.setdefault(key(keys, v), []).append(v)
+    places: dict = {}
     for path, v in zip(program.in_paths, jaxpr.invars):
-        place = key(path, v)
-        if place[0] and len(found := results.get(place, [])) == 1:
-            pairs[v] = found[0]
+        places.setdefault(key(_PATH_KEY.findall(path)[1:], v), []).append(v)
+    pairs = {}
+    for place, found in places.items():
+        if place[0] and len(found) == 1 and len(made := results.get(place, [])) == 1:
+            pairs[found[0]] = made[0]
     for ins, outs in program.stack_feedback or ():
         paired = set(pairs.values())
         left = [jaxpr.invars[k] for k in ins if jaxpr.invars[k] not in pairs]
@@ -1346,7 +1342,7 @@ def partition(program: Program) -> Program:
     out_placement = [
         dataclasses.replace(p, microbatch=None)
         for p in _with_kin(
-            _output_placements(jaxpr.outvars, eqns, producer, cheap, placement),
+            _output_placements(state, jaxpr.outvars, placement),
             program.out_paths,
             default,
         )

@@ -25,7 +25,7 @@ from mpmdc.passes.base import Property, register
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
-from mpmdc.ir.graph import relaid_input
+from mpmdc.ir.graph import def_use, relaid_input
 from mpmdc.ir.program import (
     Piece,
     Program,
@@ -242,7 +242,7 @@ def _rows_taken_once(eqns) -> tuple[list, dict]:
     first), taken once however many equations take them (a stage's forward and
     backward), each later take renamed to the first, so a mesh receives a stage's rows
     once."""
-    made = {v: e for e in eqns for v in e.outvars}
+    producer = def_use(eqns).producer
     first: dict = {}
     renaming: dict = {}
     out = []
@@ -251,7 +251,7 @@ def _rows_taken_once(eqns) -> tuple[list, dict]:
         if (
             (rows := group_rows(eqn)) is not None
             and is_var(eqn.invars[0])
-            and relaid_input(eqn.invars[0], made) is not None
+            and relaid_input(eqn.invars[0], eqns, producer) is not None
         ):
             key = (eqn.invars[0], rows)
             if key in first:

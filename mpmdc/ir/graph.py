@@ -45,12 +45,12 @@ def def_use(eqns: Sequence) -> DefUse:
     return DefUse(producer, readers, reads)
 
 
-def relaid_input(v, producers: dict):
+def relaid_input(v, eqns: Sequence, producer: dict):
     """The program input (or constant) that ``v`` is laid out from by transposes and
     reshapes alone (a stack's layer axis moved first: ``jnp.moveaxis(w, 1, 0)``), ``v``
-    itself if it is one, else ``None``. ``producers``: variable -> its equation."""
-    while v in producers:
-        eqn = producers[v]
+    itself if it is one, else ``None``. ``producer``: :class:`DefUse`'s, of ``eqns``."""
+    while v in producer:
+        eqn = eqns[producer[v]]
         if eqn.primitive not in _RELAYOUTS or len(vars_of(eqn.invars)) != 1 or eqn.effects:
             return None
         v = eqn.invars[0]

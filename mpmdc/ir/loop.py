@@ -340,32 +340,46 @@ def _batches(before: list, entries, microbatches: int, read: set):
     return out, taking, chains
 
 
-def _stackers(exits, envs: list[dict]) -> list:
-    """One fragment per mesh concatenating (:func:`_stack`) the values each ``STACK``
-    edge there gathers, in microbatch order."""
-    out = []
+def _stackers(exits, envs: list[dict], made_after: set) -> tuple[list, list]:
+    """``(early, late)``: one fragment per mesh concatenating (:func:`_stack`) the values
+    each ``STACK`` edge there gathers, in microbatch order; and one per edge gathering a
+    loop-invariant value made after the loop (``made_after``: in a fragment outside the
+    loop that also reads the loop's results), to run once that value is made."""
     stacks = [e for e in exits if is_loop_edge(e, LoopEdge.STACK)]
-    for mesh, edges in sorted(_by_mesh(stacks).items()):
+    early = sorted(_by_mesh(e for e in stacks if e.invars[0] not in made_after).items())
+    late = [(e.params["mesh"], [e]) for e in stacks if e.invars[0] in made_after]
+
+    def stacker(mesh, edges):
         stage = min(e.params["stage"] for e in edges)
-        out.append(
-            _fragment(
-                [env.get(e.invars[0], e.invars[0]) for e in edges for env in envs],
-                [e.outvars[0] for e in edges],
-                functools.partial(_stack, len(envs)),
-                name=f"s{stage}_stack",
-                stage=stage,
-                mesh=mesh,
-                in_specs=[e.params["in_spec"] for e in edges for _ in envs],
-                out_specs=[e.params["out_spec"] for e in edges],
-            )
+        return _fragment(
+            [env.get(e.invars[0], e.invars[0]) for e in edges for env in envs],
+            [e.outvars[0] for e in edges],
+            functools.partial(_stack, len(envs)),
+            name=f"s{stage}_stack",
+            stage=stage,
+            mesh=mesh,
+            in_specs=[e.params["in_spec"] for e in edges for _ in envs],
+            out_specs=[e.params["out_spec"] for e in edges],
         )
-    return out
+
+    return [stacker(*group) for group in early], [stacker(*group) for group in late]
+
+
+def _with_late_stackers(after: list, late: list) -> list:
+    """``after`` with each fragment of ``late`` right after the equation making the value
+    it stacks (what reads its result comes later, as the edge did)."""
+    at = {v: k for k, eqn in enumerate(after) for v in eqn.outvars}
+    slots: list[list] = [[eqn] for eqn in after]
+    for stacker in late:
+        slots[at[stacker.invars[0]]].append(stacker)
+    return [eqn for slot in slots for eqn in slot]
 
 
 def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
     """``closed`` (a split program's jaxpr with a rolled loop) with the loop stamped
     out: before-loop work (laying the batch out), the iteration once per microbatch,
-    stacking fragments, after-loop work; each in an order its data allows. A stamped
+    stacking fragments, after-loop work (stacking a value it makes once that is made);
+    each in an order its data allows. A stamped
     fragment is named and tagged with its microbatch. Without a rolled loop, ``closed``
     as it is."""
     jaxpr = closed.jaxpr
@@ -410,8 +424,9 @@ def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
         for e in loop.exits
         if is_loop_edge(e, LoopEdge.RESULT)
     }
-    eqns += _stackers(loop.exits, envs)
-    eqns += [e.replace(invars=substituted(e.invars, last)) for e in loop.after]
+    after = [e.replace(invars=substituted(e.invars, last)) for e in loop.after]
+    early, late = _stackers(loop.exits, envs, {v for e in loop.after for v in e.outvars})
+    eqns += early + _with_late_stackers(after, late)
     return make_closed_jaxpr(
         jaxpr.constvars,
         closed.consts,

@@ -106,6 +106,9 @@ UNARY = {
     "cond": lambda x: jax.lax.cond(jnp.sum(x) > 0, jnp.tanh, jnp.sin, x),
     "custom_vjp": clipped_tanh,
     "tagged": _tagged_tanh,
+    # read without being differentiated: an input read so on one mesh and differentiated
+    # on another has its gradient made away from where it lives
+    "held": jax.lax.stop_gradient,
 }
 BINARY = {
     "add": jnp.add,
@@ -826,6 +829,47 @@ def test_a_result_made_from_nothing_in_the_loop_is_made_after_it():
     )
 
 
+def test_a_stacked_value_the_same_every_microbatch_is_stacked_after_it_is_made():
+    """Found with ``MPMDC_FUZZ_SEED=83``: the stacked loss reads no microbatch (the same
+    every microbatch), so it is made outside the loop, and ``split`` put the work making
+    it in one fragment with the work after the loop (the int8 metric's mean). Stamped
+    out, the stack was concatenated before the loop's results were read, before the
+    value it stacks was made: the schedule pass raised an internal error."""
+    ops = [("unary", "half", 0)] * 59
+    for k, op in {
+        2: ("layer", 0, "module_jax", 0, 1),
+        6: ("layer", 0, "module_jax", 0, 0),
+        9: ("unary", "cond", 1),
+        13: ("constant", "module_jax", 0, "matmul", 4),
+        16: ("unary", "cond", 15),
+        25: ("stack", 2, 1, 2, "input", 11, 18),
+        30: ("custom_layer", 0, "custom_jvp", 0, 27),
+        52: ("layer", 3, "module_numpy", 0, 33),
+        58: ("stack", 0, (1,), 1, "closure", 32, 21),
+    }.items():
+        ops[k] = op
+    check(
+        dict(
+            num_inputs=2,
+            ops=ops,
+            markers={52: (2, [13], False), 58: (3, [60], False)},
+            num_meshes=4,
+            mesh_axes=(("d", 1),),
+            in_specs=[None, None],
+            committed=[None, None],
+            mode="accumulate",
+            schedule="gpipe",
+            microbatches=2,
+            computed_batch=False,
+            stacked_loss=True,
+            metric=("int8", "mean"),
+            stage_to_mesh=None,
+            with_key=False,
+            echoes=[],
+        )
+    )
+
+
 # --------------------------------------------------- one function, many calls
 
 CONTAINERS = {
@@ -925,9 +969,10 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     st.booleans(),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
 )
 def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
-    desc, skip_step, stacked_param, frozen, in_context
+    desc, skip_step, stacked_param, frozen, in_context, one_tree
 ):
     """Random programs as the loss of a training step (one batch, or microbatches in
     ``accumulate`` under a random valid schedule; the layer stacks' weights computed in
@@ -946,16 +991,21 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     are called under the first mesh's ``jax.set_mesh``, a stacked parameter (and its
     momentum) then committed whole to the last mesh and moved to where it is read, not
     on the context mesh (these programs read a slice of it, so it is never cut into
-    stage rows: ``test_stacks.py`` calls stacks so)."""
+    stage rows: ``test_stacks.py`` calls stacks so). Some steps take their state as one
+    pytree and return it as one, the loss in it (``{"params": ..., "state": ...}`` in,
+    with ``"loss"`` out), not in a tuple."""
     _describe({**desc, "stacked_param": stacked_param})
     event(f"skip_step={skip_step}")
     event(f"stacked_param={stacked_param}")
     event(f"frozen={frozen}")
     event(f"in_context={in_context}")
-    check_training_step(desc, skip_step, stacked_param, frozen, in_context)
+    event(f"one_tree={one_tree}")
+    check_training_step(desc, skip_step, stacked_param, frozen, in_context, one_tree)
 
 
-def check_training_step(desc, skip_step, stacked_param, frozen, in_context, note=event):
+def check_training_step(
+    desc, skip_step, stacked_param, frozen, in_context, one_tree=False, note=event
+):
     """The properties of :func:`test_a_training_step_keeps_parameters_and_state_where_
     they_go_in` for one program; ``note`` records what it saw (Hypothesis's ``event``
     inside a test)."""
@@ -1004,7 +1054,11 @@ def check_training_step(desc, skip_step, stacked_param, frozen, in_context, note
                 )
             return loss, params, momenta
 
-        return step
+        def step_on_one_tree(train_state, *batch):  # (keys sorting as the tuple's order)
+            loss, params, momenta = step(train_state["params"], train_state["state"], *batch)
+            return {"loss": loss, "params": params, "state": momenta}
+
+        return step_on_one_tree if one_tree else step
 
     _, args, kwargs = build(desc, meshes, seen)
     params, batch = args[: n - stacked_param], args[n - stacked_param :]
@@ -1014,9 +1068,16 @@ def check_training_step(desc, skip_step, stacked_param, frozen, in_context, note
         params.append(jnp.asarray(rng.normal(size=(longest, size, size)) * 0.5, jnp.float32))
     momenta = {"mu": [0.5 * a for a in params]}
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
-    kwargs["in_specs"] = (specs, {"mu": specs}, *(None,) * len(batch))  # as their parameters
+    state_specs = (specs, {"mu": specs})  # (the momenta's as their parameters')
+    if one_tree:
+        state_specs = ({"params": specs, "state": {"mu": specs}},)
+    kwargs["in_specs"] = (*state_specs, *(None,) * len(batch))
+
+    def state_args(params, momenta):
+        return ({"params": params, "state": momenta},) if one_tree else (params, momenta)
+
     compiled = mpmdc.compile(training_step(seen, meshes), meshes, **kwargs)
-    program = compiled.lower(params, momenta, *batch).program("after-split")
+    program = compiled.lower(*state_args(params, momenta), *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
     sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
     for j in range(2 * n):  # fed back, each is where the next call reads it
@@ -1040,7 +1101,7 @@ def check_training_step(desc, skip_step, stacked_param, frozen, in_context, note
                 came_in = canonical_spec(program.in_specs[j])
                 assert specs[k] is None or came_in == canonical_spec(specs[k]), j
                 assert canonical_spec(program.out_specs[1 + j]) == came_in, j
-    given = (params, momenta)
+    given = state_args(params, momenta)
     if in_context and stacked_param:  # (jax.jit is given the stack uncommitted)
         whole_on_last = jax.sharding.NamedSharding(meshes[-1], P())
         given = jax.tree.map(
@@ -1050,7 +1111,7 @@ def check_training_step(desc, skip_step, stacked_param, frozen, in_context, note
         got = jax.block_until_ready(compiled(*given, *batch))
     want = jax.block_until_ready(
         jax.jit(training_step(expected, reference_meshes(meshes), reference=True))(
-            params, momenta, *batch
+            *state_args(params, momenta), *batch
         )
     )
     jax.effects_barrier()
