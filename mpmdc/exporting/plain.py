@@ -143,15 +143,17 @@ def _type_name(cls: type) -> str:
 
 
 def _aux_data(aux, where: str):
-    """A node's auxiliary data as JSON-able values, tuples and lists told apart."""
+    """A node's auxiliary data as JSON-able values, tuples and lists told apart
+    (``where``: what holds the node, and the node: "the arguments hold a TrainState,")."""
     if aux is None or isinstance(aux, (bool, int, float, str)):
         return aux
     if isinstance(aux, (tuple, list)):
         return {type(aux).__name__: [_aux_data(a, where) for a in aux]}
     raise ExportError(
-        f"{where} is a pytree node whose auxiliary data is {a_type(aux)}, which an "
+        f"{where} a pytree node whose auxiliary data is {a_type(aux)}, which an "
         f"exported program cannot record; pass tuples, lists, dicts, namedtuples, or nodes "
-        f"whose auxiliary data are numbers, strings or tuples of them."
+        f"whose auxiliary data are numbers, strings or tuples of them (of a Flax "
+        f"TrainState, its params and opt_state)."
     )
 
 
@@ -171,7 +173,7 @@ def tree_data(treedef, where: str = "the arguments") -> Any:
     cls, aux = treedef.node_data()
     return {
         "type": _type_name(cls),
-        "aux": _aux_data(aux, f"{where} ({cls.__qualname__})"),
+        "aux": _aux_data(aux, f"{where} hold a {cls.__qualname__},"),
         "children": [tree_data(c, where) for c in treedef.children()],
     }
 

@@ -20,9 +20,9 @@ where each was when the program was traced) is moved by the runtime before every
 the report counts it as ``state`` on its link and names it. A stack's rows held in
 pieces are where their devices are (``Program.arg_blocks``): nowhere else when each
 piece's rows are on the mesh reading them (as the step returned the stack), else moved
-from the mesh holding them. One committed to devices that no one mesh holds (spread
-over several meshes, or outside them) is named too and counted in the totals, on no
-link.
+from the mesh holding them. One committed to devices that are no one mesh's (part of
+a mesh, even the one reading it, or spread over several, or outside them) is named too
+and counted in the totals, on no link.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class TransferReport:
 
     def total(self, category: str | None = None) -> int:
         """Bytes moved per step (in ``category``, one of :data:`CATEGORIES`, if given),
-        arguments on devices no one mesh holds included."""
+        arguments on devices that are no one mesh's included."""
         columns = range(len(CATEGORIES)) if category is None else [CATEGORIES.index(category)]
         moved = sum(link.bytes[c] for link in self.links for c in columns)
         if category in (None, CATEGORIES[1]):
@@ -137,17 +137,21 @@ def holders_of_rows(blocks, rows: tuple[int, int, int]) -> set[int]:
 
 def _source_of_piece(program: Program, k: int, leaf: int):
     """Where program input ``k``, rows of argument ``leaf`` committed to devices of several
-    meshes (``Program.arg_blocks``), is before a call: the index of the mesh holding
-    every device that holds those rows, else the sorted ids of those devices."""
+    meshes (``Program.arg_blocks``), is before a call: the index of the mesh whose
+    devices hold those rows, else the sorted ids of those devices."""
     rows = program.in_pieces[k].rows if program.in_pieces is not None else None
     blocks = program.arg_blocks[leaf] if program.arg_blocks else None
     if rows is None or blocks is None:
         return program.arg_meshes[leaf]
-    holders = holders_of_rows(blocks, rows)
-    for m, mesh in enumerate(program.meshes):
-        if holders <= {d.id for d in mesh.devices.flat}:  # (as for a whole argument)
-            return m
-    return tuple(sorted(holders))
+    return mesh_or_devices(holders_of_rows(blocks, rows), program.meshes)
+
+
+def mesh_or_devices(ids: set[int], meshes) -> int | tuple[int, ...]:
+    """The index of the mesh whose devices are the devices ``ids``, else ``ids`` sorted
+    (on part of a mesh, on several, or outside them: moved even onto the mesh a part
+    of which holds it)."""
+    found = next((i for i, m in enumerate(meshes) if ids == {d.id for d in m.devices.flat}), None)
+    return found if found is not None else tuple(sorted(ids))
 
 
 def transfer_report(program: Program) -> TransferReport:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import ArgumentError, MeshError, PlacementWarning
-from mpmdc.ir.traffic import holders_of_rows
+from mpmdc.ir.traffic import holders_of_rows, mesh_or_devices
 from mpmdc.runtime.transfers import MeshTransfer
 
 
@@ -32,13 +32,14 @@ def mesh_holding(devices, meshes) -> int | None:
 
 def committed_where(leaf, meshes) -> int | tuple[int, ...] | None:
     """Where a committed ``jax.Array`` (or a ``ShapeDtypeStruct`` with a sharding) is, for
-    the transfer report: the index of the mesh holding it, else its sorted device ids (spread over several meshes, or outside
-    them); ``None`` for a leaf that is not committed."""
+    the transfer report: the index of the mesh whose devices are the ones holding it,
+    else its sorted device ids (on part of a mesh, spread over several, or outside
+    them: moved even to the mesh it is part of); ``None`` for a leaf that is not
+    committed."""
     sharding = getattr(leaf, "sharding", None)
     if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
         return None
-    found = mesh_holding(sharding.device_set, meshes)
-    return found if found is not None else tuple(sorted(d.id for d in sharding.device_set))
+    return mesh_or_devices({d.id for d in sharding.device_set}, meshes)
 
 
 def committed_blocks(leaf) -> tuple:

@@ -60,3 +60,19 @@ def test_the_check_sees_a_foreign_raise(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    raise ValueError('x')\n")
     assert raised_names(bad) == [(2, "ValueError")]
+
+
+def test_the_debugging_guide_lists_every_error_a_user_can_cause():
+    """Each ``MpmdcError`` subclass is a row of the error table in docs/guides/debugging.md
+    (the runtime's and mpmdc's own bugs have sections of their own there)."""
+    guide = (pathlib.Path(__file__).parents[2] / "docs" / "guides" / "debugging.md").read_text()
+    rows = {line.split("|")[1] for line in guide.splitlines() if line.startswith("| `")}
+    listed = {name.strip(" `") for row in rows for name in row.split(",")}
+    own_sections = {"MpmdRuntimeError", "InternalError"}
+    classes = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, errors.MpmdcError)
+    }
+    classes -= {"MpmdcError"}
+    assert classes - own_sections <= listed, sorted(classes - own_sections - listed)

@@ -410,3 +410,25 @@ def test_a_node_type_from_a_module_not_imported_names_the_package_to_import(monk
         r"which is not imported in this process; `import optax`",
     ):
         tree_from(data)
+
+
+def test_a_node_whose_auxiliary_data_is_code_names_it_and_what_to_pass(meshes4):
+    """A Flax ``TrainState`` keeps ``apply_fn`` and ``tx`` as its node's auxiliary data,
+    which plain data cannot record: an ``ExportError`` at export names the node."""
+    from flax.training import train_state
+
+    state = train_state.TrainState.create(
+        apply_fn=lambda p, x: x @ p["w"], params={"w": jnp.eye(4)}, tx=optax.sgd(0.1)
+    )
+
+    def step(state, x):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.sum(mpmdc.stage(state.apply_fn(p, mpmdc.stage(x, 0)), 1))
+        )(state.params)
+        return state.apply_gradients(grads=g), loss
+
+    compiled = mpmdc.compile(step, meshes4[:2])
+    with pytest.raises(
+        ExportError, match=r"the arguments hold a TrainState, a pytree node whose auxiliary data is"
+    ):
+        mpmdc.export(compiled)(state, jnp.ones((2, 4)))

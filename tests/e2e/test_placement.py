@@ -264,21 +264,28 @@ def test_an_argument_on_devices_no_one_mesh_holds_is_counted_and_named_once(mesh
 def test_an_argument_on_part_of_the_mesh_reading_it_is_named_with_both_device_sets(meshes4):
     """A parameter on one device of the mesh that reads it (two devices): the warning
     says which devices it is on and which the program reads it on, not "on mesh1 ...
-    reads it on mesh1"."""
+    reads it on mesh1"; the transfer report lists it so too, and one on part of another
+    mesh, as the warning counts them."""
     step = mpmdc.compile(_sgd_step, meshes4)
     ws = [jnp.eye(WIDTH) / 2] * STAGES
     both = sorted(d.id for d in meshes4[1].devices.flat)
     one = both[1:]
     part = list(ws)
     part[1] = jax.device_put(ws[1], jax.devices()[one[0]])
+    part[2] = jax.device_put(ws[2], jax.devices()[one[0]])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step(part, jnp.ones((8, WIDTH)))
     (moved,) = [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
     assert (
-        f"argument args[0][1] is on devices {one} (part of mesh1), but the program reads it "
-        f"on mesh1 (devices {both})"
+        f"args[0][1] is on devices {one} (part of mesh1), read on mesh1 (devices {both})"
     ) in moved
+    assert f"args[0][2] is on devices {one} (part of mesh1), read on mesh2" in moved
+    report = step.lower(part, jnp.ones((8, WIDTH))).transfer_report()
+    assert [(a.path, a.source, a.dst) for a in report.arguments] == [
+        ("args[0][1]", f"devices {one}", 1),
+        ("args[0][2]", f"devices {one}", 2),
+    ]
 
 
 def stack_sgd_step(w, x):
