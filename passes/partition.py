@@ -262,7 +262,8 @@ class PlacementState:
         """The meshes ``v`` is (or will be) on: its producer's and its placed users';
         a program input's is where it lives, with its earliest placed user, or before
         anything reads it where the result fed back for it (:func:`_fed_back`) is made,
-        and its placed users' (it is sent to a mesh once, whatever reads it there)."""
+        and its placed users' (it is sent to a mesh once, whatever reads it there); a
+        cotangent leaving a stage's backward's also where it goes (:meth:`sent_back_to`)."""
         j = self.producer.get(v)
         out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
         if j is None:
@@ -270,6 +271,8 @@ class PlacementState:
             return out if home is None else out | {self.mesh(self.stage[home])}
         if self.stage[j] is not None:
             out.add(self.mesh(self.stage[j]))
+        if is_transposed_marker(self.eqns[j]):  # (a cotangent goes where it is sent back to)
+            out.update(self.mesh(self.stage[k]) for k in self.sent_back_to(j, v))
         return out
 
     def lives_with(self, v):
@@ -430,6 +433,7 @@ class PlacementState:
         after, so do the other places their values go."""
         candidates: dict = {}
         leaving = []  # (the transposed markers whose cotangents ``i`` reads)
+        sent = []  # (those markers, each with the cotangent read)
         residuals = []  # (the stages of values of an earlier transpose count ``i`` reads)
         operands = self.operands(i, inputs=False)
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
@@ -445,6 +449,7 @@ class PlacementState:
                     residuals.append(self.stage[j])
             elif through_boundaries:
                 leaving.append(j)
+                sent.append((j, a))
                 placed = max(placed, nbytes(a.aval))
             else:  # a cotangent leaving a stage's backward: where it goes is not known yet
                 waiting = max(waiting, nbytes(a.aval))
@@ -455,6 +460,11 @@ class PlacementState:
         # forward's transpose count) the stages compete by bytes.
         if not (leaving and residuals and min(residuals) < min(self.stage[j] for j in leaving)):
             self.suggest(candidates, leaving)
+            # ... and where it goes: with nothing else placed to weigh (a bare sharding
+            # constraint's transpose, reading the cotangent alone), it runs there, not
+            # as a fragment of its own in the later stage's backward.
+            for j, a in sent:
+                self.suggest(candidates, self.sent_back_to(j, a))
         # A small placed operand (a global norm) does not decide for a large one whose
         # place is not known yet, nor for the update of a state input nothing else
         # reads (the momentum of a parameter whose gradient is zero): that waits for
@@ -477,6 +487,31 @@ class PlacementState:
         if j not in self.cheap:
             return [j]
         return [k for a in self.reads[j] for k in self.made_by(a)]
+
+    @functools.cached_property
+    def forward_markers(self) -> dict[int, list[int]]:
+        """``{stage: the forward markers into it}``."""
+        out: dict = {}
+        for m, eqn in enumerate(self.eqns):
+            if is_marker(eqn) and not is_transposed_marker(eqn):
+                out.setdefault(eqn.params["stage"], []).append(m)
+        return out
+
+    def sent_back_to(self, j, v) -> list[int]:
+        """The placed forward equations making the value whose cotangent ``v`` is, an
+        output of transposed marker ``j``: what the forward markers of ``j``'s stage
+        (of its operands' types) mark in ``v``'s place. ``v`` goes to their stages'
+        backward."""
+        outs = self.eqns[j].outvars
+        position, types = outs.index(v), [(o.aval.shape, o.aval.dtype) for o in outs]
+        found = []
+        for m in self.forward_markers.get(self.eqns[j].params["stage"], ()):
+            marked = self.eqns[m].invars
+            if [(a.aval.shape, a.aval.dtype) for a in marked] == types and is_var(
+                a := marked[position]
+            ):
+                found += [k for k in self.made_by(a) if self.transpose[k] % 2 == 0]
+        return found
 
     def from_users(self, i):
         """Rule 3: the earliest stage among ``i``'s placed users, or ``None``."""

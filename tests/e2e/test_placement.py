@@ -727,6 +727,41 @@ def test_a_parameter_read_on_two_meshes_returns_from_the_loop_where_it_lives(mes
     assert_same_tree(compiled(p, x), jax.jit(step)(p, x), rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_bare_sharding_constraint_ending_a_stage_differentiates_in_that_stage(residual):
+    """A ``with_sharding_constraint`` of a bare spec on a stage's last value: its
+    transpose reads only the cotangent leaving the next stage's backward, which goes to
+    this stage's; it runs there too, not as a fragment of its own on the next stage's
+    mesh sending the constrained cotangent back as "other" (beside the raw one, with a
+    residual connection)."""
+    meshes = mpmdc.make_meshes(2, {"data": 2, "model": 2})
+
+    def loss(ws, x):
+        x = mpmdc.stage(x, 0)
+        h = jax.lax.with_sharding_constraint(jnp.tanh(x @ ws[0]), P("data", None))
+        x = mpmdc.stage(x + h if residual else h, 1)
+        return jnp.mean(jnp.tanh(x @ ws[1]) ** 2)
+
+    ws = [jnp.eye(16) / 4 + 0.01, jnp.eye(16) / 2]
+    x = jnp.arange(128.0).reshape(8, 16) / 128
+    step = mpmdc.compile(jax.grad(loss), meshes)
+    with jax.set_mesh(meshes[0]):
+        lowered = step.lower(ws, x)
+        got = step(ws, x)
+    names = [
+        e.params["name"]
+        for e in lowered.program("after-split").jaxpr.jaxpr.eqns
+        if "name" in e.params
+    ]
+    assert names == ["s0_fwd", "s1_fwd", "s0_bwd"], names
+    report = lowered.transfer_report()
+    assert report.total("other") == 0 and report.total() == 2 * 8 * 16 * 4
+    # One step's gradient, summed over data shards: docs/design.md's bound against jax.jit.
+    with jax.set_mesh(meshes[0]):
+        want = jax.jit(jax.grad(loss))(ws, x)
+    assert_same_tree(got, want, rtol=2e-5, atol=1e-6)
+
+
 def test_dropout_in_a_stage_moves_no_mask_and_each_cotangent_once(meshes4):
     """A stage's dropout mask (made from the key) is a value of that stage: the backward
     of its ``where`` runs in the stage's backward, where the cotangent leaving the next
