@@ -789,43 +789,51 @@ def test_random_programs_match_jax_jit(desc):
     check(desc)
 
 
-def test_a_result_made_from_nothing_in_the_loop_is_made_after_it():
-    """Found with ``MPMDC_FUZZ_SEED=7``: the gradient of the first input is zero (the
-    loss reads none of the work on it), a constant the program returns; it went with
-    its kin, the loss's result of the microbatch loop, into the loop's iteration, and
-    the scheduled program returned a value no equation made (an internal error)."""
-    ops = [("unary", "half", 0)] * 49
-    for k, op in {
-        2: ("layer", 3, "module_jax", 0, 0),
-        6: ("layer", 0, "module_jax", 1, 4),
-        13: ("custom_layer", 1, "custom_vjp", 1, 7),
-        16: ("unary", "row_mean", 15),
-        21: ("binary", "mul", 8, 18),
-        24: ("layer", 3, "module_jax", 0, 23),
-        39: ("layer", 1, "jitted_helper", 0, 1),
-        40: ("effect", False, 26),
-        48: ("stack", 1, 1, 2, "closure", 41, 25),
-    }.items():
-        ops[k] = op
+def check_half_program(length, ops, markers, **desc):
+    """:func:`check` of a 4-mesh accumulating program of ``length`` ops, each
+    ``x * 0.5`` but ``ops`` (``{index: op}``): a fuzz example cut down by hand."""
     check(
         dict(
             num_inputs=2,
-            ops=ops,
-            markers={48: (3, [50], False)},
+            ops=[ops.get(k, ("unary", "half", 0)) for k in range(length)],
+            markers=markers,
             num_meshes=4,
             mesh_axes=(("d", 1),),
             in_specs=[None, None],
             committed=[None, None],
             mode="accumulate",
-            schedule="1f1b",
             microbatches=2,
             computed_batch=False,
-            stacked_loss=False,
-            metric=("float32", "sum"),
             stage_to_mesh=None,
             with_key=False,
             echoes=[],
+            **desc,
         )
+    )
+
+
+def test_a_result_made_from_nothing_in_the_loop_is_made_after_it():
+    """Found with ``MPMDC_FUZZ_SEED=7``: the gradient of the first input is zero (the
+    loss reads none of the work on it), a constant the program returns; it went with
+    its kin, the loss's result of the microbatch loop, into the loop's iteration, and
+    the scheduled program returned a value no equation made (an internal error)."""
+    check_half_program(
+        49,
+        {
+            2: ("layer", 3, "module_jax", 0, 0),
+            6: ("layer", 0, "module_jax", 1, 4),
+            13: ("custom_layer", 1, "custom_vjp", 1, 7),
+            16: ("unary", "row_mean", 15),
+            21: ("binary", "mul", 8, 18),
+            24: ("layer", 3, "module_jax", 0, 23),
+            39: ("layer", 1, "jitted_helper", 0, 1),
+            40: ("effect", False, 26),
+            48: ("stack", 1, 1, 2, "closure", 41, 25),
+        },
+        markers={48: (3, [50], False)},
+        schedule="1f1b",
+        stacked_loss=False,
+        metric=("float32", "sum"),
     )
 
 
@@ -835,38 +843,23 @@ def test_a_stacked_value_the_same_every_microbatch_is_stacked_after_it_is_made()
     it in one fragment with the work after the loop (the int8 metric's mean). Stamped
     out, the stack was concatenated before the loop's results were read, before the
     value it stacks was made: the schedule pass raised an internal error."""
-    ops = [("unary", "half", 0)] * 59
-    for k, op in {
-        2: ("layer", 0, "module_jax", 0, 1),
-        6: ("layer", 0, "module_jax", 0, 0),
-        9: ("unary", "cond", 1),
-        13: ("constant", "module_jax", 0, "matmul", 4),
-        16: ("unary", "cond", 15),
-        25: ("stack", 2, 1, 2, "input", 11, 18),
-        30: ("custom_layer", 0, "custom_jvp", 0, 27),
-        52: ("layer", 3, "module_numpy", 0, 33),
-        58: ("stack", 0, (1,), 1, "closure", 32, 21),
-    }.items():
-        ops[k] = op
-    check(
-        dict(
-            num_inputs=2,
-            ops=ops,
-            markers={52: (2, [13], False), 58: (3, [60], False)},
-            num_meshes=4,
-            mesh_axes=(("d", 1),),
-            in_specs=[None, None],
-            committed=[None, None],
-            mode="accumulate",
-            schedule="gpipe",
-            microbatches=2,
-            computed_batch=False,
-            stacked_loss=True,
-            metric=("int8", "mean"),
-            stage_to_mesh=None,
-            with_key=False,
-            echoes=[],
-        )
+    check_half_program(
+        59,
+        {
+            2: ("layer", 0, "module_jax", 0, 1),
+            6: ("layer", 0, "module_jax", 0, 0),
+            9: ("unary", "cond", 1),
+            13: ("constant", "module_jax", 0, "matmul", 4),
+            16: ("unary", "cond", 15),
+            25: ("stack", 2, 1, 2, "input", 11, 18),
+            30: ("custom_layer", 0, "custom_jvp", 0, 27),
+            52: ("layer", 3, "module_numpy", 0, 33),
+            58: ("stack", 0, (1,), 1, "closure", 32, 21),
+        },
+        markers={52: (2, [13], False), 58: (3, [60], False)},
+        schedule="gpipe",
+        stacked_loss=True,
+        metric=("int8", "mean"),
     )
 
 
