@@ -263,7 +263,7 @@ class PlacementState:
         a program input's is where it lives, with its earliest placed user, or before
         anything reads it where the result fed back for it (:func:`_fed_back`) is made,
         and its placed users' (it is sent to a mesh once, whatever reads it there); a
-        cotangent leaving a stage's backward's also where it goes (:meth:`sent_back_to`)."""
+        cotangent leaving a stage's backward is also where it goes (:meth:`sent_back_to`)."""
         j = self.producer.get(v)
         out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
         if j is None:
@@ -432,8 +432,7 @@ class PlacementState:
         ``through_boundaries``, cotangents leaving a stage's backward suggest nothing;
         after, so do the other places their values go."""
         candidates: dict = {}
-        leaving = []  # (the transposed markers whose cotangents ``i`` reads)
-        sent = []  # (those markers, each with the cotangent read)
+        sent = []  # (the transposed markers whose cotangents ``i`` reads, and each cotangent)
         residuals = []  # (the stages of values of an earlier transpose count ``i`` reads)
         operands = self.operands(i, inputs=False)
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
@@ -448,7 +447,6 @@ class PlacementState:
                 if self.transpose[j] < self.transpose[i]:
                     residuals.append(self.stage[j])
             elif through_boundaries:
-                leaving.append(j)
                 sent.append((j, a))
                 placed = max(placed, nbytes(a.aval))
             else:  # a cotangent leaving a stage's backward: where it goes is not known yet
@@ -458,6 +456,7 @@ class PlacementState:
         # backward, where the cotangent goes anyway. Otherwise (a later stage's cotangent
         # summed with it: a skip connection, whose last-stage backward shares the
         # forward's transpose count) the stages compete by bytes.
+        leaving = [j for j, _ in sent]
         if not (leaving and residuals and min(residuals) < min(self.stage[j] for j in leaving)):
             self.suggest(candidates, leaving)
             # ... and where it goes: with nothing else placed to weigh (a bare sharding

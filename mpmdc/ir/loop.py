@@ -379,9 +379,8 @@ def stamp(closed: jcore.ClosedJaxpr, microbatches: int) -> jcore.ClosedJaxpr:
     """``closed`` (a split program's jaxpr with a rolled loop) with the loop stamped
     out: before-loop work (laying the batch out), the iteration once per microbatch,
     stacking fragments, after-loop work (stacking a value it makes once that is made);
-    each in an order its data allows. A stamped
-    fragment is named and tagged with its microbatch. Without a rolled loop, ``closed``
-    as it is."""
+    each in an order its data allows. A stamped fragment is named and tagged with its
+    microbatch. Without a rolled loop, ``closed`` as it is."""
     jaxpr = closed.jaxpr
     loop = rolled_loop(jaxpr.eqns)
     if loop is None:
