@@ -135,14 +135,16 @@ def _is_cheap(eqn, operands, from_literals) -> bool:
     )
     # (The structural tests last: few equations get past the first.) A call computing a
     # constant (a jitted helper building a causal mask) is recomputed where it is used,
-    # like the constant it is; loops and conditionals stay where they are placed, and
-    # work bound to a mesh (a constraint on a constant cotangent) runs there alone.
+    # like the constant it is, and so is a `shard_map` of no operands on no mesh of
+    # devices (the constants JAX lifts out of one: `jax.nn.gelu`'s, per device); loops
+    # and conditionals stay where they are placed, and work bound to a mesh (a
+    # constraint on a constant cotangent) runs there alone.
     return (
         candidate
         and not (is_marker(eqn) or is_microbatch_marker(eqn) or is_loop_edge(eqn) or eqn.effects)
         and bound_mesh(eqn) is None
         and (
-            (constant and call_body(eqn) is not None)
+            (constant and (call_body(eqn) is not None or eqn.primitive is compat.shard_map_p))
             or not any(True for _ in jcore.jaxprs_in_params(eqn.params))
         )
     )

@@ -762,6 +762,52 @@ def test_a_bare_sharding_constraint_ending_a_stage_differentiates_in_that_stage(
     assert_same_tree(got, want, rtol=2e-5, atol=1e-6)
 
 
+def test_constants_lifted_out_of_a_shard_map_are_made_where_they_are_read():
+    """``jax.nn.gelu`` in a ``shard_map`` in a scanned stack, differentiated: JAX lifts its
+    constants into a ``shard_map`` of no operands (on the abstract mesh). Computed once
+    in stage 0's microbatch iteration and sent to every other mesh in each, they are
+    recomputed next to each reader instead, as any constant: the step moves what the
+    same stack without the ``shard_map`` moves."""
+    meshes = mpmdc.make_meshes(2, {"model": 2})
+    abstract = meshes[0].abstract_mesh
+
+    def mlp(h, w1, w2):
+        return jax.lax.psum(jax.nn.gelu(h @ w1) @ w2, "model")
+
+    def loss(ws, x, with_shard_map):
+        def layer(h, w):
+            h = mpmdc.stage(h, every=1)
+            if with_shard_map:
+                spec = (P(), P(None, "model"), P("model", None))
+                return h + jax.shard_map(mlp, mesh=abstract, in_specs=spec, out_specs=P())(
+                    h, *w
+                ), None
+            return h + jax.nn.gelu(h @ w[0]) @ w[1], None
+
+        return jnp.mean(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    def step(ws, x, with_shard_map):
+        return mpmdc.accumulate(
+            lambda xb: jax.grad(loss)(ws, xb, with_shard_map), x, microbatches=2
+        )
+
+    k = jax.random.split(jax.random.key(0), 3)
+    ws = (jax.random.normal(k[0], (2, 8, 16)) / 4, jax.random.normal(k[1], (2, 16, 8)) / 4)
+    x = jax.random.normal(k[2], (4, 8))
+    values = {}
+    for with_shard_map in (False, True):
+        compiled = mpmdc.compile(partial(step, with_shard_map=with_shard_map), meshes)
+        with jax.set_mesh(meshes[0]):
+            report = compiled.lower(ws, x).transfer_report()
+            got = compiled(ws, x)
+        values[with_shard_map] = sum(sum(link.values) for link in report.links)
+        # The gradient summed over microbatches: docs/design.md's bound against jax.jit.
+        with jax.set_mesh(meshes[0]):
+            want = jax.jit(partial(step, with_shard_map=with_shard_map))(ws, x)
+        assert_same_tree(got, want, rtol=2e-5, atol=1e-6)
+    assert values[True] == values[False], values
+
+
 def test_dropout_in_a_stage_moves_no_mask_and_each_cotangent_once(meshes4):
     """A stage's dropout mask (made from the key) is a value of that stage: the backward
     of its ``where`` runs in the stage's backward, where the cotangent leaving the next
