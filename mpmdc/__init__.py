@@ -28,9 +28,13 @@ from mpmdc.runtime.meshes import make_meshes
 from mpmdc.schedules.accumulate import accumulate
 
 # An equation's source line should be the user's call of mpmdc.stage or
-# mpmdc.accumulate, not the line inside mpmdc that binds the primitive.
+# mpmdc.accumulate, not the line inside mpmdc that binds the primitive; and an error's
+# traceback ends in the user's code, as one raised through jax.jit does.
 for _package in (_jax_compat, lowering, passes):
     _jax_compat.exclude_from_source_lines(
+        _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
+    )
+    _jax_compat.exclude_from_tracebacks(
         _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
     )
 # Nor a library's line that calls JAX for the user (``nnx.scan`` calls ``lax.scan``):

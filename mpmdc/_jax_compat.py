@@ -19,6 +19,7 @@ from jax._src import effects as _effects
 from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _source_info_util
 from jax._src import stages as _stages
+from jax._src import traceback_util as _traceback_util
 from jax._src import util as _util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import ad as _ad
@@ -43,6 +44,10 @@ custom_typechecks = _core.custom_typechecks
 lowerable_effects = _effects.lowerable_effects
 shard_map_p = _shard_map.shard_map_p
 check_p = _checkify.check_p
+# (Wraps an entry point as ``jax.jit``'s are wrapped: an exception leaving it has the
+# frames of the files excluded from tracebacks removed, as ``JAX_TRACEBACK_FILTERING``
+# says; a chained cause keeps its whole traceback.)
+api_boundary = _traceback_util.api_boundary
 ordered_effects = _effects.ordered_effects
 
 
@@ -70,6 +75,12 @@ def register_cache(cache, what: str) -> None:
 def exclude_from_source_lines(path: str) -> None:
     """Make source lines skip frames under ``path`` (mpmdc's own), as JAX skips its own."""
     _source_info_util.register_exclusion(path)
+
+
+def exclude_from_tracebacks(path: str) -> None:
+    """Make the tracebacks of exceptions leaving an :data:`api_boundary` skip frames
+    under ``path`` (mpmdc's own), as JAX's skip its own."""
+    _traceback_util.register_exclusion(path)
 
 
 def source_line(eqn) -> str:

@@ -243,6 +243,7 @@ class Lowered:
         each mesh holds; see ``mpmdc.ir.traffic``."""
         return transfer_report(self._last_split())
 
+    @compat.api_boundary
     def compile(self) -> Compiled:
         """Compile every fragment for its mesh; returns the callable :class:`Compiled`.
 
@@ -300,6 +301,7 @@ class Traced:
         ]
         return jax.tree_util.tree_unflatten(self._signature.out_tree, types)
 
+    @compat.api_boundary
     def lower(self) -> Lowered:
         """Run every pass; the IR after each one is the result's."""
         lowered = _through_passes(self._program, self._passes, self._signature, self._seconds)
@@ -362,7 +364,8 @@ class Wrapped:
             with FragmentCompiler(backend) as compiler:
                 passes = self._passes_for_call(compiler.offer)
                 try:
-                    traced = self._traced(args, kwargs, passes)
+                    with cycles_collected_after():  # (see its docstring)
+                        traced = self._traced(args, kwargs, passes)
                 except Exception as err:
                     self._note_new_types(err, key, args, kwargs)
                     raise
@@ -372,13 +375,17 @@ class Wrapped:
 
     def _note_new_types(self, err: Exception, key, args, kwargs) -> None:
         """Add to ``err``, raised by ``fn`` traced for a call of new argument types, the
-        arguments whose types differ from the last call's of the same structure: the
-        function may not take the new types (a parameter of a wrong shape)."""
-        last = next(
-            (k for k in reversed(self._cache.cache_keys()) if k.treedef == key.treedef), None
-        )
-        if last is None:
+        arguments whose types differ from those of the nearest earlier call of the same
+        structure (the fewest arguments differing; the latest of those): the function
+        may not take the new types (a parameter of a wrong shape)."""
+
+        def differing(earlier) -> int:
+            return sum(now[:2] != then[:2] for now, then in zip(key.types, earlier.types))
+
+        earlier = [k for k in self._cache.cache_keys() if k.treedef == key.treedef]
+        if not earlier:
             return
+        last = min(reversed(earlier), key=differing)
         call = split_args(self.options, args, kwargs)
         _, paths, _ = flat_arguments(call.dynamic, call.kwargs)
         changed = [
@@ -434,6 +441,7 @@ class Wrapped:
             for p in self.passes
         ]
 
+    @compat.api_boundary
     def __call__(self, *args, **kwargs):
         """Run ``fn`` on the meshes (compiling on the first call for these argument types);
         under ``jax.disable_jit()``, op by op as ``jax.jit`` runs it there (the markers
@@ -443,6 +451,7 @@ class Wrapped:
         exe, leaves = self._executable(args, kwargs, values=True)
         return exe.call_flat(leaves)
 
+    @compat.api_boundary
     def input_shardings(self, *args, **kwargs):
         """Where a call with these arguments (arrays or ``ShapeDtypeStruct``s) runs each
         argument: ``(args, kwargs)`` pytrees of ``Sharding`` as ``Compiled.input_shardings``
@@ -450,17 +459,21 @@ class Wrapped:
         Compiles for these types if no call has yet."""
         return self._executable(args, kwargs)[0].input_shardings
 
+    @compat.api_boundary
     def output_shardings(self, *args, **kwargs):
         """Where a call with these arguments puts each output (a pytree of ``Sharding``)."""
         return self._executable(args, kwargs)[0].output_shardings
 
+    @compat.api_boundary
     def trace(self, *args, **kwargs) -> Traced:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s (as ``jax.jit(fn).trace``)."""
-        traced = self._traced(args, kwargs, self.passes)
+        with cycles_collected_after():
+            traced = self._traced(args, kwargs, self.passes)
         everywhere = all(is_here(mesh) for mesh in self.meshes)  # (see _passes_for_call)
         traced._kept = (self._cache, signature_key(self.options, args, kwargs)[0], everywhere)
         return traced
 
+    @compat.api_boundary
     def lower(self, *args, **kwargs) -> Lowered:
         """Trace with arrays or ``jax.ShapeDtypeStruct``s and run every pass. Calls with
         these argument types run on what the result's ``compile()`` returns; the first of
@@ -471,7 +484,6 @@ class Wrapped:
             self._lowered.put(key, lowered)
         return lowered
 
-    @cycles_collected_after()  # (see its docstring)
     def _traced(self, args, kwargs, passes) -> Traced:
         """The program of a call with ``args`` and ``kwargs``, before any of ``passes``."""
         options = self.options
@@ -509,6 +521,7 @@ class Wrapped:
         # What the ``plan`` pass decides: the first of the pipeline.
         request = PlanRequest(
             schedule=(options.schedule or loop.schedule) if loop else None,
+            schedule_from=loop.called_at if loop and not options.schedule else "",
             balanced=wants_balancing(program, options.partition),
         )
         if request != PlanRequest():
@@ -555,6 +568,7 @@ class Wrapped:
         return closed, (loops[0] if loops else None), out_store["tree"], out_store["paths"]
 
 
+@compat.api_boundary
 def compile(
     fn: Callable,
     meshes: Sequence,

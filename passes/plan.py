@@ -23,6 +23,7 @@ from __future__ import annotations
 from mpmdc.passes.base import Property, register
 
 from mpmdc import schedules
+from mpmdc.errors import ScheduleError
 from mpmdc.ir.program import Phase, Program
 
 
@@ -56,5 +57,13 @@ def plan(program: Program, *, through: tuple | None = None) -> Program:
             if choosing:
                 pipeline = pipeline_of(program, schedule, program.microbatches, trial)
                 schedule, choice = schedule.choose(pipeline)
-            program = scheduled(program, schedule, program.microbatches, choice)
+            try:
+                program = scheduled(program, schedule, program.microbatches, choice)
+            except ScheduleError as err:
+                if not request.schedule_from:
+                    raise
+                raise ScheduleError(
+                    f"{err} (The schedule is the one mpmdc.accumulate at "
+                    f"{request.schedule_from} gives; mpmdc.compile(schedule=) overrides it.)"
+                ) from None
     return program.replace(phase=Phase.PLANNED)

@@ -252,6 +252,7 @@ def _read(root: str, entry: LeafEntry, future):
         ) from None
 
 
+@compat.api_boundary
 def restore(directory, target=None):
     """The checkpoint in ``directory``, put where ``target`` says.
 

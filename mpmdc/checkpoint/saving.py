@@ -26,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 from pydantic import Field, TypeAdapter, ValidationError
 
+from mpmdc import _jax_compat as compat
 from mpmdc import distributed, watchdog
 from mpmdc._text import a_type
 from mpmdc.checkpoint import storage
@@ -248,6 +249,7 @@ class Save:
             raise CheckpointError(message) from err
 
 
+@compat.api_boundary
 def save(directory, tree, *, overwrite: bool = False) -> None:
     """Save ``tree`` (a pytree of arrays) as a checkpoint in ``directory``.
 

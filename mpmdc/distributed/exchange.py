@@ -228,6 +228,7 @@ def check_agreement(
         )
 
 
+@compat.api_boundary
 def fetch(tree):
     """The values of a pytree of arrays as numpy arrays, on every process.
 

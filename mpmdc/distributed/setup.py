@@ -46,6 +46,7 @@ from mpmdc.errors import DistributedError
 _watchdog: watchdog.Watchdog | None = None
 
 
+@compat.api_boundary
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
+from mpmdc import _jax_compat as compat
 from mpmdc import backends
 from mpmdc._text import a_type
 from mpmdc.api import Lowered, Wrapped
@@ -42,6 +43,7 @@ class MeshSpec(NamedTuple):
     rows: tuple[int, int, int] | None = None
 
 
+@compat.api_boundary
 def export(fn: Wrapped):
     """``export(fn)(*args, **kwargs)``: the :class:`Exported` program of ``fn`` (a function
     from ``mpmdc.compile``) for these arguments (arrays or ``jax.ShapeDtypeStruct``s,
@@ -59,6 +61,7 @@ def export(fn: Wrapped):
     return exporting
 
 
+@compat.api_boundary
 def deserialize(data: bytes) -> Exported:
     """The :class:`Exported` program ``Exported.serialize()`` wrote. Damaged or truncated
     bytes, another format version, and modules this JAX cannot load are an

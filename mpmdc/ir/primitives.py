@@ -125,6 +125,7 @@ def _checked_leaves(x, leaves) -> None:
             )
 
 
+@compat.api_boundary
 def stage(x, index=None, *, every=None, first=0):
     """Mark that the pytree ``x`` enters pipeline stage ``index``.
 

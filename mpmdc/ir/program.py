@@ -116,10 +116,13 @@ class PlanRequest:
     """What a traced program asks the ``plan`` pass to decide, as the user wrote it:
     ``schedule``, the microbatch loop's schedule (an ``mpmdc.schedules`` schedule, or a
     chooser such as ``"auto"`` that picks one from the pipeline's estimated costs;
-    ``None`` without a loop), and ``balanced``, whether the marked segments are grouped
-    into stages (``partition="balanced"`` or a layer stack's ``every="balanced"``)."""
+    ``None`` without a loop), ``schedule_from``, the user's line that gave it where that
+    is an ``mpmdc.accumulate`` call (``""``: ``mpmdc.compile(schedule=)``), and
+    ``balanced``, whether the marked segments are grouped into stages
+    (``partition="balanced"`` or a layer stack's ``every="balanced"``)."""
 
     schedule: object = None
+    schedule_from: str = ""
     balanced: bool = False
 
     def describe(self) -> str:

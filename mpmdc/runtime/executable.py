@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 
+from mpmdc import _jax_compat as compat
 from mpmdc import backends, distributed
 from mpmdc.errors import MpmdRuntimeError, PassError
 from mpmdc.ir.program import Program
@@ -132,6 +133,7 @@ class Compiled:
         """How many distinct compiled fragment executables back this program."""
         return len(self._engine.executables)
 
+    @compat.api_boundary
     def __call__(self, *args, **kwargs):
         """Run on the meshes; returns ``jax.Array``s on the meshes that produced them."""
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))

@@ -10,11 +10,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from mpmdc import _jax_compat as compat
 from mpmdc._text import a_type
 from mpmdc.distributed import ENV_COORDINATOR
 from mpmdc.errors import MeshError
 
 
+@compat.api_boundary
 def make_meshes(
     n: int,
     axes: Mapping[str, int],

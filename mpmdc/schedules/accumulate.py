@@ -278,6 +278,7 @@ def _unrolled(fn, leaves, sizes, tree, microbatches: int, reduce):
     return jax.tree_util.tree_unflatten(out_tree, results)
 
 
+@compat.api_boundary
 def accumulate(fn, xs, *, microbatches: int, schedule="1f1b", reduce="sum"):
     """Run ``fn`` on each of ``microbatches`` slices of ``xs``'s leading axis; reduce the results.
 

@@ -629,7 +629,8 @@ MISTAKES = [
     Mistake(
         "1F1B with two stages on one mesh",
         errors.ScheduleError,
-        r"use mpmdc.compile\(\.\.\., schedule='interleaved-1f1b'\)",
+        r"use mpmdc.compile\(\.\.\., schedule='interleaved-1f1b'\).*"
+        r"mpmdc.accumulate at \S*test_bad_input_catalog.py:\d+",
         lambda w: lower(lambda a, x: accumulating(a, x), w, stage_to_mesh=(0, 0)),
     ),
     Mistake(

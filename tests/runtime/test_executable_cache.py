@@ -173,6 +173,18 @@ def test_a_new_argument_type_the_function_cannot_take_is_named_in_the_error(mesh
     ) in "\n".join(getattr(caught.value, "__notes__", []))
 
 
+def test_the_note_compares_with_the_nearest_earlier_call_not_the_last(meshes2):
+    """After calls at batch 4 and then 2, a call at batch 4 with a parameter of a wrong
+    shape names only the parameter: the batch's type was compiled before."""
+    step = mpmdc.compile(STEP, meshes2)
+    step(WS, batch(4))
+    step(WS, batch(2))
+    with pytest.raises(TypeError) as caught:
+        step([WS[0][:, :4], WS[1]], batch(4))
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "failed: args[0][0] is float32[8, 4] (was float32[8, 8])." in note
+
+
 def test_a_new_batch_size_accumulate_cannot_split_is_named_in_its_error(meshes2):
     """mpmdc's own errors get the note too: a batch of 6 rows for 4 microbatches, after
     a call with 8, names the batch and both types."""
