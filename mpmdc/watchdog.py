@@ -196,13 +196,27 @@ def publish_leaving(client, here: int, processes: int) -> None:
     client.key_value_set(f"{_WAITING}{here}", json.dumps([[LEAVING, others]]), allow_overwrite=True)
 
 
+def still_running(client, processes: Iterable[int]) -> list[int]:
+    """Those of ``processes`` whose script has not returned (that have not published
+    :data:`LEAVING`)."""
+    try:
+        entries = dict(client.key_value_dir_get(_WAITING))
+    except Exception:  # the store is gone: none can be told apart
+        return list(processes)
+    return [
+        p
+        for p in processes
+        if not any(what == LEAVING for what, _ in json.loads(entries.get(f"{_WAITING}{p}", "[]")))
+    ]
+
+
 def main_thread_stack() -> str:
     """Where this process's main thread is, as a traceback prints it."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
 
-def _end(message: str) -> None:
+def end(message: str) -> None:
     """Say why, then end this process at once (its main thread does not return)."""
     try:
         sys.stdout.flush()
@@ -228,7 +242,7 @@ class Watchdog:
         fault_timeout: Callable[[], float],
         failures: Callable[[], dict[int, tuple[str, int | None]]],
         told: Callable[[], bool],
-        end: Callable[[str], None] = _end,
+        end: Callable[[str], None] = end,
         processes: int | None = None,
     ):
         self.here = here

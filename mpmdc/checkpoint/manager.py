@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
+from mpmdc import _jax_compat as compat
 from mpmdc import distributed
 from mpmdc.checkpoint import storage
 from mpmdc.checkpoint.layout import REPLACED_SUFFIX, step_name
@@ -98,6 +99,7 @@ class CheckpointManager:
         """Whether :meth:`save` saves ``step``: every ``save_interval_steps``-th step."""
         return _step_number(step) % self.save_interval_steps == 0
 
+    @compat.api_boundary
     def save(self, step: int, tree, *, force: bool = False) -> bool:
         """Save ``tree`` as step ``step`` if :meth:`should_save` (or ``force``); returns
         whether it saves. Saving a step that already has a checkpoint is an error, and so
@@ -124,6 +126,7 @@ class CheckpointManager:
             save.finish()
         return True
 
+    @compat.api_boundary
     def restore(self, target=None, *, step: int | None = None):
         """Step ``step`` (the latest complete one by default) restored onto ``target``, as
         :func:`~mpmdc.checkpoint.restore` does. With several processes, every process
@@ -139,11 +142,13 @@ class CheckpointManager:
             return restore_committed(self.step_directory(step), target)[0]
         return self._restored_everywhere(step, target)
 
+    @compat.api_boundary
     def wait_until_finished(self) -> None:
         """Wait for the save in the background, if any; a ``CheckpointError`` saying which
         step was not saved, and why, if it failed."""
         self._raise_failed_save()
 
+    @compat.api_boundary
     def close(self) -> None:
         """Wait for the last save, then stop the background thread."""
         try:

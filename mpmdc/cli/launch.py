@@ -10,7 +10,8 @@ saw, then are stopped; the launcher says which process failed first and how (a
 process that announced it gave up waiting for a stuck one blames that one). With
 ``max_restarts``, it then starts every process again, as ``torchrun --max-restarts``
 does, telling each how many restarts came before (``MPMDC_RESTART_COUNT``), so that a
-script resuming from its latest checkpoint finishes on its own.
+script resuming from its latest checkpoint finishes on its own. A SIGTERM or SIGHUP
+to the launcher (Ctrl-C too) stops every process before it exits.
 """
 
 from __future__ import annotations
@@ -39,6 +40,44 @@ class _Ended(Exception):
     def __init__(self, status: int):
         super().__init__(status)
         self.status = status
+
+
+class _Signals:
+    """The SIGTERM or SIGHUP the launcher got, if any (a scheduler's ``scancel``, a
+    ``timeout`` around it, a closed terminal): it then stops every process and exits
+    with 128 + the signal's number, as a shell reports a process ended by it. Recorded
+    here and acted on by the loop that supervises, not in the handler, so that no
+    process is started unsupervised."""
+
+    CAUGHT = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.got: signal.Signals | None = None
+        self._before: dict = {}
+
+    def __enter__(self) -> _Signals:
+        # (Only the main thread may set handlers; elsewhere the caller's stay.)
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.CAUGHT:
+                self._before[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum, frame) -> None:
+        self.got = self.got or signal.Signals(signum)
+
+    def check(self, processes: list[_Process], err) -> None:
+        """Stop every process and end the launch if a signal came."""
+        if self.got is None:
+            return
+        running = [p.index for p in processes if p.popen.poll() is None]
+        _stop(processes)
+        stopped = f"; stopped {_processes(running)}" if running else ""
+        print(f"mpmdc launch: got {self.got.name}{stopped}", file=err, flush=True)
+        raise _Ended(128 + self.got)
 
 
 @dataclass
@@ -113,33 +152,37 @@ def launch(
     err = err or sys.stderr
     deadline = None if timeout is None else time.monotonic() + timeout
     restart = 0
-    while True:
-        try:
-            status = _attempt(
-                command,
-                num_processes,
-                restart,
-                devices_per_process=devices_per_process,
-                fault_timeout=fault_timeout,
-                grace=grace,
-                timeout=timeout,
-                deadline=deadline,
-                out=out,
-                err=err,
+    with _Signals() as signals:
+        while True:
+            try:
+                status = _attempt(
+                    command,
+                    num_processes,
+                    restart,
+                    devices_per_process=devices_per_process,
+                    fault_timeout=fault_timeout,
+                    grace=grace,
+                    timeout=timeout,
+                    deadline=deadline,
+                    signals=signals,
+                    out=out,
+                    err=err,
+                )
+                if status != 0 and restart < max_restarts:
+                    signals.check([], err)
+            except _Ended as ended:
+                return ended.status
+            if status == 0 or restart == max_restarts:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"mpmdc launch: timed out after {_seconds(timeout)}", file=err)
+                return EXIT_TIMEOUT
+            restart += 1
+            print(
+                f"mpmdc launch: restart {restart} of {max_restarts}: starting every process again",
+                file=err,
+                flush=True,
             )
-        except _Ended as ended:
-            return ended.status
-        if status == 0 or restart == max_restarts:
-            return status
-        if deadline is not None and time.monotonic() > deadline:
-            print(f"mpmdc launch: timed out after {_seconds(timeout)}", file=err)
-            return EXIT_TIMEOUT
-        restart += 1
-        print(
-            f"mpmdc launch: restart {restart} of {max_restarts}: starting every process again",
-            file=err,
-            flush=True,
-        )
 
 
 def _attempt(
@@ -152,6 +195,7 @@ def _attempt(
     grace: float,
     timeout: float | None,
     deadline: float | None,
+    signals: _Signals,
     out,
     err,
 ) -> int:
@@ -197,7 +241,7 @@ def _attempt(
             )
             reader.start()
             processes.append(_Process(i, popen, reader))
-        return _supervise(processes, timeout, deadline, grace, err, failure_dir)
+        return _supervise(processes, timeout, deadline, grace, signals, err, failure_dir)
     except KeyboardInterrupt:
         _stop(processes)
         print("mpmdc launch: interrupted; stopped every process", file=err)
@@ -267,6 +311,7 @@ def _supervise(
     timeout: float | None,
     deadline: float | None,
     grace: float,
+    signals: _Signals,
     err,
     failure_dir: str,
 ) -> int:
@@ -274,6 +319,7 @@ def _supervise(
     first_seen = 0.0  # wall-clock time, as processes write in their announcements
     stop_at = None
     while True:
+        signals.check(processes, err)
         running = [p for p in processes if p.popen.poll() is None]
         if first is None:
             failed = [p for p in processes if p.popen.returncode not in (None, 0)]

@@ -172,7 +172,11 @@ def _leave_together() -> None:
     try:
         if not failed:
             watchdog.publish_leaving(kv, jax.process_index(), jax.process_count())
-            kv.wait_at_barrier(f"{PREFIX}exit", int(fault_timeout_seconds() * 1000))
+            try:
+                kv.wait_at_barrier(f"{PREFIX}exit", int(fault_timeout_seconds() * 1000))
+            except Exception:
+                _left_waiting(kv)
+                raise
         if jax.process_index() != 0:
             jax.distributed.shutdown()
             return
@@ -187,6 +191,27 @@ def _leave_together() -> None:
             time.sleep(0.05)
     except Exception:  # leaving anyway; JAX's own shutdown follows
         pass
+
+
+def _left_waiting(kv) -> None:
+    """The exit's wait for every process ended without them. Where the waits of the
+    processes still running end at one stuck in its own code (or stopped), blame it as
+    any wait that gives up blames the process it waited for, and end this process now
+    with status 1: its runtime's teardown would wait for the stuck one with no bound.
+    Where they wait for a process that has left (this one, its script returning after
+    fewer calls), give them a fault timeout more to say so and blame it. Either way the
+    runtime is kept, as by a process that saw a failure before leaving."""
+    here, timeout = jax.process_index(), fault_timeout_seconds()
+    running = watchdog.still_running(kv, [p for p in range(jax.process_count()) if p != here])
+    found = watchdog.stuck(kv, here, running) if running else None
+    _keep_runtime_at_exit()
+    if peer_failures() or found is None:
+        return
+    if found.process is not None and not found.left:
+        watchdog.end(f"mpmdc: {exchange.gave_up(watchdog.LEAVING, running, timeout)}")
+    deadline = time.monotonic() + timeout
+    while not peer_failures() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _keep_runtime_at_exit() -> None:

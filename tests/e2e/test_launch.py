@@ -4,8 +4,12 @@ restarts run out, each failure's cause printed; ``--timeout`` bounds it all. The
 processes here are plain Python (no JAX), so these run in a second; a training run
 restarted from its checkpoint is in ``tests/multiprocess/test_checkpoints.py``."""
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -105,3 +109,54 @@ def test_the_timeout_bounds_the_whole_launch_restarts_included(capsys):
     assert status == 124
     assert "mpmdc launch: timed out after 5 seconds" in err
     assert 1 <= err.count("starting every process again") < 50, err
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_a_sigterm_to_the_launcher_stops_every_process_with_it(tmp_path, signal_name):
+    """A scheduler's or a ``timeout``'s SIGTERM (or a closed terminal's SIGHUP) to
+    ``mpmdc launch`` ends its processes too, not only the launcher: a process ignoring
+    SIGTERM (as JAX's preemption handler makes a worker do) is killed after 3 s."""
+    code = SAYS_ATTEMPT + (
+        "import pathlib, signal, time\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "if i == 1: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "(here / str(os.getpid())).write_text('running')\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "mpmdc", "launch", "-n", "2", "--", sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [int(path.name) for path in tmp_path.iterdir()]
+    assert len(workers) == 2
+    try:
+        launcher.send_signal(getattr(signal, signal_name))
+        _, err = launcher.communicate(timeout=20)
+        assert launcher.returncode == 128 + getattr(signal, signal_name), err
+        assert f"mpmdc launch: got {signal_name}; stopped processes 0 and 1" in err, err
+        assert not alive(workers, within=5), "a process outlived the launcher"
+    finally:
+        for pid in alive(workers, within=0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def alive(pids: list[int], within: float) -> list[int]:
+    """Those of ``pids`` still there after ``within`` seconds (a killed process's entry
+    lasts until it is reaped, by init once the launcher is gone)."""
+    deadline = time.monotonic() + within
+    while True:
+        there = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                there.append(pid)
+            except ProcessLookupError:
+                pass
+        if not there or time.monotonic() > deadline:
+            return there
+        time.sleep(0.05)

@@ -84,6 +84,11 @@ MISTAKES = {
         errors.CheckpointError,
         "<lambda>",
     ),
+    "a checkpoint manager with no step to restore": (
+        lambda meshes: mpmdc.checkpoint.CheckpointManager("/nonexistent/run").restore(),
+        errors.CheckpointError,
+        "<lambda>",
+    ),
     "a stage marker outside any trace": (
         lambda meshes: mpmdc.stage(X, -1),
         errors.StageError,

@@ -12,7 +12,9 @@ process) trains three steps, fetching each loss, then saves its parameters to
 - ``slow-save``: its writes take 1.5 fault timeouts: it is working, not stuck, and the
   save completes;
 - ``stop``: it stops itself (SIGSTOP) before step 2, as ``step`` but with no thread of
-  it left running.
+  it left running;
+- ``stop-at-end``: it stops itself after the save, while the others' scripts return
+  and wait for it at the exit.
 
 A process that gets an ``mpmdc.MpmdcError`` prints ``caught <type> after <seconds> s:
 <message>`` (seconds since the step or save began), then ``exiting at <time.time()>``,
@@ -108,6 +110,8 @@ def main():
     except mpmdc.MpmdcError as err:
         caught(err, start)
     print(f"saved after {time.monotonic() - start:.1f} s", flush=True)
+    if MODE == "stop-at-end" and SLEEPER:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,27 @@ def test_a_stopped_process_is_blamed_and_the_run_ends_soon_after_its_peer_gave_u
     assert ended - float(exiting.split()[-1]) - grace < 4, output[-3000:]
 
 
+def test_a_process_stopped_while_the_others_leave_is_blamed_and_the_run_ends(tmp_path):
+    """Process 1 stops itself after its last save; process 0's script returns and waits
+    for it at the exit. After the fault timeout process 0 blames it and exits with
+    status 1 at once (its runtime's teardown would wait for the stopped process with
+    no bound), and the launcher stops process 1 after the grace."""
+    grace = 5
+    status, output = hang("stop-at-end", 1, 2, tmp_path, grace=grace)
+    assert status == 1, output[-3000:]
+    waited = "the others at the end of the run (its script returned)"
+    assert launcher_line(output) == (
+        f"mpmdc launch: process 1 failed first: it made no progress for {FAULT_TIMEOUT} s "
+        f"while process 0 waited for {waited}; stopped process 1 ({grace} seconds after "
+        f"process 0 failed)"
+    ), output[-3000:]
+    assert (
+        f"mpmdc: process 0 stopped waiting for {waited}: process 1 made no progress for "
+        f"{FAULT_TIMEOUT} s (the fault timeout)"
+    ) in "\n".join(process_lines(output, 0)), output[-3000:]
+    assert (tmp_path / "saved").is_dir()
+
+
 def test_a_save_waiting_for_a_process_that_never_began_its_part_ends_naming_it(tmp_path):
     status, output = hang("save", 1, 2, tmp_path, grace=5)
     assert status != 0
