@@ -115,8 +115,13 @@ def train(args) -> None:
     # its mesh. The checkpoint is restored straight there, whatever layout saved it.
     shardings = step_fn.input_shardings(params, opt_state, x, y)[0][:2]
     here = jax.process_index() == 0
+    # The directory is this run's alone: a save a kill interrupted left a partial folder
+    # that no save will finish, removed as the run starts again.
     with mpmdc.checkpoint.CheckpointManager(
-        args.directory, max_to_keep=args.keep, save_interval_steps=args.save_every
+        args.directory,
+        max_to_keep=args.keep,
+        save_interval_steps=args.save_every,
+        remove_partial=True,
     ) as manager:
         start = manager.latest_step() or 0
         if start:

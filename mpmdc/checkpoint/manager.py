@@ -14,7 +14,7 @@ import jax
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed
 from mpmdc.checkpoint import storage
-from mpmdc.checkpoint.layout import REPLACED_SUFFIX, step_name
+from mpmdc.checkpoint.layout import PARTIAL_SUFFIX, REPLACED_SUFFIX, step_name
 from mpmdc.checkpoint.restoring import restore_committed
 from mpmdc.checkpoint.saving import Save
 from mpmdc.errors import CheckpointError
@@ -40,6 +40,12 @@ class CheckpointManager:
     was not saved, and why, raised by the next of these calls (or by the next
     :meth:`save`, which then saves nothing). Call one of them before the program ends: a
     manager dropped with a failure nobody was told of warns, naming the step.
+
+    With ``remove_partial=True`` (Orbax's ``cleanup_tmp_directories``) process 0 removes,
+    as the manager starts, the partial folders that saves of steps left in
+    ``directory`` when they were killed or hung: for a directory no other job saves
+    into, such as a run's restart after a failure (a save in progress would lose its
+    folder). Otherwise nothing removes them.
     """
 
     def __init__(
@@ -49,6 +55,7 @@ class CheckpointManager:
         max_to_keep: int | None = None,
         save_interval_steps: int = 1,
         asynchronous: bool = True,
+        remove_partial: bool = False,
     ):
         if not isinstance(directory, str | os.PathLike):
             raise CheckpointError(
@@ -63,6 +70,7 @@ class CheckpointManager:
                 f"save_interval_steps must be a positive integer, got {save_interval_steps!r}."
             )
         _check_flag(asynchronous, "asynchronous")
+        _check_flag(remove_partial, "remove_partial")
         self.directory = os.path.abspath(os.fspath(directory))
         for path in (self.directory, storage.first_existing_above(self.directory)):
             if os.path.exists(path) and not os.path.isdir(path):
@@ -79,6 +87,8 @@ class CheckpointManager:
         self._closed = False
         self._many = distributed.is_multiprocess()
         self._answered: str | None = None  # the topic of the last answer from process 0
+        if remove_partial:
+            self._decided("the removal of partial folders", lambda: _remove_partial(self.directory))
 
     def step_directory(self, step: int) -> str:
         """Where step ``step`` is saved."""
@@ -306,6 +316,26 @@ def _check_flag(value, name: str) -> None:
     """A ``CheckpointError`` unless option ``name`` is a ``bool``."""
     if not isinstance(value, bool):
         raise CheckpointError(f"{name} must be True or False, got {value!r}.")
+
+
+def _remove_partial(directory: str) -> list[str]:
+    """Remove the partial folders of saves of steps in ``directory`` (``<step>.<id>.partial``)
+    under the lock commits take, so that none is removed while it is renamed into place;
+    their names."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    partial = sorted(
+        name
+        for name in names
+        if name.endswith(PARTIAL_SUFFIX) and step_name(name.split(".", 1)[0]) is not None
+    )
+    if partial:
+        with storage.commit_lock(directory):
+            for name in partial:
+                storage.remove_checkpoint(os.path.join(directory, name))
+    return partial
 
 
 def _complete_steps(directory: str) -> list[int]:

@@ -416,6 +416,7 @@ def test_manager_mistakes_name_what_to_do(tmp_path):
         (lambda m: m.save(2.0, {"w": jnp.ones(2)}), "step must be a non-negative integer"),
         (lambda m: m.save(2, {"w": jnp.ones(2)}, force="yes"), "force must be True or False"),
         (lambda m: CheckpointManager(m.directory, asynchronous="yes"), "asynchronous must be"),
+        (lambda m: CheckpointManager(m.directory, remove_partial=1), "remove_partial must be"),
         (lambda m: CheckpointManager(m.directory, max_to_keep=0), "max_to_keep must be"),
         (lambda m: CheckpointManager(m.directory, save_interval_steps=True), "save_interval_st"),
         (lambda m: CheckpointManager(7), "directory must be a path"),

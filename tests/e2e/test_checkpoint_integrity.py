@@ -175,6 +175,25 @@ def test_a_managers_commit_leaves_another_saves_partial_folder_alone(tmp_path):
     assert value_of(tmp_path / "1") == 1
 
 
+def test_a_manager_asked_removes_the_partial_folders_of_killed_saves_as_it_starts(tmp_path):
+    """A run restarted after its saves were killed (two partial folders of steps, one
+    holding its commit marker) opens its manager with ``remove_partial=True``: those
+    go, the complete steps and a partial folder of something else stay, and saving
+    goes on. Without it, nothing is removed."""
+    for step in (1, 2, 3):
+        save(tmp_path / str(step), tree_of(step))
+    os.rename(tmp_path / "2", tmp_path / "2.0123456789abcdef.partial")  # killed renaming
+    os.makedirs(tmp_path / "3.fedcba9876543210.partial" / "w")  # killed writing
+    os.makedirs(tmp_path / "notes.0123456789abcdef.partial")  # not a step's
+    before = entries(tmp_path)
+    CheckpointManager(tmp_path).close()
+    assert entries(tmp_path) == before
+    with CheckpointManager(tmp_path, remove_partial=True, asynchronous=False) as manager:
+        assert entries(tmp_path) == ["1", "3", "notes.0123456789abcdef.partial"]
+        manager.save(4, tree_of(4))
+    assert value_of(tmp_path / "4") == 4
+
+
 def test_a_removal_killed_midway_leaves_no_step_that_is_listed_but_fails(tmp_path):
     """A manager renames an old step out of its place before deleting anything: killed
     while deleting its files (here, after its first leaf), the step is gone from the
