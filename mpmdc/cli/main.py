@@ -377,7 +377,7 @@ def _demo(args) -> int:
 
 
 def _launch(args) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not command:
         raise UsageError(
             "give the command to run after --, e.g. mpmdc launch -n 2 -- python train.py"
@@ -584,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after a failure, start every process again, up to R times (default 0)",
     )
     launch_cmd.add_argument(
-        "command",
+        "program",
         nargs=argparse.REMAINDER,
         metavar="-- CMD ARGS",
         help="the command every process runs",

@@ -225,7 +225,11 @@ def test_a_warning_is_said_by_the_command_not_at_a_line_of_it(capsys, plain_file
         (["dump"], "FILE.py:TARGET"),
         (
             ["launch", "-n", "2", "--max-restarts", "-1", "--", "true"],
-            "--max-restarts must be at least 0, got -1",
+            "mpmdc launch: error: --max-restarts must be at least 0, got -1",
+        ),
+        (
+            ["launch", "-n", "2"],
+            ["mpmdc launch: error: give the command", "(see `mpmdc launch --help`)"],
         ),
         ([], "COMMAND"),
     ],
