@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import CRASHING, passes_with
+from test_bad_input_catalog import rejecting_negatives, two_stage
 
 import mpmdc
 from mpmdc import errors
@@ -20,11 +21,6 @@ from mpmdc import errors
 REPO = Path(__file__).resolve().parents[2]
 MPMDC = tuple(str(REPO / package) + "/" for package in ("mpmdc", "passes", "lowering"))
 W, X = jnp.full((4, 4), 0.25), jnp.ones((4, 4))
-
-
-def two_stage(w, x):
-    h = jnp.tanh(mpmdc.stage(x, 0) @ w)
-    return jnp.sum(mpmdc.stage(h, 1) ** 2)
 
 
 def raising(w, x):
@@ -37,17 +33,6 @@ def three_microbatches(w, x):
 
 def one_stage_per_mesh(w, x):
     return mpmdc.accumulate(lambda mb: two_stage(w, mpmdc.stage(mb, 2)), x, microbatches=2)
-
-
-def negatives_refused(v):
-    if (v < 0).any():
-        raise ValueError("no negative inputs, please")
-
-
-def checking(w, x):
-    h = mpmdc.stage(jnp.tanh(x @ w), 1)
-    jax.debug.callback(negatives_refused, h)
-    return jnp.sum(h**2)
 
 
 def frames(err: BaseException) -> list:
@@ -75,7 +60,7 @@ MISTAKES = {
         "<lambda>",
     ),
     "a host callback raises at run time": (
-        lambda meshes: mpmdc.compile(checking, meshes)(W, -X),
+        lambda meshes: mpmdc.compile(rejecting_negatives, meshes)(W, -X),
         errors.MpmdRuntimeError,
         "<lambda>",
     ),
