@@ -603,8 +603,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     command = "mpmdc"
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
         command = f"mpmdc {args.command}"
+        if unknown:  # (said by the subcommand, whose options they are not)
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}")
         with warnings.catch_warnings():
             # (No frame of the user's is on the stack once their program is traced: a
             # warning's file and line would be this script's.)

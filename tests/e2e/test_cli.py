@@ -221,7 +221,11 @@ def test_a_warning_is_said_by_the_command_not_at_a_line_of_it(capsys, plain_file
         ),
         (["dump", "{plain}:loss"], ["takes arguments (w, x)", "--args"]),
         (["dump", "{plain}:not_lowered"], "returned int, not mpmdc.Lowered"),
-        (["dump", MLP2, "--stages", "all"], "unrecognized arguments: --stages"),
+        (["dump", MLP2, "--stages", "all"], "mpmdc dump: error: unrecognized arguments: --stages"),
+        (
+            ["launch", "-n", "2", "--bogus", "--", "true"],
+            "mpmdc launch: error: unrecognized arguments: --bogus",
+        ),
         (["dump"], "FILE.py:TARGET"),
         (
             ["launch", "-n", "2", "--max-restarts", "-1", "--", "true"],
