@@ -31,12 +31,9 @@ from mpmdc.schedules.accumulate import accumulate
 # mpmdc.accumulate, not the line inside mpmdc that binds the primitive; and an error's
 # traceback ends in the user's code, as one raised through jax.jit does.
 for _package in (_jax_compat, lowering, passes):
-    _jax_compat.exclude_from_source_lines(
-        _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
-    )
-    _jax_compat.exclude_from_tracebacks(
-        _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
-    )
+    _folder = _os.path.dirname(_os.path.abspath(_package.__file__)) + _os.sep
+    _jax_compat.exclude_from_source_lines(_folder)
+    _jax_compat.exclude_from_tracebacks(_folder)
 # Nor a library's line that calls JAX for the user (``nnx.scan`` calls ``lax.scan``):
 # the model's line is. Found without importing them.
 for _library in ("flax", "optax"):

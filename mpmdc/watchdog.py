@@ -155,15 +155,22 @@ class Stuck:
         return f"{did} while process {waiter} waited for {what}{links}"
 
 
+def _published_waits(client) -> dict[int, list] | None:
+    """``{process: its published waits}``; ``None`` when the store is gone."""
+    try:
+        return {
+            int(key.rsplit("/", 1)[1]): json.loads(value)
+            for key, value in client.key_value_dir_get(_WAITING)
+        }
+    except Exception:
+        return None
+
+
 def stuck(client, here: int, peers: Iterable[int]) -> Stuck:
     """Follow the published waits from ``peers`` (the processes ``here`` waited for) to
     the nearest process that waits for nobody."""
-    entries: dict[int, list] = {}
-    try:
-        for key, value in client.key_value_dir_get(_WAITING):
-            entries[int(key.rsplit("/", 1)[1])] = json.loads(value)
-    except Exception:  # the store is gone: the direct peer is all there is to name
-        pass
+    # (With the store gone, the direct peer is all there is to name.)
+    entries = _published_waits(client) or {}
     # Breadth first, so that the shortest chain is named, each level in order of process id.
     seen = {here}
     level = [(peer, ()) for peer in sorted(set(peers) - seen)]
@@ -199,15 +206,10 @@ def publish_leaving(client, here: int, processes: int) -> None:
 def still_running(client, processes: Iterable[int]) -> list[int]:
     """Those of ``processes`` whose script has not returned (that have not published
     :data:`LEAVING`)."""
-    try:
-        entries = dict(client.key_value_dir_get(_WAITING))
-    except Exception:  # the store is gone: none can be told apart
+    entries = _published_waits(client)
+    if entries is None:  # the store is gone: none can be told apart
         return list(processes)
-    return [
-        p
-        for p in processes
-        if not any(what == LEAVING for what, _ in json.loads(entries.get(f"{_WAITING}{p}", "[]")))
-    ]
+    return [p for p in processes if not any(what == LEAVING for what, _ in entries.get(p, ()))]
 
 
 def main_thread_stack() -> str:
