@@ -38,7 +38,9 @@ Rules, in the order they apply:
    (:func:`place_by_min_cut`): placed an equation at a time, a chain can look as cheap
    on either mesh at each step and cost more in all (a stage's rows of a stack kept
    whole, updated where its gradient is, with the state's rows sent there and the new
-   rows back).
+   rows back); an optimizer state stays on its parameter's mesh through the cut.
+   A skip-step conditional's update, which ``cond-fission`` makes a ``select_n``
+   between the state and its update, counts as the update it returns.
 5. Microbatches. Inside an ``mpmdc.accumulate`` loop, a ``microbatch[i]`` marker
    puts its outputs in microbatch ``i``, and ``microbatch[None]`` outside the loop
    (the start of a running sum, the loop's results). An equation reading values of several
@@ -354,10 +356,12 @@ class PlacementState:
 
     def homes_read_next(self, i, v) -> list[int]:
         """The homes (:meth:`home`) of the inputs ``i`` reads (through cheap operands, such
-        as a cast) whose new value ``v`` is: a result of ``i`` the program returns, of such
-        an input's type (a parameter's update). The next call reads ``v`` there; placing ``i`` elsewhere moves ``v`` back
-        at every call."""
-        if v not in self.returned:
+        as a cast) whose new value ``v`` is: a result of ``i`` the program returns (or
+        chooses to return, :meth:`returned_as`), of such an input's type (a parameter's
+        update). The next call reads ``v`` there; placing ``i`` elsewhere moves ``v``
+        back at every call."""
+        result = self.returned_as(v)
+        if result is None:
             return []
         homes = [
             home
@@ -368,10 +372,26 @@ class PlacementState:
         ]
         # A result made from pieces (a layer stack kept whole, its rows updated per
         # stage and joined) is read next where the input it is fed back for will live.
-        fed = self.feeds.get(v)
+        fed = self.feeds.get(result)
         if not homes and fed is not None and (home := self.home_ahead(fed)) is not None:
             homes.append(home)
         return homes
+
+    def returned_as(self, v):
+        """The result the program returns for ``v``: ``v``, or what a ``select_n``
+        choosing ``v`` returns (the update of a skip-step conditional, which
+        ``cond-fission`` makes a choice between the state and its update); ``None``
+        if neither."""
+        while v not in self.returned:
+            chosen = [
+                j
+                for j in self.users.get(v, ())
+                if self.eqns[j].primitive is jprims.select_n_p and v in self.eqns[j].invars[1:]
+            ]
+            if len(chosen) != 1:
+                return None
+            (v,) = self.eqns[chosen[0]].outvars
+        return v
 
     def home_ahead(self, v):
         """The :meth:`home` of program input ``v``, or while nothing reading it is placed,
@@ -402,8 +422,13 @@ class PlacementState:
     def homeless_state(self, i) -> int:
         """Bytes of the largest program input that ``i`` reads (itself or through unplaced
         work on program inputs alone, such as ``0.9 * momentum``), updates (returns a
-        result of its type) and no placed equation reads yet; 0 if none."""
-        types = {(v.aval.shape, v.aval.dtype) for v in self.eqns[i].outvars if v in self.returned}
+        result of its type, :meth:`returned_as`) and no placed equation reads yet; 0 if
+        none."""
+        types = {
+            (v.aval.shape, v.aval.dtype)
+            for v in self.eqns[i].outvars
+            if self.returned_as(v) is not None
+        }
         if not types:
             return 0
         found, todo, seen = 0, [i], {i}
@@ -747,7 +772,10 @@ def _nets(state: PlacementState, members) -> list[_Net]:
     ``members`` make a result fed back for a program input (a parameter's new value) or
     read that input, one more joins its makers and the input's readers and weighs more
     than all the others together: made away from where the input lives, the result
-    moves at the start of every call, where nothing overlaps it."""
+    moves at the start of every call, where nothing overlaps it. An optimizer state's
+    is pinned to its parameter's mesh: the cut would otherwise move a momentum to where
+    its gradient is made to save a scalar, and the state would live away from its
+    parameter."""
     values = {a: None for i in members for a in state.operands(i, inputs=True)}
     values.update((v, None) for i in members for v in state.eqns[i].outvars)
     wanted = state.program.wanted_out_meshes
@@ -774,12 +802,18 @@ def _nets(state: PlacementState, members) -> list[_Net]:
             continue
         scalar = math.prod(v.aval.shape) == 1
         # The input lives with its earliest reader: where that stays put, the result is
-        # tied to its mesh; where the cut may move it, to every reader.
+        # tied to its mesh; where the cut may move it, to every reader, and an optimizer
+        # state to the mesh where its parameter (its kin) stays put.
         home = state.earliest(readers)
         if home is not None and home not in members:
             pins, found = frozenset({state.mesh(state.stage[home])}), tuple(makers)
         else:
-            pins, found = frozenset(), (*makers, *readers)
+            kin = {
+                state.mesh(state.stage[h])
+                for k in state.kin.get(v, ())
+                if (h := state.home(k)) is not None and h not in members
+            }
+            pins, found = frozenset(kin if len(kin) == 1 else ()), (*makers, *readers)
         nets.append(_Net(nbytes(v.aval) * heavy, found, pins, scalar))
     return nets
 

@@ -1203,3 +1203,50 @@ def test_a_stacked_parameter_cut_for_two_meshes_keeps_its_momentum_with_it():
         in_context=False,
         note=lambda _: None,
     )
+
+
+def test_a_parameter_whose_gradient_is_made_on_another_mesh_keeps_its_momentum_with_it():
+    """Found with ``MPMDC_FUZZ_SEED=109``: a parameter read by stage 0 on mesh 0 and, as
+    ``f + f``, by work of the last stage on mesh 1 that reads no marker, so its gradient
+    is made on mesh 1 by work no marker places. Its momentum's update, placed one
+    equation at a time with the parameter, was moved to mesh 1 by the minimum cut after
+    it (one scalar fewer to send) and the momentum lived there, away from its parameter."""
+    ops = {
+        0: ("binary", "add", 0, 0),
+        3: ("stack", 3, 1, 1, "input", 1, 0),
+        5: ("unary", "cond", 1),
+        8: ("binary", "add", 0, 6),
+        11: ("constant", "closure", 0, "matmul", 1),
+        16: ("stack", 2, (1,), 1, "closure", 4, 10),
+        20: ("layer", 0, "closure", 1, 9),
+        31: ("binary", "sub", 21, 3),
+        39: ("effect", True, 32),
+        41: ("effect", True, 17),
+        54: ("constant", "module_numpy", 0, "matmul", 12),
+    }
+    check_training_step(
+        dict(
+            explicit=False,
+            num_inputs=1,
+            ops=[ops.get(k, ("unary", "sin", 0)) for k in range(55)],
+            markers={20: (0, [16], False)},
+            num_meshes=2,
+            mesh_axes=(("d", 2),),
+            in_specs=[None],
+            committed=[0],
+            mode="value_and_grad",
+            schedule="zb-h1",
+            microbatches=2,
+            computed_batch=True,
+            stacked_loss=True,
+            metric=("int8", "mean"),
+            stage_to_mesh=None,
+            with_key=False,
+            echoes=[],
+        ),
+        skip_step="norm_inside",
+        stacked_param=True,
+        frozen=False,
+        in_context=False,
+        note=lambda _: None,
+    )
