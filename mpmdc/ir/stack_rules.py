@@ -208,18 +208,34 @@ Rule = Callable[[jcore.JaxprEqn, StackWalk], bool]
 STACK_RULES: dict[jcore.Primitive, Rule] = {}
 
 
+def _broadcasts_to(operand_shape, shape) -> bool:
+    """Whether an elementwise operand of ``operand_shape`` broadcasts to ``shape``: a
+    scalar, or of its rank with each dimension equal or 1 (``lax`` broadcasts those)."""
+    return operand_shape == () or (
+        len(operand_shape) == len(shape) and all(d in (1, n) for d, n in zip(operand_shape, shape))
+    )
+
+
 def _elementwise(eqn, walk: StackWalk) -> bool:
+    """Per piece; an operand of one row along the stacked axis (or a scalar) is read
+    whole by every piece, as ``lax`` broadcasts it (``v_row / mean(v_row, -1,
+    keepdims=True)``, Adafactor's factored moments)."""
     shape = eqn.outvars[0].aval.shape
+    if not all(_broadcasts_to(a.aval.shape, shape) for a in eqn.invars):
+        return False
     layouts = [
         found.layout
         for a in eqn.invars
-        if (found := walk.stack_of(a)) is not None and a.aval.shape == shape
+        if (found := walk.stack_of(a)) is not None
+        and a.aval.shape[found.layout.axis] == shape[found.layout.axis]
     ] + [walk.wanted[v] for v in eqn.outvars if v in walk.wanted]
-    if not layouts or any(a.aval.shape not in ((), shape) for a in eqn.invars):
+    if not layouts:
         return False
     layout = layouts[0]
     operands = [
-        [a] * len(layout.stages) if a.aval.shape == () else walk.pieces_of(a, layout, eqn)
+        walk.pieces_of(a, layout, eqn)
+        if a.aval.shape and a.aval.shape[layout.axis] == shape[layout.axis]
+        else [a] * len(layout.stages)
         for a in eqn.invars
     ]
     outs = [[] for _ in eqn.outvars]

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_same_tree, largest_difference, rows_by_mesh
+from helpers import XlaCompiles, assert_same_tree, largest_difference, rows_by_mesh
 
 import mpmdc
 from mpmdc.errors import IdleMeshWarning, PlacementWarning, StageError
@@ -718,3 +718,44 @@ def test_a_stack_of_no_layers_after_marked_stages_stays_in_the_stage_of_its_carr
         scans = [e for e in placed.jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
         assert {e.params["length"] for e in scans} == {0}
         assert {placement_of(e).stage for e in scans} == {1}, every
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+@pytest.mark.slow
+def test_a_factored_optimizer_state_is_updated_in_stage_rows(meshes4, microbatches):
+    """Adafactor's factored moments of a stacked weight (``v_row``, ``v_col``: a row per
+    layer) are updated where each stage's rows live. Its update divides ``v_row`` by
+    ``mean(v_row, -1, keepdims=True)`` and scales the gradient by both moments, which
+    ``lax`` broadcasts along their size-1 axes: each stage reads its rows of both
+    operands. The moments come back in the stage rows the next call reads, so that call
+    compiles nothing, and besides the carry only scalars and the bias's column moment
+    (a sum over every layer, so of every stage's rows) cross meshes."""
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+
+    def step(params, opt_state, x, y):
+        if microbatches:
+            value, grads = mpmdc.accumulate(
+                lambda mb: jax.value_and_grad(lax_loss)(params, *mb),
+                (x, y),
+                microbatches=microbatches,
+            )
+        else:
+            value, grads = jax.value_and_grad(lax_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    params = lax_params()
+    args = (params, tx.init(params), *batch())
+    compiled = mpmdc.compile(step, meshes4)
+    row_moment = 2 * WIDTH * 4  # (a stage's two rows of a factored moment, float32)
+    for link in compiled.lower(*args).transfer_report().links:
+        assert link.bytes[CATEGORIES.index("other")] < row_moment, link
+    got = compiled(*args)
+    assert largest_difference(got, jax.jit(step)(*args)) < ATOL
+    with XlaCompiles() as compiles:
+        compiled(*got[1:], *batch())
+    assert compiles.count == 0
+    stage_rows = {m: [(2 * m, 2 * m + 2)] for m in range(4)}
+    moments = [a for a in jax.tree.leaves(got[2]) if a.ndim and len(a) == LAYERS]
+    assert len(moments) == 5  # (v_row of w1, w2 and b1; v_col of w1 and w2)
+    assert all(rows_by_mesh(a, meshes4) == stage_rows for a in moments)
