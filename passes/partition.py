@@ -1158,26 +1158,25 @@ def _shared(a: tuple, b: tuple) -> int:
 
 
 def _input_kin(program: Program) -> dict:
-    """``{input: its kin}``: for each program input, the other inputs of its shape and
-    dtype whose paths share the longest ending with its own (``args[1][0]['w']``, a
-    moment, and ``args[0]['w']``, its parameter, share ``['w']``)."""
-    by_type: dict = {}
-    for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars):
-        by_type.setdefault((v.aval.shape, v.aval.dtype), []).append((_ending(path), v))
+    """``{input: its kin}``: for each program input, the other inputs whose paths share
+    the longest ending with its own (``args[1][0]['w']``, a moment, and ``args[0]['w']``,
+    its parameter, share ``['w']``), whatever their types: a state of another shape than
+    its parameter's (Adafactor's factored moments, NovoGrad's per-leaf norm) is its kin
+    too, and states of other parameters sharing less of the path are not."""
+    keyed = [(_ending(path), v) for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)]
     kin = {}
-    for group in by_type.values():
-        for key, v in group:
-            best, found = 0, []
-            for other_key, other in group:
-                if other is v:
-                    continue
-                n = _shared(key, other_key)
-                if n > best:
-                    best, found = n, [other]
-                elif n == best and n:
-                    found.append(other)
-            if found:
-                kin[v] = found
+    for key, v in keyed:
+        best, found = 0, []
+        for other_key, other in keyed:
+            if other is v:
+                continue
+            n = _shared(key, other_key)
+            if n > best:
+                best, found = n, [other]
+            elif n == best and n:
+                found.append(other)
+        if found:
+            kin[v] = found
     return kin
 
 

@@ -73,24 +73,36 @@ OPTIMIZERS = {
     # factored second moments: a weight's `v` and a bias's `v_row`/`v_col` are (1,)
     # placeholders that nothing reads, yet must stay with their parameter
     "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    # a scalar second moment per parameter (the squared norm of its gradient), made from
+    # the gradient where it lives: only the scalar may move, and it lives there too
+    "novograd": lambda: optax.novograd(1e-2),
 }
 
 
 def stage_mesh_of_leaves(tree, params):
     """For each leaf of ``tree``: the stage index of the parameter it mirrors (optimizer
-    state has the parameters' structure under its own keys), or ``None`` (a step count)."""
+    state has the parameters' structure under its own keys, of their shapes or not), or
+    ``None`` (a step count)."""
     where = {}
     for path, _ in jax.tree_util.tree_leaves_with_path(params):
         where[jax.tree_util.keystr(path[-2:])] = path[0].idx
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        out.append(where.get(jax.tree_util.keystr(path[-2:])) if jnp.ndim(leaf) else None)
-    return out
+    return [
+        where.get(jax.tree_util.keystr(path[-2:]))
+        for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+    ]
 
 
 @pytest.mark.parametrize(
     "name,microbatches",
-    [("sgd+clip", None), ("adamw", None), ("clip+adamw", 4), ("sgd", 4), ("adafactor", None)],
+    [
+        ("sgd+clip", None),
+        ("adamw", None),
+        ("clip+adamw", 4),
+        ("sgd", 4),
+        ("adafactor", None),
+        ("novograd", None),
+        ("novograd", 4),
+    ],
 )
 @pytest.mark.slow
 def test_parameters_and_optimizer_state_stay_on_their_stage_mesh(meshes4, name, microbatches):
