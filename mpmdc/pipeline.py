@@ -168,8 +168,9 @@ def run_pipeline(
     is a ``PassError`` before any of it runs.
     With ``verify`` (default: :func:`verification_requested`) every pass's output is
     also checked by :func:`verify_program`, JAX's ``check_jaxpr`` included. A pass that raises
-    something other than an ``MpmdcError``, or whose output fails verification, is
-    an ``InternalError`` naming the pass and the stage of the program it got.
+    something other than an ``MpmdcError`` or a warning (which the caller's warning
+    filters turned into an error), or whose output fails verification, is an
+    ``InternalError`` naming the pass and the stage of the program it got.
     """
     passes = list(passes)
     check_contracts(program, passes)
@@ -182,7 +183,7 @@ def run_pipeline(
         for p in passes:
             try:
                 result = p.run(program)
-            except MpmdcError:
+            except (MpmdcError, Warning):  # (a warning the caller's filters made an error)
                 raise
             except Exception as err:
                 raise _internal(p, stage, program, f"it raised {_summary(err)}") from err

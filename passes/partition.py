@@ -414,6 +414,15 @@ class PlacementState:
         homes = {h for kin in self.kin.get(v, ()) if (h := self.home(kin)) is not None}
         return homes.pop() if len({self.stage[h] for h in homes}) == 1 else None
 
+    def settled_kin(self, v, unsettled) -> list[int]:
+        """The :meth:`home` s, outside ``unsettled`` and all on one mesh, of the kin of
+        program input ``v`` (:func:`_input_kin`: the parameter of an optimizer state),
+        else ``[]``: where ``v`` belongs while the work on it is still being placed."""
+        homes = [
+            h for k in self.kin.get(v, ()) if (h := self.home(k)) is not None and h not in unsettled
+        ]
+        return homes if len({self.mesh(self.stage[h]) for h in homes}) == 1 else []
+
     @functools.cached_property
     def kin(self) -> dict:
         """:func:`_input_kin` of the program (made when first asked for)."""
@@ -702,6 +711,8 @@ def place_by_bytes(state: PlacementState, members) -> None:
     update where the parameter lives; they join the fragment of their earliest user
     (its transpose count)."""
 
+    unsettled = frozenset(members)
+
     def candidates(i, patient: bool):
         out: dict = {}
         placed = waiting = 0  # bytes of the largest operand placed / not placed yet
@@ -710,10 +721,12 @@ def place_by_bytes(state: PlacementState, members) -> None:
             j = state.producer.get(a)
             if j is None:
                 # On equal costs a parameter's update goes where the parameter lives (or,
-                # before anything reads it, where its new value is made)...
+                # before anything reads it, where its new value is made), and a state's
+                # where its parameter lives...
                 home = state.lives_with(a)
-                state.suggest(out, [] if home is None else [home], rank=2)
-                homed |= home is not None
+                homes = state.settled_kin(a, unsettled) if home is None else [home]
+                state.suggest(out, homes, rank=2)
+                homed |= bool(homes)
                 continue
             if state.stage[j] is not None:
                 state.suggest(out, [j])
@@ -808,12 +821,8 @@ def _nets(state: PlacementState, members) -> list[_Net]:
         if home is not None and home not in members:
             pins, found = frozenset({state.mesh(state.stage[home])}), tuple(makers)
         else:
-            kin = {
-                state.mesh(state.stage[h])
-                for k in state.kin.get(v, ())
-                if (h := state.home(k)) is not None and h not in members
-            }
-            pins, found = frozenset(kin if len(kin) == 1 else ()), (*makers, *readers)
+            kin = {state.mesh(state.stage[h]) for h in state.settled_kin(v, members)}
+            pins, found = frozenset(kin), (*makers, *readers)
         nets.append(_Net(nbytes(v.aval) * heavy, found, pins, scalar))
     return nets
 
@@ -1308,34 +1317,40 @@ _CONTROL_FLOW = frozenset({jprims.cond_p, jprims.while_p, jprims.scan_p})
 
 
 def _warn_of_control_flow_across_meshes(program, eqns, in_meshes, staged) -> None:
-    """A ``PlacementWarning`` for each conditional or loop reading arrays (not scalars)
-    of several meshes, other than a stage marker's activation or cotangent (which cross
-    meshes by design) and a stage's scan of a layer stack (whose first result is in
-    ``staged``: its loop-invariant operands are sent to it by design): placement is a
-    result, never silent."""
+    """A ``PlacementWarning`` for each conditional or loop reading arrays (of more than
+    a few elements: scalars and an optimizer's few coefficients cost a transfer's
+    latency, not its bytes) of several meshes, other than a stage marker's activation or
+    cotangent (which cross meshes by design) and a stage's scan of a layer stack (whose
+    first result is in ``staged``: its loop-invariant operands are sent to it by
+    design), naming the largest it reads from another mesh: placement is a result,
+    never silent."""
     if not any(eqn.primitive in _CONTROL_FLOW for eqn in eqns):
         return
-    mesh_of = dict(zip(program.jaxpr.jaxpr.invars, in_meshes))
+    jaxpr = program.jaxpr.jaxpr
+    mesh_of = dict(zip(jaxpr.invars, in_meshes))
+    path_of = dict(zip(jaxpr.invars, program.in_paths))
     crossing = set()  # values entering a stage: moved between meshes by design
     for eqn in eqns:
         mesh = program.mesh_of_stage(placement_of(eqn).stage)
         if eqn.primitive in _CONTROL_FLOW and eqn.outvars[0] not in staged:
             # Gathering arrays of several meshes is what no cut could avoid; reading
             # one other mesh's array is what any equation placed with its user does.
-            read = {
-                mesh_of.get(a, mesh)
-                for a in eqn.invars
-                if is_var(a) and a not in crossing and getattr(a.aval, "shape", ()) != ()
-            }
-            elsewhere = sorted(read - {mesh})
+            read: dict = {}  # mesh -> the arrays read from it
+            for a in eqn.invars:
+                if is_var(a) and a not in crossing and math.prod(a.aval.shape) > _SMALL:
+                    read.setdefault(mesh_of.get(a, mesh), []).append(a)
             if len(read) > 1:
-                others = ", ".join(f"mesh{m}" for m in elsewhere)
+                others = sorted(set(read) - {mesh})
+                largest = max((a for m in others for a in read[m]), key=lambda a: nbytes(a.aval))
+                named = f"{path_of[largest]}, " if largest in path_of else ""
                 warnings.warn(
                     f"`{eqn.primitive.name}` at {compat.source_line(eqn)} runs on mesh{mesh} "
-                    f"and reads arrays living on {others} every call: a loop, or a "
-                    f"conditional whose branches share costly work (a matrix product, a loop) "
-                    f"or have effects, is one piece of work on one mesh. Compute what reads "
-                    f"each stage's arrays outside it to keep each stage's work on its mesh.",
+                    f"and reads arrays living on {', '.join(f'mesh{m}' for m in others)} "
+                    f"every call (the largest: {named}{largest.aval.str_short()}): a loop, "
+                    f"or a conditional whose branches share costly work (a matrix product, "
+                    f"a loop) or have effects, is one piece of work on one mesh. Compute "
+                    f"what reads each stage's arrays outside it to keep each stage's work on "
+                    f"its mesh.",
                     PlacementWarning,
                     stacklevel=compat.user_stacklevel(),
                 )

@@ -17,6 +17,7 @@ knows still reads the whole array; ``dce`` drops what nothing reads.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ class StackWalk:
             if (
                 made is not None
                 and made.primitive is jprims.broadcast_in_dim_p
-                and axis not in made.params["broadcast_dimensions"]
+                and _broadcast_from(made, axis) is None
             ):
                 piece = compat.Var(piece_aval(atom.aval, axis, hi - lo))
                 params = {**made.params, "shape": piece.aval.shape}
@@ -332,9 +333,19 @@ def _transpose(eqn, walk: StackWalk) -> bool:
     return _moving_axes(eqn, walk, permutation.index, permutation.__getitem__)
 
 
+def _broadcast_from(eqn, axis: int) -> int | None:
+    """The operand's axis of result axis ``axis`` of ``broadcast_in_dim`` ``eqn``, or
+    ``None`` where the result repeats the operand along it (an axis the operand lacks,
+    or has of size 1: a mask ``jnp.where`` broadcasts from ``bool[1, 1, 1]``)."""
+    dims = eqn.params["broadcast_dimensions"]
+    if axis not in dims or eqn.invars[0].aval.shape[dims.index(axis)] == 1:
+        return None
+    return dims.index(axis)
+
+
 def _broadcast(eqn, walk: StackWalk) -> bool:
     dims = eqn.params["broadcast_dimensions"]
-    return _moving_axes(eqn, walk, dims.__getitem__, lambda r: dims.index(r) if r in dims else None)
+    return _moving_axes(eqn, walk, dims.__getitem__, functools.partial(_broadcast_from, eqn))
 
 
 def group_rows(eqn) -> tuple[int, int, int] | None:

@@ -720,17 +720,31 @@ def test_a_stack_of_no_layers_after_marked_stages_stays_in_the_stage_of_its_carr
         assert {placement_of(e).stage for e in scans} == {1}, every
 
 
-@pytest.mark.parametrize("microbatches", [None, 2])
+PER_STAGE = {
+    # (the optimizer; its state leaves of a row per layer: for Adafactor the factored
+    # v_row of w1, w2 and b1 and v_col of w1 and w2, for LAMB both moments of each)
+    "adafactor": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8), 5),
+    "lamb": (lambda: optax.lamb(1e-2), 6),
+}
+
+
+@pytest.mark.parametrize(
+    "name, microbatches", [("adafactor", None), ("adafactor", 2), ("lamb", None)]
+)
 @pytest.mark.slow
-def test_a_factored_optimizer_state_is_updated_in_stage_rows(meshes4, microbatches):
-    """Adafactor's factored moments of a stacked weight (``v_row``, ``v_col``: a row per
-    layer) are updated where each stage's rows live. Its update divides ``v_row`` by
-    ``mean(v_row, -1, keepdims=True)`` and scales the gradient by both moments, which
-    ``lax`` broadcasts along their size-1 axes: each stage reads its rows of both
-    operands. The moments come back in the stage rows the next call reads, so that call
-    compiles nothing, and besides the carry only scalars and the bias's column moment
-    (a sum over every layer, so of every stage's rows) cross meshes."""
-    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+def test_an_optimizer_broadcasting_along_size_one_axes_updates_a_stack_per_stage(
+    meshes4, name, microbatches
+):
+    """Optimizers whose update of a stacked weight broadcasts along size-1 axes, as
+    ``lax`` does: Adafactor divides ``v_row`` by ``mean(v_row, -1, keepdims=True)`` and
+    scales the gradient by both factored moments (a row per layer each); LAMB's
+    ``jnp.where`` broadcasts a mask from ``bool[1, 1, 1]``. Each stage updates its own
+    rows, reading its rows of every operand (a mask broadcast on the stage itself); the
+    state comes back in the stage rows the next call reads, so that call compiles
+    nothing; and besides the carry only scalars and the bias's column moment (a sum over
+    every layer, so of every stage's rows) cross meshes."""
+    make, stacked_leaves = PER_STAGE[name]
+    tx = make()
 
     def step(params, opt_state, x, y):
         if microbatches:
@@ -756,6 +770,6 @@ def test_a_factored_optimizer_state_is_updated_in_stage_rows(meshes4, microbatch
         compiled(*got[1:], *batch())
     assert compiles.count == 0
     stage_rows = {m: [(2 * m, 2 * m + 2)] for m in range(4)}
-    moments = [a for a in jax.tree.leaves(got[2]) if a.ndim and len(a) == LAYERS]
-    assert len(moments) == 5  # (v_row of w1, w2 and b1; v_col of w1 and w2)
-    assert all(rows_by_mesh(a, meshes4) == stage_rows for a in moments)
+    state = [a for a in jax.tree.leaves(got[2]) if a.ndim and len(a) == LAYERS]
+    assert len(state) == stacked_leaves
+    assert all(rows_by_mesh(a, meshes4) == stage_rows for a in state)

@@ -969,13 +969,14 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
 ):
     """Random programs as the loss of a training step (one batch, or microbatches in
     ``accumulate`` under a random valid schedule; the layer stacks' weights computed in
-    the step or the rows of a stacked parameter) with global-norm clipping and
-    momentum scaled by a scalar of the norm (as Adam's bias correction scales it), the
-    update applied in a skip-step ``lax.cond`` (on a finite loss, the global norm
+    the step or the rows of a stacked parameter) with global-norm clipping,
+    momentum scaled by a scalar of the norm (as Adam's bias correction scales it) and a
+    scalar per parameter (its gradient's squared norm, as NovoGrad keeps), the update
+    applied in a skip-step ``lax.cond`` (on a finite loss, the global norm
     computed before it or inside its branch) or not, the last parameter maybe frozen
     (read through ``stop_gradient``: its gradient is zeros):
     equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
-    its momentum, wherever its gradient is made or summed, each with the spec it came
+    its momentum and its scalar, wherever its gradient is made or summed, each with the spec it came
     in with (the parameter's where one is given), so a loop feeding them back moves and
     compiles nothing. A parameter several meshes read is sent to them and its gradient
     contributions summed on the way back, somewhere: where is not checked. Some steps
@@ -1035,7 +1036,12 @@ def check_training_step(
             def update(params, momenta):  # (momenta as optax keeps them: {"mu": ...})
                 s = clip_scale() if scale is None else scale
                 mu = [0.9 * m + s * g for m, g in zip(momenta["mu"], grads)]
-                return [p - 0.1 * m / (1.0 + s) for p, m in zip(params, mu)], {"mu": mu}
+                # (a scalar per parameter, as NovoGrad's second moment: its own kin)
+                nu = [0.9 * v + 0.1 * jnp.sum(g * g) for v, g in zip(momenta["nu"], grads)]
+                new = [
+                    p - 0.1 * m / (1.0 + s) / jnp.sqrt(1.0 + v) for p, m, v in zip(params, mu, nu)
+                ]
+                return new, {"mu": mu, "nu": nu}
 
             if skip_step == "none":
                 params, momenta = update(params, momenta)
@@ -1057,11 +1063,12 @@ def check_training_step(
         rng = np.random.default_rng(len(desc["ops"]))
         longest, size = 15, max(SIZES)  # every=3 over 5 groups
         params.append(jnp.asarray(rng.normal(size=(longest, size, size)) * 0.5, jnp.float32))
-    momenta = {"mu": [0.5 * a for a in params]}
+    momenta = {"mu": [0.5 * a for a in params], "nu": [jnp.sum(a * a) for a in params]}
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
-    state_specs = (specs, {"mu": specs})  # (the momenta's as their parameters')
+    # (the momenta's as their parameters')
+    state_specs = (specs, {"mu": specs, "nu": [None] * n})
     if one_tree:
-        state_specs = ({"params": specs, "state": {"mu": specs}},)
+        state_specs = ({"params": specs, "state": {"mu": specs, "nu": [None] * n}},)
     kwargs["in_specs"] = (*state_specs, *(None,) * len(batch))
 
     def state_args(params, momenta):
@@ -1071,15 +1078,13 @@ def check_training_step(
     program = compiled.lower(*state_args(params, momenta), *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
     sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
-    for j in range(2 * n):  # fed back, each is where the next call reads it
+    for j in range(3 * n):  # fed back, each is where the next call reads it
         assert program.out_meshes[1 + j] == program.in_meshes[j], j
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             note("a parameter read on one mesh")
-            assert (
-                program.out_meshes[1 + k] == program.out_meshes[1 + n + k] == program.in_meshes[k]
-            ), k
-            assert program.in_meshes[n + k] == program.in_meshes[k], k
+            for j in (n + k, 2 * n + k):  # (its momentum and its scalar)
+                assert program.in_meshes[j] == program.out_meshes[1 + j] == program.in_meshes[k], j
             for j in (k, n + k):
                 # Each comes back with the spec it came in with: the one given (the
                 # parameter's), or, where none is, the one propagation chose for it.

@@ -245,8 +245,32 @@ def test_a_conditional_sharing_work_across_meshes_is_named_in_a_warning(meshes2)
         )
         return jnp.sum(h), mixed
 
-    ws = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.25]
-    with pytest.warns(PlacementWarning, match=r"`cond` at .*runs on mesh\d and reads arrays"):
-        lowered = mpmdc.compile(step, meshes2).lower(ws, jnp.ones((4, 8)))
+    ws = [jnp.eye(16) * 0.5, jnp.eye(16) * 0.25]
+    with pytest.warns(
+        PlacementWarning,
+        match=r"`cond` at .*runs on mesh\d and reads arrays living on mesh\d every call "
+        r"\(the largest: args\[0\]\[\d\], float32\[16,16\]\)",
+    ):
+        lowered = mpmdc.compile(step, meshes2).lower(ws, jnp.ones((4, 16)))
     # ... and the transfer report shows a stage's weight moved for it.
     assert lowered.transfer_report().total("parameters/optimizer state") > 0
+
+
+def test_a_conditional_reading_a_few_elements_of_another_mesh_is_not_warned_about(meshes2):
+    """A loop reading a few coefficients kept on another mesh (Muon's Newton–Schulz
+    coefficients, one array of 3 for every parameter) moves them as a scalar moves:
+    nothing to warn about."""
+
+    def step(ws, coefficients, x):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ ws[0])
+        h = jnp.tanh(mpmdc.stage(h, 1) @ ws[1] * coefficients[0])
+
+        def orthogonalize(w):
+            return jax.lax.fori_loop(0, 2, lambda _, a: a @ a.T @ a * jnp.sum(coefficients), w)
+
+        return jnp.sum(h), [orthogonalize(w) for w in ws]
+
+    ws = [jnp.eye(16) * 0.5, jnp.eye(16) * 0.25]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        mpmdc.compile(step, meshes2).lower(ws, jnp.ones(3), jnp.ones((4, 16)))

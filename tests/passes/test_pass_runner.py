@@ -3,8 +3,10 @@ the pass and the program it got."""
 
 import gc
 import re
+import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 from helpers import CRASHING, passes_with
@@ -137,6 +139,23 @@ def test_a_users_own_mpmdc_error_is_not_an_internal_error(meshes2):
     refuses = FunctionPass("refuses", "raises a PlacementError", _refuse)
     with pytest.raises(errors.PlacementError, match="refuses every program"):
         mpmdc.compile(two_stage, meshes2, passes=["inline", refuses]).lower(jnp.ones(4))
+
+
+def test_a_warning_the_callers_filters_make_an_error_is_raised_as_it_is(meshes2):
+    """Under ``warnings.simplefilter("error")`` (``pytest -W error``) a pass's warning is
+    the error the caller asked for, not a bug in the pass: ``partition`` warns of a
+    conditional reading both stages' weights."""
+
+    def step(ws, x):
+        h = jnp.tanh(mpmdc.stage(jnp.tanh(mpmdc.stage(x, 0) @ ws[0]), 1) @ ws[1])
+        mixed = jax.lax.cond(jnp.sum(h) > 0, jnp.matmul, lambda a, b: a, ws[0], ws[1])
+        return jnp.sum(h), mixed
+
+    ws = [jnp.eye(16), jnp.eye(16)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", errors.PlacementWarning)
+        with pytest.raises(errors.PlacementWarning, match=r"`cond` at .* reads arrays living"):
+            mpmdc.compile(step, meshes2).lower(ws, jnp.ones((4, 16)))
 
 
 def test_dump_prints_the_program_the_failing_pass_got(tmp_path, capsys):
