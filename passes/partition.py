@@ -1167,17 +1167,20 @@ def _shared(a: tuple, b: tuple) -> int:
 
 
 def _input_kin(program: Program) -> dict:
-    """``{input: its kin}``: for each program input, the other inputs whose paths share
-    the longest ending with its own (``args[1][0]['w']``, a moment, and ``args[0]['w']``,
-    its parameter, share ``['w']``), whatever their types: a state of another shape than
-    its parameter's (Adafactor's factored moments, NovoGrad's per-leaf norm) is its kin
-    too, and states of other parameters sharing less of the path are not."""
+    """``{input: its kin}``: for each program input, the other inputs of its shape and
+    dtype whose paths share the longest ending with its own (``args[1][0]['w']``, a
+    moment, and ``args[0]['w']``, its parameter, share ``['w']``); for a scalar, the
+    other inputs of any shape (NovoGrad's second moment of ``w`` is a scalar kept at
+    ``args[1][0].nu['w']``). Other states match only their own shape: SM3 keeps a list
+    of accumulators at each parameter's place, so ``mu[0][1]``, an accumulator of
+    parameter ``[0]``, ends as parameter ``[1]``'s path does."""
     keyed = [(_ending(path), v) for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)]
     kin = {}
     for key, v in keyed:
         best, found = 0, []
         for other_key, other in keyed:
-            if other is v:
+            same_type = (other.aval.shape, other.aval.dtype) == (v.aval.shape, v.aval.dtype)
+            if other is v or not (same_type or v.aval.shape == ()):
                 continue
             n = _shared(key, other_key)
             if n > best:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -276,13 +277,7 @@ def _reduction(eqn, walk: StackWalk) -> bool:
             result = compat.Var(out.aval)
             walk.emit(derived_eqn(eqn.primitive, [piece], [result], eqn.params, eqn))
             partial.append(result)
-        total = partial[0]
-        for k, piece in enumerate(partial[1:], 1):
-            result = out if k == len(partial) - 1 else compat.Var(out.aval)
-            walk.emit(derived_eqn(_COMBINE[eqn.primitive], [total, piece], [result], {}, eqn))
-            total = result
-        if len(partial) == 1:
-            walk.env[out] = total
+        _combine(walk, partial, out, _COMBINE[eqn.primitive], eqn)
         return True
     layout = found.layout.along(axis - sum(a < axis for a in axes))
     pieces = []
@@ -291,6 +286,38 @@ def _reduction(eqn, walk: StackWalk) -> bool:
         walk.emit(derived_eqn(eqn.primitive, [found.pieces[g]], [result], eqn.params, eqn))
         pieces.append(result)
     walk.stacked(out, layout, pieces, eqn)
+    return True
+
+
+def _combine(walk: StackWalk, partial: list, out, combine, like) -> None:
+    """Define ``out`` as the per-piece ``partial`` results combined in order."""
+    total = partial[0]
+    for k, piece in enumerate(partial[1:], 1):
+        result = out if k == len(partial) - 1 else compat.Var(out.aval)
+        walk.emit(derived_eqn(combine, [total, piece], [result], {}, like))
+        total = result
+    if len(partial) == 1:
+        walk.env[out] = total
+
+
+def _dot(eqn, walk: StackWalk) -> bool:
+    """A dot product of two vectors, one stacked (``jnp.vdot`` of flattened stacks, as
+    Prodigy and D-Adaptation take over every parameter): per piece, the partial
+    products added in order, so each stage sends a scalar."""
+    contracting, batch = eqn.params["dimension_numbers"]
+    vectors = [a for a in eqn.invars if a.aval.ndim == 1]
+    found = next((f for a in vectors if (f := walk.stack_of(a)) is not None), None)
+    if len(vectors) != 2 or contracting != ((0,), (0,)) or batch != ((), ()) or found is None:
+        return False
+    operands = [walk.pieces_of(a, found.layout, eqn) for a in eqn.invars]
+    (out,) = eqn.outvars
+    partial = []
+    for g, _, _ in found.layout.spans():
+        result = compat.Var(out.aval)
+        pair = [pieces[g] for pieces in operands]
+        walk.emit(derived_eqn(eqn.primitive, pair, [result], eqn.params, eqn))
+        partial.append(result)
+    _combine(walk, partial, out, jprims.add_p, eqn)
     return True
 
 
@@ -320,8 +347,9 @@ def _moving_axes(eqn, walk: StackWalk, out_axis_of, operand_axis_of) -> bool:
         operand = operands[g]
         result = compat.Var(piece_aval(out.aval, layout.axis, hi - lo))
         params = dict(eqn.params)
-        if "shape" in params:
-            params["shape"] = result.aval.shape
+        for size in ("shape", "new_sizes"):
+            if size in params:
+                params[size] = result.aval.shape
         walk.emit(derived_eqn(eqn.primitive, [operand], [result], params, eqn))
         pieces.append(result)
     walk.stacked(out, layout, pieces, eqn)
@@ -346,6 +374,34 @@ def _broadcast_from(eqn, axis: int) -> int | None:
 def _broadcast(eqn, walk: StackWalk) -> bool:
     dims = eqn.params["broadcast_dimensions"]
     return _moving_axes(eqn, walk, dims.__getitem__, functools.partial(_broadcast_from, eqn))
+
+
+def _reshape(eqn, walk: StackWalk) -> bool:
+    """A reshape that only adds or drops axes of size 1 (``m.reshape(8, 1, 1)``: SM3's
+    accumulators broadcast against each other), per piece: the stacked axis is the same
+    axis of another number on either side. A stack flattened whole, its stacked axis
+    first (``jnp.vdot``, ``ravel``), is a stack of consecutive elements."""
+    (x,), (out,) = eqn.invars, eqn.outvars
+    if eqn.params.get("dimensions") is not None:
+        return False
+    found = walk.stack_of(x)
+    if found is not None and found.layout.axis == 0 and out.aval.ndim == 1:
+        row = math.prod(x.aval.shape[1:])
+        bounds = tuple(b * row for b in found.layout.bounds)
+        layout = Layout(0, bounds, found.layout.stages)
+        pieces = []
+        for g, lo, hi in layout.spans():
+            piece = compat.Var(piece_aval(out.aval, 0, hi - lo))
+            params = {**eqn.params, "new_sizes": piece.aval.shape}
+            walk.emit(derived_eqn(eqn.primitive, [found.pieces[g]], [piece], params, eqn))
+            pieces.append(piece)
+        walk.stacked(out, layout, pieces, eqn)
+        return True
+    sized = [[d for d, n in enumerate(v.aval.shape) if n != 1] for v in (x, out)]
+    if [x.aval.shape[d] for d in sized[0]] != [out.aval.shape[d] for d in sized[1]]:
+        return False
+    to_out, to_operand = dict(zip(*sized)), dict(zip(sized[1], sized[0]))
+    return _moving_axes(eqn, walk, to_out.get, to_operand.get)
 
 
 def group_rows(eqn) -> tuple[int, int, int] | None:
@@ -451,6 +507,8 @@ for _primitive in _COMBINE:
     STACK_RULES[_primitive] = _reduction
 STACK_RULES[jprims.transpose_p] = _transpose
 STACK_RULES[jprims.broadcast_in_dim_p] = _broadcast
+STACK_RULES[jprims.reshape_p] = _reshape
+STACK_RULES[jprims.dot_general_p] = _dot
 STACK_RULES[jprims.slice_p] = _slice
 STACK_RULES[loop_edge_p] = _loop_edge
 for _primitive in (jprims.jit_p, jprims.closed_call_p, jprims.custom_jvp_call_p):

@@ -922,3 +922,37 @@ def test_a_state_committed_to_one_device_is_one_warning_naming_its_arguments(mes
         f"on mesh1 (devices [2, 3]); args[0][2]"
     ), moved
     assert "; and 1 more. Put each there once" in moved
+
+
+def test_a_list_of_accumulators_at_a_parameters_place_stays_with_it(meshes2):
+    """SM3 keeps a list of accumulators, one per axis, at each parameter's place:
+    ``mu[0][1]`` (32 floats) is parameter ``[0]``'s, though its path ends as parameter
+    ``[1]``'s does. Each stays with its own parameter, so its update reads the gradient
+    where it is made, and a fed-back call moves nothing but activations and
+    cotangents."""
+    opt = optax.sm3(0.1)
+    k = jax.random.split(jax.random.key(0), 4)
+    params = [jax.random.normal(k[i], (16, 32)) / 4 for i in range(2)]
+    x, y = jax.random.normal(k[2], (16, 16)), jax.random.normal(k[3], (16, 32))
+
+    def loss_fn(p, x, y):
+        h = jnp.tanh(mpmdc.stage(x, 0) @ p[0])
+        return jnp.mean((jnp.tanh(mpmdc.stage(h, 1)[:, :16] @ p[1]) - y) ** 2)
+
+    def step(p, s, x, y):
+        loss, g = mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss_fn)(p, *mb), (x, y), microbatches=2
+        )
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    compiled = mpmdc.compile(step, meshes2)
+    got = compiled(params, opt.init(params), x, y)
+    assert_same_tree(got, jax.jit(step)(params, opt.init(params), x, y))
+    for i in range(2):
+        assert mesh_index(got[0][i], meshes2) == i
+        assert [mesh_index(a, meshes2) for a in got[1][0].mu[i]] == [i, i]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        report = compiled.lower(*got[:2], x, y).transfer_report()
+    assert report.total() == report.total("activations/cotangents")

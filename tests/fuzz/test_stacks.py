@@ -11,7 +11,8 @@ layers per stage; the layer
 (a residual MLP, or one with a layer norm before it); what comes before and after the
 stack (an embedding and a head of their own, or one matrix tied between them); the
 optimizer (from SGD to optax's wrappers that keep state of the stack's shape, decide the
-update in a conditional, scale it by per-leaf norms or factor its moments); a skip-step
+update in a conditional, scale it by per-leaf norms, factor its moments, keep them per
+axis or take dot products over every parameter); a skip-step
 guard or none; one batch or microbatches under a random schedule; the batch replicated
 or split on ``data``; the first call's state uncommitted, on one device or whole on the
 last mesh; the calls made under the first mesh's ``jax.set_mesh`` or not.
@@ -62,6 +63,10 @@ OPTIMIZERS = {
     "lamb": lambda: optax.lamb(1e-2),
     # (Factored: its moments of a stacked weight are a row per layer and a column.)
     "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+    # (Accumulators per axis, reshaped to broadcast against each other.)
+    "sm3": lambda: optax.sm3(1e-2),
+    # (A step size from dot products over every parameter, flattened.)
+    "prodigy": lambda: optax.contrib.prodigy(1.0),
     "multi_transform": lambda: optax.multi_transform(
         {"stack": optax.adam(1e-2), "rest": optax.sgd(1e-2, momentum=0.9)},
         lambda params: {k: ("stack" if k == "layers" else "rest") for k in params},
