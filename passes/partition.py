@@ -79,7 +79,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import re
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -91,6 +90,7 @@ from mpmdc.passes.base import Property, register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.calls import call_body
+from mpmdc.ir.feedback import PATH_KEY, fed_back
 from mpmdc.ir.graph import DefUse, def_use, relaid_input
 from mpmdc.ir.primitives import (
     LOOP,
@@ -226,7 +226,7 @@ class PlacementState:
         self.stage = [s if s is not None else seeds.get(i) for i, s in enumerate(self.seeded)]
         self.default = min((s for s in self.seeded if s is not None), default=0)
         self.returned = set(vars_of(program.jaxpr.jaxpr.outvars))
-        self.fed_back = _fed_back(program)
+        self.fed_back = fed_back(program)
         self.feeds = {result: v for v, result in self.fed_back.items()}
         self.depends, self.prepares = self.pipeline_work()
 
@@ -265,7 +265,7 @@ class PlacementState:
     def present(self, v) -> set[int]:
         """The meshes ``v`` is (or will be) on: its producer's and its placed users';
         a program input's is where it lives, with its earliest placed user, or before
-        anything reads it where the result fed back for it (:func:`_fed_back`) is made,
+        anything reads it where the result fed back for it (:func:`~mpmdc.ir.feedback.fed_back`) is made,
         and its placed users' (it is sent to a mesh once, whatever reads it there); a
         cotangent leaving a stage's backward is also where it goes (:meth:`sent_back_to`)."""
         j = self.producer.get(v)
@@ -282,7 +282,7 @@ class PlacementState:
     def lives_with(self, v):
         """The placed equation whose mesh holds program input ``v``: its :meth:`home`, or
         before anything reads it the one making the result fed back for it
-        (:func:`_fed_back`); ``None`` if neither is placed."""
+        (:func:`~mpmdc.ir.feedback.fed_back`); ``None`` if neither is placed."""
         home = self.home(v)
         if home is not None:
             return home
@@ -1112,53 +1112,10 @@ def _output_placements(state: PlacementState, outvars, placement) -> list[Placem
     return [max(s, key=Placement.order_key) if s else None for s in found]
 
 
-_PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
-_INDEX = re.compile(r"\[\d+\]")
-
-
-def _fed_back(program: Program) -> dict:
-    """``{input: result}`` pairing each program input with the one result of its shape and
-    dtype at the same place in its pytree, below the argument or result it is in
-    (``args[1][0].mu['w']`` and ``out[2][0].mu['w']``): what a training loop passes back
-    for it, so the next call reads the input where that result is made. An argument that
-    is an array has no such place (the results may come in another order): unpaired,
-    but for a layer stack's stacked array kept whole and its result
-    (``Program.stack_feedback``). A function returning one pytree, not a tuple, has
-    its whole result in that place (``out['w']`` pairs with ``args[0]['w']``). A place
-    two inputs or two results share pairs nothing: which is fed back is not known."""
-    jaxpr = program.jaxpr.jaxpr
-    inputs = set(jaxpr.invars)
-
-    def key(keys, v):
-        return tuple(keys), v.aval.shape, v.aval.dtype
-
-    results: dict = {}
-    for path, v in zip(program.out_paths, jaxpr.outvars):
-        keys = _PATH_KEY.findall(path)
-        if keys and _INDEX.fullmatch(keys[0]):  # (one result of a tuple)
-            keys = keys[1:]
-        if is_var(v) and v not in inputs:
-            results.setdefault(key(keys, v), []).append(v)
-    places: dict = {}
-    for path, v in zip(program.in_paths, jaxpr.invars):
-        places.setdefault(key(_PATH_KEY.findall(path)[1:], v), []).append(v)
-    pairs = {}
-    for place, found in places.items():
-        if place[0] and len(found) == 1 and len(made := results.get(place, [])) == 1:
-            pairs[found[0]] = made[0]
-    for ins, outs in program.stack_feedback or ():
-        paired = set(pairs.values())
-        left = [jaxpr.invars[k] for k in ins if jaxpr.invars[k] not in pairs]
-        made = [v for v in (jaxpr.outvars[i] for i in outs) if is_var(v) and v not in paired]
-        if len(left) == len(made) == 1:
-            pairs[left[0]] = made[0]
-    return pairs
-
-
 def _ending(path: str) -> tuple[str, ...]:
     """The keys of pytree ``path``, last first (``args[1].mu['w']``: ``['w']``, ``.mu``,
     ``[1]``)."""
-    return tuple(reversed(_PATH_KEY.findall(path)))
+    return tuple(reversed(PATH_KEY.findall(path)))
 
 
 def _shared(a: tuple, b: tuple) -> int:
@@ -1279,7 +1236,7 @@ def _io_meshes(
     """Each input lives on the mesh of its earliest user, each output where it is made
     (an input returned as is stays where it is), unless ``out_shardings`` says; an input
     nobody reads lives where the result fed back for it is made (``fed_back``, from
-    :func:`_fed_back`: a schedule's learning rate that the step recomputes), else with
+    :func:`~mpmdc.ir.feedback.fed_back`: a schedule's learning rate that the step recomputes), else with
     its kin."""
     jaxpr = program.jaxpr.jaxpr
     in_index = {v: k for k, v in enumerate(jaxpr.invars)}

@@ -32,6 +32,7 @@ from jax.extend.core import primitives as jprims
 from jax.sharding import PartitionSpec
 from mpmdc.passes.base import Property, register
 
+from mpmdc.ir.feedback import fed_back
 from mpmdc.ir.primitives import (
     LOOP,
     Carries,
@@ -239,7 +240,7 @@ class _Emitter:
         jaxpr = program.jaxpr.jaxpr
         self.program, self.const_values, self.carries = program, const_values, carries
         self.location = {v: program.in_meshes[k] for k, v in enumerate(jaxpr.invars)}
-        self.propagated = propagate_specs(jaxpr, program.in_specs)
+        self.propagated = propagate_specs(jaxpr, program.in_specs, fed_back(program))
         # An input with no spec (not given, not committed) takes the one propagation
         # chose for it, as far as its mesh supports it.
         self.spec_of = {

@@ -401,7 +401,7 @@ def _wanted_by_users(jaxpr: jcore.Jaxpr, found: dict, out_wanted: dict | None = 
     return wanted
 
 
-def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
+def propagate_specs(jaxpr: jcore.Jaxpr, in_specs, fed_back: dict | None = None) -> dict:
     """``{variable: PartitionSpec}`` for every input of ``jaxpr`` and every sharded
     top-level value, given one spec per input; values left out are replicated.
 
@@ -409,9 +409,12 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     ``jax.jit`` lets propagation choose an uncommitted argument's sharding, it takes the
     spec its elementwise users want (:func:`_wanted_by_users`), or stays replicated.
     A free input that the update of a sharded input is computed from (an optimizer
-    state beside its parameter) takes that input's spec instead. So optimizer state
-    created unsharded gets its parameter's spec on the first call, and the state fed
-    back is placed as the program expects."""
+    state beside its parameter) takes that input's spec instead, and one whose result
+    fed back (``fed_back``: ``{input: result}``, a training loop's pairs) is sharded
+    takes the result's (SM3's accumulator of a column-split weight, a maximum over its
+    rows). So optimizer state created unsharded gets its parameter's spec on the first
+    call, and the state fed back is placed as the program expects."""
+    fed_back = fed_back or {}
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
     found = _propagate(jaxpr, padded)
     free = {v for s, v in zip(in_specs, jaxpr.invars) if s is None}
@@ -420,7 +423,15 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
     # parameter sharded by the batch it is added to shards its gradient, which its
     # momentum meets): choose again until no free input gains a spec.
     while free:
-        wanted = {**_wanted_by_users(jaxpr, found), **_state_of_updates(updates, found, free)}
+        wanted = {
+            **_wanted_by_users(jaxpr, found),
+            **_state_of_updates(updates, found, free),
+            **{
+                v: _spec_of(found, r)
+                for v, r in fed_back.items()
+                if v in free and _is_sharded(_spec_of(found, r))
+            },
+        }
         chosen = {v: wanted[v] for v in free if v in wanted}
         if not chosen:
             break
@@ -428,10 +439,11 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs) -> dict:
         padded = [chosen.get(v, s) for s, v in zip(padded, jaxpr.invars)]
         found = _propagate(jaxpr, padded)
     found.update((v, s) for v, s in zip(jaxpr.invars, padded) if v not in found)
-    # An input's update comes back sharded as the input went in (a momentum given
-    # P(None, 'b') whose gradient is also split over 'a'), so a loop feeding it back
-    # moves and compiles nothing.
-    for v, updated, _ in updates:
+    # An input's update, and the result fed back for it, comes back sharded as the
+    # input went in (a momentum given P(None, 'b') whose gradient is also split over
+    # 'a'), so a loop feeding it back moves and compiles nothing.
+    pairs = [(v, updated) for v, updated, _ in updates] + [(r, v) for v, r in fed_back.items()]
+    for v, updated in pairs:
         spec = _spec_of(found, updated)
         if _is_sharded(spec):
             found[v] = spec

@@ -537,3 +537,37 @@ def test_an_argument_given_in_specs_on_explicit_axes_is_traced_replicated_as_und
     # The default bound of a compiled function against jax.jit (docs/design.md).
     for g, w in zip(got, want):
         assert_same_array(g, w, rtol=2e-5, atol=1e-6)
+
+
+def test_a_state_reduced_from_a_split_update_is_taken_as_it_comes_back(tp_meshes):
+    """SM3's accumulator of each column of a column-split weight is a maximum over the
+    weight's rows, so it comes back split over ``model``; created unsharded, it is
+    taken so on the first call (as the result fed back for it is), and the loop
+    feeding it back compiles nothing more."""
+    opt = optax.sm3(0.1)
+    k = jax.random.split(jax.random.key(0), 4)
+    params = [
+        jax.device_put(jax.random.normal(k[i], (16, 32)) / 4, NamedSharding(m, P(None, "model")))
+        for i, m in enumerate(tp_meshes)
+    ]
+    x, y = jax.random.normal(k[2], (16, 16)), jax.random.normal(k[3], (16, 32))
+
+    def step(p, s, x, y):
+        def loss_fn(p):
+            h = jnp.tanh(mpmdc.stage(x, 0) @ p[0])
+            return jnp.mean((jnp.tanh(mpmdc.stage(h, 1)[:, :16] @ p[1]) - y) ** 2)
+
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    compiled = mpmdc.compile(step, tp_meshes)
+    state = compiled(params, opt.init(params), x, y)
+    taken = compiled.input_shardings(params, opt.init(params), x, y)[0][1]
+    for i in range(2):
+        column = state[1][0].mu[i][1]
+        assert column.sharding.spec == taken[0].mu[i][1].spec == P("model"), i
+    with XlaCompiles() as compiles:
+        for _ in range(2):
+            state = compiled(*state[:2], x, y)
+    assert compiles.count == 0

@@ -1,0 +1,55 @@
+"""Which result of a program a training loop feeds back for each of its inputs.
+
+A step returns its new parameters and optimizer state at the places of the pytree where
+it took the old ones; the next call reads each where the result fed back for it is made
+and with the spec that result has. Placement and spec propagation both pair them, by
+the paths of the program's inputs and results.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mpmdc.ir.program import Program, is_var
+
+PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def fed_back(program: Program) -> dict:
+    """``{input: result}`` pairing each program input with the one result of its shape and
+    dtype at the same place in its pytree, below the argument or result it is in
+    (``args[1][0].mu['w']`` and ``out[2][0].mu['w']``): what a training loop passes back
+    for it, so the next call reads the input where that result is made. An argument that
+    is an array has no such place (the results may come in another order): unpaired,
+    but for a layer stack's stacked array kept whole and its result
+    (``Program.stack_feedback``). A function returning one pytree, not a tuple, has
+    its whole result in that place (``out['w']`` pairs with ``args[0]['w']``). A place
+    two inputs or two results share pairs nothing: which is fed back is not known."""
+    jaxpr = program.jaxpr.jaxpr
+    inputs = set(jaxpr.invars)
+
+    def key(keys, v):
+        return tuple(keys), v.aval.shape, v.aval.dtype
+
+    results: dict = {}
+    for path, v in zip(program.out_paths, jaxpr.outvars):
+        keys = PATH_KEY.findall(path)
+        if keys and _INDEX.fullmatch(keys[0]):  # (one result of a tuple)
+            keys = keys[1:]
+        if is_var(v) and v not in inputs:
+            results.setdefault(key(keys, v), []).append(v)
+    places: dict = {}
+    for path, v in zip(program.in_paths, jaxpr.invars):
+        places.setdefault(key(PATH_KEY.findall(path)[1:], v), []).append(v)
+    pairs = {}
+    for place, found in places.items():
+        if place[0] and len(found) == 1 and len(made := results.get(place, [])) == 1:
+            pairs[found[0]] = made[0]
+    for ins, outs in program.stack_feedback or ():
+        paired = set(pairs.values())
+        left = [jaxpr.invars[k] for k in ins if jaxpr.invars[k] not in pairs]
+        made = [v for v in (jaxpr.outvars[i] for i in outs) if is_var(v) and v not in paired]
+        if len(left) == len(made) == 1:
+            pairs[left[0]] = made[0]
+    return pairs
