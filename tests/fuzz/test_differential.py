@@ -1221,31 +1221,16 @@ def test_a_parameter_whose_gradient_is_made_on_another_mesh_keeps_its_momentum_w
         41: ("effect", True, 17),
         54: ("constant", "module_numpy", 0, "matmul", 12),
     }
-    check_training_step(
-        dict(
-            explicit=False,
-            num_inputs=1,
-            ops=[ops.get(k, ("unary", "sin", 0)) for k in range(55)],
-            markers={20: (0, [16], False)},
-            num_meshes=2,
-            mesh_axes=(("d", 2),),
-            in_specs=[None],
-            committed=[0],
-            mode="value_and_grad",
-            schedule="zb-h1",
-            microbatches=2,
-            computed_batch=True,
-            stacked_loss=True,
-            metric=("int8", "mean"),
-            stage_to_mesh=None,
-            with_key=False,
-            echoes=[],
-        ),
+    check_training_case(
+        [ops.get(k, ("unary", "sin", 0)) for k in range(55)],
+        markers={20: (0, [16], False)},
+        num_meshes=2,
+        committed=[0],
+        mode="value_and_grad",
+        computed_batch=True,
+        stacked_loss=True,
         skip_step="norm_inside",
         stacked_param=True,
-        frozen=False,
-        in_context=False,
-        note=lambda _: None,
     )
 
 
@@ -1255,33 +1240,44 @@ def test_a_momentum_lives_with_its_parameter_where_the_running_sum_is_elsewhere(
     the loop leaves on stage 2's mesh. The minimum cut after the loop weighed the
     momentum's update the same on either mesh and left it with the sum, so the
     momentum lived on mesh 2, away from its parameter."""
+    check_training_case(
+        [
+            ("custom_layer", 2, "custom_vjp", 0, 0),
+            ("custom_layer", 0, "custom_vjp", 0, 1),
+            *[("unary", "cond", 0)] * 7,
+            ("unary", "cond", 2),
+        ],
+        markers={9: (2, [10], False)},
+        num_meshes=3,
+        committed=[None],
+        mode="accumulate",
+        computed_batch=False,
+        stacked_loss=False,
+        skip_step="none",
+        stacked_param=False,
+    )
+
+
+def check_training_case(ops, skip_step, stacked_param, **desc):
+    """:func:`check_training_step` of a one-input fuzz example cut down by hand, on
+    meshes of two devices along ``d`` (``desc``: the rest of its description)."""
     check_training_step(
         dict(
             explicit=False,
             num_inputs=1,
-            ops=[
-                ("custom_layer", 2, "custom_vjp", 0, 0),
-                ("custom_layer", 0, "custom_vjp", 0, 1),
-                *[("unary", "cond", 0)] * 7,
-                ("unary", "cond", 2),
-            ],
-            markers={9: (2, [10], False)},
-            num_meshes=3,
+            ops=ops,
             mesh_axes=(("d", 2),),
             in_specs=[None],
-            committed=[None],
-            mode="accumulate",
             schedule="zb-h1",
             microbatches=2,
-            computed_batch=False,
-            stacked_loss=False,
             metric=("int8", "mean"),
             stage_to_mesh=None,
             with_key=False,
             echoes=[],
+            **desc,
         ),
-        skip_step="none",
-        stacked_param=False,
+        skip_step=skip_step,
+        stacked_param=stacked_param,
         frozen=False,
         in_context=False,
         note=lambda _: None,
