@@ -265,9 +265,10 @@ class PlacementState:
     def present(self, v) -> set[int]:
         """The meshes ``v`` is (or will be) on: its producer's and its placed users';
         a program input's is where it lives, with its earliest placed user, or before
-        anything reads it where the result fed back for it (:func:`~mpmdc.ir.feedback.fed_back`) is made,
-        and its placed users' (it is sent to a mesh once, whatever reads it there); a
-        cotangent leaving a stage's backward is also where it goes (:meth:`sent_back_to`)."""
+        anything reads it where the result fed back for it
+        (:func:`~mpmdc.ir.feedback.fed_back`) is made, and its placed users' (it is sent
+        to a mesh once, whatever reads it there); a cotangent leaving a stage's backward
+        is also where it goes (:meth:`sent_back_to`)."""
         j = self.producer.get(v)
         out = {self.mesh(self.stage[k]) for k in self.placed_users(v)}
         if j is None:
@@ -1131,21 +1132,26 @@ def _input_kin(program: Program) -> dict:
     ``args[1][0].nu['w']``). Other states match only their own shape: SM3 keeps a list
     of accumulators at each parameter's place, so ``mu[0][1]``, an accumulator of
     parameter ``[0]``, ends as parameter ``[1]``'s path does."""
+    # (Each ending of each path -> the inputs whose paths end so: a path's kin are those
+    # under its longest ending shared with another, found without comparing every pair.)
     keyed = [(_ending(path), v) for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)]
+    ending_with: dict = {}
+    for key, v in keyed:
+        for d in range(1, len(key) + 1):
+            ending_with.setdefault(key[:d], []).append(v)
     kin = {}
     for key, v in keyed:
-        best, found = 0, []
-        for other_key, other in keyed:
-            same_type = (other.aval.shape, other.aval.dtype) == (v.aval.shape, v.aval.dtype)
-            if other is v or not (same_type or v.aval.shape == ()):
-                continue
-            n = _shared(key, other_key)
-            if n > best:
-                best, found = n, [other]
-            elif n == best and n:
-                found.append(other)
-        if found:
-            kin[v] = found
+        kind = (v.aval.shape, v.aval.dtype)
+        for d in range(len(key), 0, -1):
+            found = [
+                other
+                for other in ending_with[key[:d]]
+                if other is not v
+                and (kind[0] == () or (other.aval.shape, other.aval.dtype) == kind)
+            ]
+            if found:
+                kin[v] = found
+                break
     return kin
 
 

@@ -401,6 +401,8 @@ def _reshape(eqn, walk: StackWalk) -> bool:
     if [x.aval.shape[d] for d in sized[0]] != [out.aval.shape[d] for d in sized[1]]:
         return False
     to_out, to_operand = dict(zip(*sized)), dict(zip(sized[1], sized[0]))
+    if found is not None and found.layout.axis not in to_out:
+        return False
     return _moving_axes(eqn, walk, to_out.get, to_operand.get)
 
 
