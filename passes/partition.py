@@ -1126,15 +1126,19 @@ def _shared(a: tuple, b: tuple) -> int:
 
 def _input_kin(program: Program) -> dict:
     """``{input: its kin}``: for each program input, the other inputs of its shape and
-    dtype whose paths share the longest ending with its own (``args[1][0]['w']``, a
-    moment, and ``args[0]['w']``, its parameter, share ``['w']``); for a scalar, the
+    dtype whose paths share the longest ending below the argument with its own
+    (``args[1][0]['w']``, a moment, and ``args[0]['w']``, its parameter, share
+    ``['w']``; the argument's index is no ending: a batch ``args[1]`` is no kin of
+    ``args[0]['nu'][1]``, nor of anything else); for a scalar, the
     other inputs of any shape (NovoGrad's second moment of ``w`` is a scalar kept at
     ``args[1][0].nu['w']``). Other states match only their own shape: SM3 keeps a list
     of accumulators at each parameter's place, so ``mu[0][1]``, an accumulator of
     parameter ``[0]``, ends as parameter ``[1]``'s path does."""
     # (Each ending of each path -> the inputs whose paths end so: a path's kin are those
     # under its longest ending shared with another, found without comparing every pair.)
-    keyed = [(_ending(path), v) for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)]
+    keyed = [
+        (_ending(path)[:-1], v) for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)
+    ]
     ending_with: dict = {}
     for key, v in keyed:
         for d in range(1, len(key) + 1):

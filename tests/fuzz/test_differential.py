@@ -976,7 +976,7 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     computed before it or inside its branch) or not, the last parameter maybe frozen
     (read through ``stop_gradient``: its gradient is zeros):
     equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
-    its momentum, wherever its gradient is made or summed, each with the spec it came
+    its momentum and its scalar, wherever its gradient is made or summed, each with the spec it came
     in with (the parameter's where one is given), so a loop feeding them back moves and
     compiles nothing. A parameter several meshes read is sent to them and its gradient
     contributions summed on the way back, somewhere: where is not checked. Some steps
@@ -1083,12 +1083,9 @@ def check_training_step(
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             note("a parameter read on one mesh")
-            # Its momentum lives with it. (Its scalar, a norm of its gradient, lives where
-            # the next call reads it, checked above, not always with it: where nothing
-            # placed reads the parameter before its own update, the scalar's update
-            # follows the norm's bytes.)
-            j = n + k
-            assert program.in_meshes[j] == program.out_meshes[1 + j] == program.in_meshes[k], j
+            # Its momentum and its scalar (a norm of its gradient) live with it.
+            for j in (n + k, 2 * n + k):
+                assert program.in_meshes[j] == program.out_meshes[1 + j] == program.in_meshes[k], j
             for j in (k, n + k):
                 # Each comes back with the spec it came in with: the one given (the
                 # parameter's), or, where none is, the one propagation chose for it.
@@ -1262,27 +1259,60 @@ def test_a_momentum_lives_with_its_parameter_where_the_running_sum_is_elsewhere(
     )
 
 
-def check_training_case(ops, skip_step, stacked_param, **desc):
-    """:func:`check_training_step` of a one-input fuzz example cut down by hand, on
-    meshes of two devices along ``d`` (``desc``: the rest of its description)."""
+def test_a_parameters_scalar_state_lives_with_it_where_an_argument_shares_its_index():
+    """Found by CI's seed once the property above kept a scalar per parameter: the
+    state taken as one pytree (``args[0]['state']['nu'][1]``, the scalar of parameter
+    ``args[0]['params'][1]``) and the batch as ``args[1]``. Kin were matched by path
+    endings that kept the argument's index, so the batch, read on mesh 2, was kin of
+    every scalar at index ``[1]`` and the scalar lived there, away from its parameter
+    on mesh 0."""
+    ops = {
+        1: ("constraint", 1, 0, True, None),
+        2: ("constant", "module_jax", 0, "matmul", 4),
+        11: ("layer", 0, "module_jax", 0, 5),
+        20: ("stack", 0, 2, 4, "closure", 14, 7),
+    }
+    check_training_case(
+        [ops.get(k, ("unary", "sin", 0)) for k in range(21)],
+        skip_step="none",
+        stacked_param=False,
+        one_tree=True,
+        num_inputs=3,
+        in_specs=[None, (None, "d"), None],
+        schedule="gpipe",
+        stage_to_mesh=(0, 2, 0),
+        markers={},
+        num_meshes=4,
+        committed=[None, 0, 1],
+        mode="accumulate",
+        computed_batch=False,
+        stacked_loss=False,
+    )
+
+
+def check_training_case(ops, skip_step, stacked_param, one_tree=False, **desc):
+    """:func:`check_training_step` of a fuzz example cut down by hand, by default of one
+    input on meshes of two devices along ``d`` (``desc``: the rest of its description,
+    and what differs from those defaults)."""
     check_training_step(
-        dict(
-            explicit=False,
-            num_inputs=1,
-            ops=ops,
-            mesh_axes=(("d", 2),),
-            in_specs=[None],
-            schedule="zb-h1",
-            microbatches=2,
-            metric=("int8", "mean"),
-            stage_to_mesh=None,
-            with_key=False,
-            echoes=[],
+        {
+            "explicit": False,
+            "num_inputs": 1,
+            "ops": ops,
+            "mesh_axes": (("d", 2),),
+            "in_specs": [None],
+            "schedule": "zb-h1",
+            "microbatches": 2,
+            "metric": ("int8", "mean"),
+            "stage_to_mesh": None,
+            "with_key": False,
+            "echoes": [],
             **desc,
-        ),
+        },
         skip_step=skip_step,
         stacked_param=stacked_param,
         frozen=False,
         in_context=False,
+        one_tree=one_tree,
         note=lambda _: None,
     )
