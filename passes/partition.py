@@ -412,17 +412,22 @@ class PlacementState:
         )
         if home is not None:
             return home
-        homes = {h for kin in self.kin.get(v, ()) if (h := self.home(kin)) is not None}
-        return homes.pop() if len({self.stage[h] for h in homes}) == 1 else None
+        homes = self.kin_homes(v)
+        return homes[0] if len({self.stage[h] for h in homes}) == 1 else None
 
     def settled_kin(self, v, unsettled) -> list[int]:
-        """The :meth:`home` s, outside ``unsettled`` and all on one mesh, of the kin of
-        program input ``v`` (:func:`_input_kin`: the parameter of an optimizer state),
-        else ``[]``: where ``v`` belongs while the work on it is still being placed."""
-        homes = [
+        """The :meth:`kin_homes` of ``v`` outside ``unsettled`` where they are all on one
+        mesh, else ``[]``: where ``v`` belongs while the work on it is still being
+        placed."""
+        homes = self.kin_homes(v, unsettled)
+        return homes if len({self.mesh(self.stage[h]) for h in homes}) == 1 else []
+
+    def kin_homes(self, v, unsettled=()) -> list[int]:
+        """The :meth:`home` s, outside ``unsettled``, of the kin of program input ``v``
+        (:func:`_input_kin`: the parameter of an optimizer state)."""
+        return [
             h for k in self.kin.get(v, ()) if (h := self.home(k)) is not None and h not in unsettled
         ]
-        return homes if len({self.mesh(self.stage[h]) for h in homes}) == 1 else []
 
     @functools.cached_property
     def kin(self) -> dict:
