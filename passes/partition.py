@@ -90,7 +90,7 @@ from mpmdc.passes.base import Property, register
 from mpmdc import _jax_compat as compat
 from mpmdc.errors import PlacementWarning
 from mpmdc.ir.calls import call_body
-from mpmdc.ir.feedback import PATH_KEY, fed_back
+from mpmdc.ir.feedback import fed_back, place
 from mpmdc.ir.graph import DefUse, def_use, relaid_input
 from mpmdc.ir.primitives import (
     LOOP,
@@ -1118,10 +1118,10 @@ def _output_placements(state: PlacementState, outvars, placement) -> list[Placem
     return [max(s, key=Placement.order_key) if s else None for s in found]
 
 
-def _ending(path: str) -> tuple[str, ...]:
-    """The keys of pytree ``path``, last first (``args[1].mu['w']``: ``['w']``, ``.mu``,
-    ``[1]``)."""
-    return tuple(reversed(PATH_KEY.findall(path)))
+def _ending(path: str, *, result: bool) -> tuple[str, ...]:
+    """The keys of the :func:`~mpmdc.ir.feedback.place` of ``path``, last first
+    (``args[1][0].mu['w']``: ``['w']``, ``.mu``, ``[0]``)."""
+    return tuple(reversed(place(path, result=result)))
 
 
 def _shared(a: tuple, b: tuple) -> int:
@@ -1142,7 +1142,8 @@ def _input_kin(program: Program) -> dict:
     # (Each ending of each path -> the inputs whose paths end so: a path's kin are those
     # under its longest ending shared with another, found without comparing every pair.)
     keyed = [
-        (_ending(path)[:-1], v) for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)
+        (_ending(path, result=False), v)
+        for path, v in zip(program.in_paths, program.jaxpr.jaxpr.invars)
     ]
     ending_with: dict = {}
     for key, v in keyed:
@@ -1164,15 +1165,16 @@ def _input_kin(program: Program) -> dict:
     return kin
 
 
-def _kin(paths: Sequence[str], known: Sequence, merge) -> list:
-    """For each path whose ``known`` entry is ``None``, the entry of the known path
-    sharing the longest ending with it (``out[2].v_row[1]['w']`` and
-    ``out[1][1]['w']`` share ``[1]['w']``); where the paths with the longest ending
+def _kin(paths: Sequence[str], known: Sequence, merge, *, result: bool) -> list:
+    """For each path (of an input, or a ``result``) whose ``known`` entry is ``None``, the
+    entry of the known path whose place in its pytree shares the longest ending with its
+    own (:func:`_ending`: ``out[2].v_row[1]['w']`` and ``out[1][1]['w']`` share
+    ``[1]['w']``; a loss ``out[1]`` has no place); where the paths with the longest ending
     disagree, ``merge`` of their entries (``None`` leaves it unknown). An
     optimizer's state mirrors its parameters' pytree: a state leaf made from no
     parameter (adafactor's placeholder for a factored moment) belongs with the
     parameter at the same place."""
-    keys = [_ending(p) for p in paths]
+    keys = [_ending(p, result=result) for p in paths]
     found = [(k, x) for k, x in zip(keys, known) if x is not None]
     out = list(known)
     for i, x in enumerate(known):
@@ -1200,12 +1202,12 @@ def _earliest_of_one_stage(placements: set[Placement]) -> Placement | None:
     return min(placements, key=Placement.order_key)
 
 
-def _with_kin(placements, paths, default) -> list[Placement]:
+def _with_kin(placements, paths, default, *, result: bool) -> list[Placement]:
     """``placements`` (of a program's inputs or outputs) where an unplaced one (an output
     made from nothing placed, an input nobody reads) goes with its kin (:func:`_kin`;
     kin of one stage read at several places count as that stage's earliest), else with
     the earliest stage."""
-    kin = _kin(paths, placements, merge=_earliest_of_one_stage)
+    kin = _kin(paths, placements, merge=_earliest_of_one_stage, result=result)
     return [default if p is None else p for p in kin]
 
 
@@ -1275,6 +1277,7 @@ def _io_meshes(
         ],
         program.in_paths,
         default,
+        result=False,
     )
     in_meshes = [program.mesh_of_stage(p.stage) for p in in_placement]
     out_meshes = [
@@ -1404,6 +1407,7 @@ def partition(program: Program) -> Program:
             _output_placements(state, jaxpr.outvars, placement),
             program.out_paths,
             default,
+            result=True,
         )
     ]
     new_eqns, outvars = clone_small_values(

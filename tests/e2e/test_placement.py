@@ -956,3 +956,35 @@ def test_a_list_of_accumulators_at_a_parameters_place_stays_with_it(meshes2):
         warnings.simplefilter("error", PlacementWarning)
         report = compiled.lower(*got[:2], x, y).transfer_report()
     assert report.total() == report.total("activations/cotangents")
+
+
+def test_a_state_leaf_nobody_reads_stays_with_its_parameter_not_with_an_argument(meshes4):
+    """A state leaf the step returns unread (as Adafactor's ``(1,)`` placeholder of a
+    factored moment) goes with its kin by its place in the pytree:
+    ``args[1]['v'][2]`` is parameter ``args[0][2]``'s, not the batch ``args[2]``'s,
+    and ``out[1]['v'][2]`` not the loss ``out[2]``'s. Parameter ``[2]`` is read by
+    stage 1, the batch by stage 0 and the loss made by stage 3, so matching the
+    argument's or the result's index ties them and sends the leaf to mesh 0."""
+    k = jax.random.split(jax.random.key(0), 5)
+    params = [jax.random.normal(k[i], (WIDTH, WIDTH)) / 4 for i in range(4)]
+    x = jax.random.normal(k[4], (8, WIDTH))
+
+    def loss_fn(p, x):
+        for stage, i in enumerate([0, 2, 1, 3]):
+            x = jnp.tanh(mpmdc.stage(x, stage) @ p[i])
+        return jnp.mean(x**2)
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        return [a - 0.1 * b for a, b in zip(p, g)], s, loss
+
+    state = {"v": [jnp.zeros((1,)) for _ in params]}
+    compiled = mpmdc.compile(step, meshes4)
+    got = compiled(params, state, x)
+    assert_same_tree(got, jax.jit(step)(params, state, x))
+    stage_of = [0, 2, 1, 3]  # (parameter i's stage, this order being its own inverse)
+    for i in range(4):
+        assert mesh_index(got[0][i], meshes4) == stage_of[i]
+        assert mesh_index(got[1]["v"][i], meshes4) == stage_of[i], i
+    program = compiled.lower(params, state, x).program("after-split")
+    assert list(program.in_meshes[4:8]) == stage_of

@@ -976,9 +976,10 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     computed before it or inside its branch) or not, the last parameter maybe frozen
     (read through ``stop_gradient``: its gradient is zeros):
     equal to ``jax.jit``, and a parameter read on one mesh only comes back there with
-    its momentum and its scalar, wherever its gradient is made or summed, each with the spec it came
-    in with (the parameter's where one is given), so a loop feeding them back moves and
-    compiles nothing. A parameter several meshes read is sent to them and its gradient
+    its momentum, its scalar and its placeholder (a state leaf nobody reads), wherever
+    its gradient is made or summed, each with the spec it came in with (the
+    parameter's where one is given), so a loop feeding them back moves and compiles
+    nothing. A parameter several meshes read is sent to them and its gradient
     contributions summed on the way back, somewhere: where is not checked. Some steps
     are called under the first mesh's ``jax.set_mesh``, a stacked parameter (and its
     momentum) then committed whole to the last mesh and moved to where it is read, not
@@ -1041,7 +1042,8 @@ def check_training_step(
                 new = [
                     p - 0.1 * m / (1.0 + s) / jnp.sqrt(1.0 + v) for p, m, v in zip(params, mu, nu)
                 ]
-                return new, {"mu": mu, "nu": nu}
+                # (and a leaf nobody reads, as Adafactor's placeholder of a factored moment)
+                return new, {"mu": mu, "nu": nu, "ph": momenta["ph"]}
 
             if skip_step == "none":
                 params, momenta = update(params, momenta)
@@ -1063,12 +1065,16 @@ def check_training_step(
         rng = np.random.default_rng(len(desc["ops"]))
         longest, size = 15, max(SIZES)  # every=3 over 5 groups
         params.append(jnp.asarray(rng.normal(size=(longest, size, size)) * 0.5, jnp.float32))
-    momenta = {"mu": [0.5 * a for a in params], "nu": [jnp.sum(a * a) for a in params]}
+    momenta = {
+        "mu": [0.5 * a for a in params],
+        "nu": [jnp.sum(a * a) for a in params],
+        "ph": [jnp.zeros((1,), a.dtype) for a in params],
+    }
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
     # (the momenta's as their parameters')
-    state_specs = (specs, {"mu": specs, "nu": [None] * n})
+    state_specs = (specs, {"mu": specs, "nu": [None] * n, "ph": [None] * n})
     if one_tree:
-        state_specs = ({"params": specs, "state": {"mu": specs, "nu": [None] * n}},)
+        state_specs = ({"params": specs, "state": state_specs[1]},)
     kwargs["in_specs"] = (*state_specs, *(None,) * len(batch))
 
     def state_args(params, momenta):
@@ -1078,13 +1084,14 @@ def check_training_step(
     program = compiled.lower(*state_args(params, momenta), *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
     sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
-    for j in range(3 * n):  # fed back, each is where the next call reads it
+    for j in range(4 * n):  # fed back, each is where the next call reads it
         assert program.out_meshes[1 + j] == program.in_meshes[j], j
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
             note("a parameter read on one mesh")
-            # Its momentum and its scalar (a norm of its gradient) live with it.
-            for j in (n + k, 2 * n + k):
+            # Its momentum, its scalar (a norm of its gradient) and its placeholder
+            # live with it.
+            for j in (n + k, 2 * n + k, 3 * n + k):
                 assert program.in_meshes[j] == program.out_meshes[1 + j] == program.in_meshes[k], j
             for j in (k, n + k):
                 # Each comes back with the spec it came in with: the one given (the
