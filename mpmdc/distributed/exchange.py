@@ -1,6 +1,7 @@
 """What the processes of a run tell each other, through ``jax.distributed``'s key-value
-store: failures a process announces before it raises (:func:`announce_failure`), waits
-that name the process they are stuck on (:func:`gave_up`), meetings (:func:`barrier`,
+store: failures a process announces before it raises (:func:`announce_failure`) and the
+transfers it lost before that (:func:`report_lost_transfer`), waits that name the
+process they are stuck on (:func:`gave_up`), meetings (:func:`barrier`,
 :func:`rendezvous`), checks that all processes hold the same thing
 (:func:`check_agreement`), values brought to every process (:func:`fetch`) and merged
 timelines.
@@ -64,6 +65,41 @@ def announce_failure(message: str, *, culprit: int | None = None, blame: str = "
         with open(path + ".tmp", "w") as f:
             json.dump({"time": time.time(), **record}, f)
         os.replace(path + ".tmp", path)
+
+
+def report_lost_transfer(senders) -> None:
+    """Tell the other processes that a transfer this process waited for from ``senders``
+    failed (its connection broke, or the data sent was a failed computation's): a
+    process waiting on this one then names what this one lost (:func:`lost_transfers`),
+    not this one, which is alive and about to say so."""
+    try:
+        client().key_value_set(
+            f"{PREFIX}lost/{jax.process_index()}", json.dumps(list(senders)), allow_overwrite=True
+        )
+    except Exception:  # the store itself may be gone: the direct sender is then named
+        pass
+
+
+def lost_transfers(sender: int) -> tuple[int, ...]:
+    """The chain of processes from ``sender``, whose transfer to this process failed,
+    along the transfers each of them reported lost (:func:`report_lost_transfer`) to
+    one that reported none: ``(1, 2)`` where process 1 lost its transfer from process
+    2. The last is where the failure began: it has probably died."""
+    try:
+        lost = {
+            int(key.rsplit("/", 1)[1]): json.loads(value)
+            for key, value in client().key_value_dir_get(f"{PREFIX}lost/")
+        }
+    except Exception:
+        lost = {}
+    chain = [sender]
+    while (
+        (nearer := lost.get(chain[-1]))
+        and nearer[0] not in chain
+        and nearer[0] != jax.process_index()
+    ):
+        chain.append(nearer[0])
+    return tuple(chain)
 
 
 def announced() -> dict[int, tuple[str, int | None]]:

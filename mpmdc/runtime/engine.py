@@ -30,6 +30,7 @@ from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed
+from mpmdc.distributed import exchange
 from mpmdc.errors import ArgumentError, MpmdRuntimeError
 from mpmdc.ir.graph import release_plan
 from mpmdc.ir.primitives import fragment_p
@@ -37,7 +38,7 @@ from mpmdc.ir.program import Phase, Program, fragment_key, is_var, vars_of
 from mpmdc.ir.sharding import named, program_spec_forms
 from mpmdc.runtime.arguments import ArgumentMoves, placed_as
 from mpmdc.runtime.compiling import FragmentCompiler
-from mpmdc.runtime.peers import Progress, program_entries
+from mpmdc.runtime.peers import Progress, failed_transfer, program_entries
 from mpmdc.runtime.pieces import Pieces
 from mpmdc.runtime.signature import Signature
 from mpmdc.runtime.transfers import MeshTransfer, is_here, placeholder, processes_of
@@ -359,9 +360,13 @@ class Engine:
         return jax.tree_util.tree_unflatten(self.signature.out_tree, self.pieces.results(outs))
 
 
-def fault(step: Step, err: Exception, among_processes: bool = False) -> MpmdRuntimeError:
+def fault(
+    step: Step, err: Exception, among_processes: bool = False, lost: tuple[int, ...] = ()
+) -> MpmdRuntimeError:
     """``err``, raised while ``step`` ran, as an error naming the fragment and where it ran
-    (with ``err`` as its cause, also when raised from another thread)."""
+    (with ``err`` as its cause, also when raised from another thread); ``lost``: the
+    processes a failed transfer's sender lost its own transfers from, one after the other
+    (:func:`mpmdc.distributed.exchange.lost_transfers`)."""
     where = f"{step.name} on mesh{step.mesh}"
     if step.action is not None:
         where += f" (stage {step.action.stage}, microbatch {step.action.microbatch})"
@@ -375,6 +380,12 @@ def fault(step: Step, err: Exception, among_processes: bool = False) -> MpmdRunt
         summary = f"{type(err).__name__}: {summary}"
     if not among_processes:
         then = "The call was abandoned and its intermediate buffers freed; the executable can be called again."
+    elif len(lost) > 1:
+        via = ", which lost its transfer from process ".join(map(str, lost))
+        then = (
+            f"The transfer failed in process {via} first: process {lost[-1]} has probably "
+            f"died; see its output."
+        )
     elif step.senders:
         then = "The connection to the sender broke: that process has probably died; see its output."
     else:
@@ -389,15 +400,21 @@ def fault(step: Step, err: Exception, among_processes: bool = False) -> MpmdRunt
 
 
 def announced_fault(step: Step, err: Exception) -> MpmdRuntimeError:
-    """``fault``, also told to the other processes (which may be waiting on this one)."""
-    error = fault(step, err, among_processes=True)
+    """``fault``, also told to the other processes (which may be waiting on this one). A
+    transfer from other processes that failed names the failure one of them announced
+    (:func:`~mpmdc.runtime.peers.failed_transfer`), else the process where the lost
+    transfers began."""
+    if step.senders and (stopped := failed_transfer(step)) is not None:
+        return stopped
     if len(step.senders) == 1:  # (the receiving end of a broken connection: the sender)
-        distributed.announce_failure(
-            f"{error}",
-            culprit=step.senders[0],
-            blame=f"it stopped sending {step.name} (its connection broke)",
-        )
+        lost = exchange.lost_transfers(step.senders[0])
+        error = fault(step, err, among_processes=True, lost=lost)
+        blame = f"it stopped sending {step.name} (its connection broke)"
+        if len(lost) > 1:
+            blame = f"process {lost[-2]} lost its transfer from it"
+        distributed.announce_failure(f"{error}", culprit=lost[-1], blame=blame)
     else:
+        error = fault(step, err, among_processes=True)
         distributed.announce_failure(f"{error}")
     return error
 

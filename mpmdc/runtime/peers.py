@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed, watchdog
+from mpmdc.distributed import exchange
 from mpmdc.errors import MpmdRuntimeError
 from mpmdc.ir.keys import is_key
 from mpmdc.ir.program import Program
@@ -136,11 +137,6 @@ class Progress:
             try:
                 jax.block_until_ready(entry.arrays)
             except Exception as err:
-                # A transfer whose sender broke the connection: the sender announces why
-                # (or a peer, why it died), so that cause is named rather than the link.
-                failure = _announced_failure() if entry.step.senders else None
-                if failure is not None:
-                    raise self._stopped(failure) from None
                 raise self.fault(entry.step, err) from None
             self.in_flight.pop(0)
             done += 1
@@ -178,14 +174,36 @@ class Progress:
             step = self.in_flight[0].step
         except IndexError:
             return None
-        what = f"{step.name} on mesh{step.mesh}"
-        if step.senders:
-            what += f" (sent by process {', '.join(map(str, step.senders))})"
-        return what, tuple(step.senders)
+        return waited_for(step), tuple(step.senders)
 
     def _stopped(self, why: str) -> MpmdRuntimeError:
-        what, _ = self._waited_for()
-        message = f"process {jax.process_index()} stopped waiting for {what}: {why.rstrip('.')}."
-        distributed.announce_failure(message)
         self.in_flight.clear()
-        return MpmdRuntimeError(message)
+        return stopped(self._waited_for()[0], why)
+
+
+def waited_for(step) -> str:
+    """``step`` as a process waiting for it names it: ``transfer mesh0->mesh1 on mesh1
+    (sent by process 0)``."""
+    what = f"{step.name} on mesh{step.mesh}"
+    if step.senders:
+        what += f" (sent by process {', '.join(map(str, step.senders))})"
+    return what
+
+
+def stopped(what: str, why: str) -> MpmdRuntimeError:
+    """The error of this process, which stopped waiting for ``what`` because of a failure
+    a peer announced (``why``), told to the others."""
+    message = f"process {jax.process_index()} stopped waiting for {what}: {why.rstrip('.')}."
+    distributed.announce_failure(message)
+    return MpmdRuntimeError(message)
+
+
+def failed_transfer(step) -> MpmdRuntimeError | None:
+    """For a transfer from other processes (``step.senders``) that failed, the connection
+    broken or the data sent a failed computation's: the error naming the failure a peer
+    announced meanwhile (the sender says why it stopped; a peer, why it died), else
+    ``None``. The loss is reported first, so that a process that waited on this one
+    names where it began (:func:`mpmdc.distributed.exchange.lost_transfers`)."""
+    exchange.report_lost_transfer(step.senders)
+    failure = _announced_failure()
+    return None if failure is None else stopped(waited_for(step), failure)

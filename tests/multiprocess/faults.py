@@ -3,8 +3,10 @@
 
 ``python faults.py MODE``, MODE one of
 
-- ``kill``: process 1 kills itself (SIGKILL) inside its stage's fragment, in step 2;
-- ``raise``: a callback in process 1's fragment raises, in step 2;
+- ``kill``: the last process kills itself (SIGKILL) inside its stage's fragment, in
+  step 2 (under ``-n 3``, process 0 loses its connection from process 1, which lost
+  its own from process 2);
+- ``raise``: a callback in the last process's fragment raises, in step 2;
 - ``uncaught``: process 1's script raises an exception of its own before step 2;
 - ``exit``: process 1 ends at once (``os._exit(4)``), saying nothing, before step 2;
 - ``leave``: process 1 leaves its training loop after step 1, ending well (status 0);
@@ -32,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 
 MODE = sys.argv[1]
 HERE = jax.process_index()
+LAST = jax.process_count() - 1  # (one stage, and mesh, per process)
 calls = {"n": 0}
 
 
@@ -47,7 +50,7 @@ def misbehave(x):
 def loss(params, x):
     for i, w in enumerate(params):
         x = mpmdc.stage(x, i)
-        if i == 1 and MODE in ("kill", "raise"):
+        if i == LAST and MODE in ("kill", "raise"):
             jax.debug.callback(misbehave, x)
         scale = 2.0 if (MODE.startswith("code") and HERE == 1 and i == 1) else 1.0
         x = jnp.tanh(x @ w) * scale
@@ -62,8 +65,8 @@ def step(params, x):
 
 
 def main():
-    meshes = mpmdc.make_meshes(2, {"data": 1})
-    params = [jnp.full((8, 8), 0.1), jnp.full((8, 8), 0.2)]
+    meshes = mpmdc.make_meshes(LAST + 1, {"data": 1})
+    params = [jnp.full((8, 8), 0.1 * (i + 1)) for i in range(LAST + 1)]
     rows = 6 if (MODE == "arguments" and HERE == 1) else 4
     x = jnp.ones((rows, 8))
     compiled = mpmdc.compile(step, meshes)

@@ -131,10 +131,10 @@ def test_two_processes_of_two_meshes_and_meshes_of_different_shapes(tmp_path):
     check_training(tmp_path, TWO_BY_TWO, output, bitwise=["transformer:zb-h1"] if FULL else [])
 
 
-def faults(mode: str) -> tuple[int, str]:
+def faults(mode: str, processes: int = 2) -> tuple[int, str]:
     return run_launch(
         "-n",
-        "2",
+        str(processes),
         "--fault-timeout",
         "10",
         "--grace",
@@ -169,6 +169,25 @@ def test_a_process_killed_mid_step_fails_the_others_quickly():
     assert seconds < 10 + 2, message  # within the fault timeout
     assert message.startswith("MpmdRuntimeError: process 0: transfer mesh1->mesh0")
     assert "sent by process 1" in message
+
+
+def test_a_process_killed_at_the_end_of_a_chain_is_the_one_every_process_names():
+    """Process 2 of 3 dies: process 1 loses its transfer from it, and process 0 its
+    transfer from process 1 at the same moment (the data sent was a failed
+    computation's), before process 1 can say why. Process 0 names process 2, where the
+    lost transfers began, not process 1, which is alive."""
+    status, output = faults("kill", processes=3)
+    assert status != 0
+    assert "mpmdc launch: process 2 failed first: " in output, output[-3000:]
+    _, message = caught(output, 1)
+    assert "sent by process 2," in message and "probably died" in message
+    seconds, message = caught(output, 0)
+    assert seconds < 10 + 2, message
+    assert re.search(
+        r"The transfer failed in process 1, which lost its transfer from process 2 first: "
+        r"process 2 has probably died|process 1, blaming process 2, failed",
+        message,
+    ), message
 
 
 def test_a_process_that_raises_fails_the_others_naming_it():

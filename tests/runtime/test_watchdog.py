@@ -10,7 +10,8 @@ import pytest
 
 from mpmdc import watchdog
 from mpmdc.distributed import exchange
-from mpmdc.runtime import peers
+from mpmdc.errors import MpmdRuntimeError
+from mpmdc.runtime import engine, peers
 
 TIMEOUT = 10.0
 BEAT = watchdog.beat_seconds(TIMEOUT)
@@ -250,11 +251,25 @@ class _BrokenTransfer:
         raise RuntimeError("recv() failed: Transport endpoint is not connected")
 
 
+def broken_transfer(monkeypatch, store, grace=0.2):
+    """``Progress.settle`` (with the runtime's ``announced_fault``) on a transfer from
+    process 1 to process 0 whose connection broke; returns what it raised."""
+    monkeypatch.setattr(exchange, "client", lambda: store)
+    monkeypatch.setattr(peers, "_ANNOUNCEMENT_GRACE", grace)
+    monkeypatch.setattr(peers.jax, "process_index", lambda: 0)
+    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,), action=None)
+    progress = peers.Progress(engine.announced_fault)
+    progress.in_flight.append(peers._InFlight(step, [_BrokenTransfer()]))
+    with pytest.raises(MpmdRuntimeError) as raised:
+        progress.settle()
+    assert json.loads(store.values["mpmdc/lost/0"]) == [1]  # (reported before the wait)
+    return str(raised.value), json.loads(store.values["mpmdc/failed/0"])
+
+
 def test_a_broken_transfer_names_the_failure_its_sender_announces_a_moment_later(monkeypatch):
     """A sender whose own fragment failed breaks its connections a moment before it
     announces why: the receiver waits for that news and names it (the sender blaming
-    the process that died), not the sender as dead (trial: process 0 blamed a live
-    process 1 after process 2 was killed)."""
+    the process that died), not the sender as dead."""
     store, looks = Store(), []
 
     def dir_get(prefix):
@@ -266,14 +281,8 @@ def test_a_broken_transfer_names_the_failure_its_sender_announces_a_moment_later
         return Store.key_value_dir_get(store, prefix)
 
     store.key_value_dir_get = dir_get
-    monkeypatch.setattr(exchange, "client", lambda: store)
-    monkeypatch.setattr(peers.jax, "process_index", lambda: 0)
-    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,))
-    progress = peers.Progress(lambda step, err: AssertionError("blamed the sender"))
-    progress.in_flight.append(peers._InFlight(step, [_BrokenTransfer()]))
-    with pytest.raises(Exception) as raised:
-        progress.settle()
-    assert str(raised.value) == (
+    message, _ = broken_transfer(monkeypatch, store, grace=2.0)
+    assert message == (
         "process 0 stopped waiting for transfer mesh1->mesh0 on mesh0 (sent by process 1): "
         "process 1, blaming process 2, failed: process 1: transfer failed; process 2 died."
     )
@@ -281,10 +290,37 @@ def test_a_broken_transfer_names_the_failure_its_sender_announces_a_moment_later
 
 def test_a_broken_transfer_whose_sender_announces_nothing_blames_the_sender(monkeypatch):
     """A sender that died announces nothing: after the grace the receiver blames it."""
-    monkeypatch.setattr(exchange, "client", lambda: Store())
-    monkeypatch.setattr(peers, "_ANNOUNCEMENT_GRACE", 0.2)
-    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,))
-    progress = peers.Progress(lambda step, err: ValueError(f"the sender: {err}"))
-    progress.in_flight.append(peers._InFlight(step, [_BrokenTransfer()]))
-    with pytest.raises(ValueError, match="the sender: recv"):
-        progress.settle()
+    message, announced = broken_transfer(monkeypatch, Store())
+    assert "sent by process 1, failed while running: " in message
+    assert "The connection to the sender broke: that process has probably died" in message
+    assert announced["culprit"] == 1
+
+
+def test_a_broken_transfer_whose_sender_lost_its_own_names_where_the_losses_began(monkeypatch):
+    """Process 2 died: process 1 lost its transfer from it, and process 0 its transfer
+    from process 1 at the same moment (the data sent was a failed computation's), before
+    process 1 could say why. Process 0 names process 2, not process 1, which is alive."""
+    store = Store()
+    store.values["mpmdc/lost/1"] = json.dumps([2])
+    message, announced = broken_transfer(monkeypatch, store)
+    assert (
+        "The transfer failed in process 1, which lost its transfer from process 2 first: "
+        "process 2 has probably died" in message
+    )
+    assert announced["culprit"] == 2
+    assert announced["blame"] == "process 1 lost its transfer from it"
+
+
+def test_lost_transfers_in_a_circle_end_before_they_come_back():
+    """Reports that point back (each process lost its transfer from the next) end at the
+    last process not seen yet, and never at the process asking."""
+    store = Store()
+    for process, sender in [(1, 2), (2, 3), (3, 1)]:
+        store.values[f"mpmdc/lost/{process}"] = json.dumps([sender])
+    store.values["mpmdc/lost/0"] = json.dumps([1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(exchange, "client", lambda: store)
+        patch.setattr(exchange.jax, "process_index", lambda: 0)
+        assert exchange.lost_transfers(1) == (1, 2, 3)
+        store.values["mpmdc/lost/3"] = json.dumps([0])
+        assert exchange.lost_transfers(1) == (1, 2, 3)
