@@ -19,7 +19,9 @@ Four processes of one device each, resuming the same run on 4 meshes of 1::
     mpmdc launch -n 4 -- python examples/resume_training.py /tmp/run --steps 24
 
 Under ``mpmdc launch --max-restarts 3`` a run whose process fails starts again by
-itself, as often as three times, and resumes here.
+itself, as often as three times, and resumes here. A ``SIGTERM`` to one process (a
+scheduler's preemption notice) stops every process at the next step they can all reach,
+saved; started again, the run resumes there.
 """
 
 from __future__ import annotations
@@ -138,6 +140,10 @@ def train(args) -> None:
             loss = float(mpmdc.fetch(loss))
             if here:
                 print(f"step {n + 1}: loss {loss:.6f}{note}", flush=True)
+            if manager.reached_preemption(n + 1):  # (saved above: every process stops here)
+                if here:
+                    print(f"preempted: stopped after saving step {n + 1}", flush=True)
+                break
 
 
 if __name__ == "__main__":

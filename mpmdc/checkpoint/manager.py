@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+from jax.experimental import multihost_utils
 
 from mpmdc import _jax_compat as compat
 from mpmdc import distributed
@@ -87,6 +88,7 @@ class CheckpointManager:
         self._closed = False
         self._many = distributed.is_multiprocess()
         self._answered: str | None = None  # the topic of the last answer from process 0
+        self._preemption_asked: tuple[int | None, bool] = (None, False)  # (step, answer)
         if remove_partial:
             self._decided("the removal of partial folders", lambda: _remove_partial(self.directory))
 
@@ -106,8 +108,26 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` saves ``step``: every ``save_interval_steps``-th step."""
-        return _step_number(step) % self.save_interval_steps == 0
+        """Whether :meth:`save` saves ``step``: every ``save_interval_steps``-th step, and
+        the step every process stops at after a preemption notice
+        (:meth:`reached_preemption`)."""
+        step = _step_number(step)
+        preempted = self.reached_preemption(step)  # (asked at every step, saved or not)
+        return preempted or step % self.save_interval_steps == 0
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether ``step`` is where every process stops to save before it is preempted,
+        as Orbax's ``CheckpointManager.reached_preemption``: once any process of a
+        ``jax.distributed`` run gets a preemption notice (``SIGTERM``, which JAX then
+        catches), the processes agree on the step after the furthest any of them has
+        reached (JAX's ``multihost_utils.reached_preemption_sync_point``), and this is
+        ``True`` there in every process. Every process must ask at every step, in order
+        (:meth:`save` asks for each step it is given); ``False`` without
+        ``jax.distributed``."""
+        step = _step_number(step)
+        if self._preemption_asked[0] != step:  # (JAX's protocol counts each step once)
+            self._preemption_asked = (step, multihost_utils.reached_preemption_sync_point(step))
+        return self._preemption_asked[1]
 
     @compat.api_boundary
     def save(self, step: int, tree, *, force: bool = False) -> bool:

@@ -712,3 +712,27 @@ def test_the_example_resumes_in_one_process_where_the_uninterrupted_run_ends(tmp
     got, want = restore(tmp_path / "resumed" / "8"), restore(tmp_path / "whole" / "8")
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
+def test_the_manager_saves_and_says_so_at_the_step_of_a_preemption(tmp_path, monkeypatch):
+    """JAX's preemption protocol is asked once per step, at every step, saved or not (it
+    agrees on a step the processes have not passed, so a step never asked would never
+    come): the step it names is saved whatever ``save_interval_steps`` says, and
+    ``reached_preemption`` says so there."""
+    from jax.experimental import multihost_utils
+
+    asked = []
+
+    def sync_point(step):
+        asked.append(step)
+        return step == 7
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", sync_point)
+    manager = CheckpointManager(tmp_path, save_interval_steps=4, asynchronous=False)
+    saved = []
+    for step in range(1, 9):
+        if manager.save(step, {"w": jnp.full((2,), float(step))}):
+            saved.append(step)
+        assert manager.reached_preemption(step) == (step == 7)
+    assert asked == list(range(1, 9))
+    assert saved == manager.all_steps() == [4, 7, 8]

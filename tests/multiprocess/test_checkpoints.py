@@ -118,6 +118,25 @@ def test_a_run_restarted_after_a_process_was_killed_ends_where_the_uninterrupted
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
+def test_a_preemption_notice_to_one_process_stops_every_process_at_one_saved_step(tmp_path):
+    """The last process gets SIGTERM (JAX catches it as a preemption notice) as step 2
+    begins: every process goes on to the step they agree on
+    (``CheckpointManager.reached_preemption``), saves it whatever ``--save-every`` says,
+    and stops there, long before ``--steps``; the run resumes from it."""
+    status, output = launch_example(
+        tmp_path, "--steps", "200", processes=2, devices=2, die_at="term@2"
+    )
+    assert status == 0, output[-3000:]
+    stops = [line for line in process_lines(output, 0) if line.startswith("preempted:")]
+    assert len(stops) == 1, output[-3000:]
+    step = int(stops[0].rsplit(" ", 1)[1])
+    assert 2 < step < 200, stops
+    assert max(map(int, entries(tmp_path))) == step
+    status, output = launch_example(tmp_path, "--steps", str(step + 1), processes=2, devices=2)
+    assert status == 0, output[-3000:]
+    assert f"resumed from step {step} in {tmp_path}/{step}" in process_lines(output, 0)
+
+
 def test_a_save_failing_on_one_process_fails_that_save_everywhere_and_removes_its_folder(
     tmp_path,
 ):
