@@ -1131,10 +1131,9 @@ def _shared(a: tuple, b: tuple) -> int:
 
 def _input_kin(program: Program) -> dict:
     """``{input: its kin}``: for each program input, the other inputs of its shape and
-    dtype whose paths share the longest ending below the argument with its own
-    (``args[1][0]['w']``, a moment, and ``args[0]['w']``, its parameter, share
-    ``['w']``; the argument's index is no ending: a batch ``args[1]`` is no kin of
-    ``args[0]['nu'][1]``, nor of anything else); for a scalar, the
+    dtype whose places (:func:`_ending`, below the argument) share the longest ending
+    with its own (``args[1][0]['w']``, a moment, and ``args[0]['w']``, its parameter,
+    share ``['w']``; a batch ``args[1]`` has no place, and no kin); for a scalar, the
     other inputs of any shape (NovoGrad's second moment of ``w`` is a scalar kept at
     ``args[1][0].nu['w']``). Other states match only their own shape: SM3 keeps a list
     of accumulators at each parameter's place, so ``mu[0][1]``, an accumulator of

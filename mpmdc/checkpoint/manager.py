@@ -123,8 +123,10 @@ class CheckpointManager:
         reached (JAX's ``multihost_utils.reached_preemption_sync_point``), and this is
         ``True`` there in every process. Every process must ask at every step, in order
         (:meth:`save` asks for each step it is given); ``False`` without
-        ``jax.distributed``."""
+        ``jax.distributed`` or with its ``jax_enable_preemption_service`` off."""
         step = _step_number(step)
+        if not jax.config.jax_enable_preemption_service:
+            return False
         if self._preemption_asked[0] != step:  # (JAX's protocol counts each step once)
             self._preemption_asked = (step, multihost_utils.reached_preemption_sync_point(step))
         return self._preemption_asked[1]

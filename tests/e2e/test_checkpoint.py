@@ -736,3 +736,24 @@ def test_the_manager_saves_and_says_so_at_the_step_of_a_preemption(tmp_path, mon
         assert manager.reached_preemption(step) == (step == 7)
     assert asked == list(range(1, 9))
     assert saved == manager.all_steps() == [4, 7, 8]
+
+
+def test_a_manager_without_jaxs_preemption_service_saves_by_its_interval(tmp_path, monkeypatch):
+    """With ``jax_enable_preemption_service`` off, JAX's protocol raises when asked (in a
+    ``jax.distributed`` run): the manager does not ask, and saves by
+    ``save_interval_steps`` alone."""
+    from jax.experimental import multihost_utils
+
+    def refused(step):
+        raise RuntimeError("Preemption sync manager has not been initialized.")
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", refused)
+    was = jax.config.jax_enable_preemption_service
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        manager = CheckpointManager(tmp_path, save_interval_steps=2, asynchronous=False)
+        saved = [manager.save(step, {"w": jnp.zeros(2)}) for step in range(1, 5)]
+        assert saved == [False, True, False, True]
+        assert not manager.reached_preemption(5)
+    finally:
+        jax.config.update("jax_enable_preemption_service", was)
