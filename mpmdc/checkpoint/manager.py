@@ -89,6 +89,8 @@ class CheckpointManager:
         self._many = distributed.is_multiprocess()
         self._answered: str | None = None  # the topic of the last answer from process 0
         self._preemption_asked: tuple[int | None, bool] = (None, False)  # (step, answer)
+        self._skipped_warned = False  # (a step skipped in asking: warned once)
+        self._saved: int | None = None  # the last step saved
         if remove_partial:
             self._decided("the removal of partial folders", lambda: _remove_partial(self.directory))
 
@@ -125,9 +127,22 @@ class CheckpointManager:
         (:meth:`save` asks for each step it is given); ``False`` without
         ``jax.distributed`` or with its ``jax_enable_preemption_service`` off."""
         step = _step_number(step)
-        if not jax.config.jax_enable_preemption_service:
+        if compat.distributed_client() is None or not jax.config.jax_enable_preemption_service:
             return False
-        if self._preemption_asked[0] != step:  # (JAX's protocol counts each step once)
+        asked = self._preemption_asked[0]
+        if asked != step:  # (JAX's protocol counts each step once)
+            if asked is not None and step > asked + 1 and not self._skipped_warned:
+                self._skipped_warned = True
+                warnings.warn(
+                    f"the CheckpointManager of {self.directory} was asked whether step "
+                    f"{asked}, then step {step}, is where the processes stop before a "
+                    f"preemption: the step they agree on may be one never asked, and a "
+                    f"preemption notice then goes unheeded. Call save (or "
+                    f"reached_preemption) at every step; save saves only every "
+                    f"save_interval_steps-th step by itself.",
+                    RuntimeWarning,
+                    stacklevel=compat.user_stacklevel(),
+                )
             self._preemption_asked = (step, multihost_utils.reached_preemption_sync_point(step))
         return self._preemption_asked[1]
 
@@ -156,6 +171,7 @@ class CheckpointManager:
             self._pending, self._pending_step = self._executor.submit(save.finish), step
         else:
             save.finish()
+        self._saved = step
         return True
 
     @compat.api_boundary
@@ -182,7 +198,19 @@ class CheckpointManager:
 
     @compat.api_boundary
     def close(self) -> None:
-        """Wait for the last save, then stop the background thread."""
+        """Wait for the last save, then stop the background thread. Warns where the
+        processes agreed to stop at a step for a preemption (:meth:`reached_preemption`)
+        and it was not saved."""
+        step, preempted = self._preemption_asked
+        if preempted and self._saved != step:
+            warnings.warn(
+                f"step {step} is where every process stopped for a preemption, but the "
+                f"CheckpointManager of {self.directory} did not save it: a run started "
+                f"again resumes from the latest step saved before it. Call save(step, tree) "
+                f"at every step: it saves that step by itself.",
+                RuntimeWarning,
+                stacklevel=compat.user_stacklevel(),
+            )
         try:
             self.wait_until_finished()
         finally:

@@ -714,20 +714,29 @@ def test_the_example_resumes_in_one_process_where_the_uninterrupted_run_ends(tmp
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
+def preemption_protocol(monkeypatch, answer):
+    """JAX's preemption protocol as in a ``jax.distributed`` run of one process, answering
+    ``answer(step)``."""
+    from jax.experimental import multihost_utils
+
+    from mpmdc import _jax_compat
+
+    monkeypatch.setattr(_jax_compat, "distributed_client", lambda: object())
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", answer)
+
+
 def test_the_manager_saves_and_says_so_at_the_step_of_a_preemption(tmp_path, monkeypatch):
     """JAX's preemption protocol is asked once per step, at every step, saved or not (it
     agrees on a step the processes have not passed, so a step never asked would never
     come): the step it names is saved whatever ``save_interval_steps`` says, and
     ``reached_preemption`` says so there."""
-    from jax.experimental import multihost_utils
-
     asked = []
 
     def sync_point(step):
         asked.append(step)
         return step == 7
 
-    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", sync_point)
+    preemption_protocol(monkeypatch, sync_point)
     manager = CheckpointManager(tmp_path, save_interval_steps=4, asynchronous=False)
     saved = []
     for step in range(1, 9):
@@ -742,12 +751,11 @@ def test_a_manager_without_jaxs_preemption_service_saves_by_its_interval(tmp_pat
     """With ``jax_enable_preemption_service`` off, JAX's protocol raises when asked (in a
     ``jax.distributed`` run): the manager does not ask, and saves by
     ``save_interval_steps`` alone."""
-    from jax.experimental import multihost_utils
 
     def refused(step):
         raise RuntimeError("Preemption sync manager has not been initialized.")
 
-    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", refused)
+    preemption_protocol(monkeypatch, refused)
     was = jax.config.jax_enable_preemption_service
     jax.config.update("jax_enable_preemption_service", False)
     try:
@@ -757,3 +765,44 @@ def test_a_manager_without_jaxs_preemption_service_saves_by_its_interval(tmp_pat
         assert not manager.reached_preemption(5)
     finally:
         jax.config.update("jax_enable_preemption_service", was)
+
+
+def test_a_manager_asked_every_few_steps_or_not_saving_the_agreed_step_warns(tmp_path, monkeypatch):
+    """Misuse JAX's protocol cannot tell: a loop calling ``save`` only every 4 steps by
+    its own ``if`` skips steps the processes may agree on (warned once, naming the
+    steps), and a loop stopping at the agreed step without saving it loses the steps
+    since the last save (warned as the manager closes)."""
+    preemption_protocol(monkeypatch, lambda step: step == 7)
+    with pytest.warns(RuntimeWarning, match=r"step 4, then step 8, is where the processes"):
+        manager = CheckpointManager(tmp_path / "skipping", asynchronous=False)
+        for step in (4, 8, 12):
+            manager.save(step, {"w": jnp.zeros(2)})
+    with pytest.warns(RuntimeWarning, match=r"step 7 is where every process stopped for a"):
+        with CheckpointManager(tmp_path / "unsaved", save_interval_steps=4) as manager:
+            for step in range(1, 9):
+                if step % 4 == 0:
+                    manager.save(step, {"w": jnp.zeros(2)})
+                if manager.reached_preemption(step):
+                    break
+    with warnings.catch_warnings():  # (the loop as the guide writes it: no warning)
+        warnings.simplefilter("error")
+        with CheckpointManager(tmp_path / "right", save_interval_steps=4) as manager:
+            for step in range(1, 9):
+                manager.save(step, {"w": jnp.zeros(2)})
+                if manager.reached_preemption(step):
+                    break
+        assert manager.all_steps() == [4, 7]
+
+
+def test_a_manager_without_jax_distributed_neither_asks_nor_warns(tmp_path, monkeypatch):
+    """Without ``jax.distributed`` there is no preemption protocol (``SIGTERM`` ends the
+    process): steps saved far apart are no mistake, and nothing is asked."""
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with CheckpointManager(tmp_path, asynchronous=False) as manager:
+            for step in (4, 8, 100):
+                assert manager.save(step, {"w": jnp.zeros(2)})
+                assert not manager.reached_preemption(step)
