@@ -177,8 +177,9 @@ class Progress:
         return waited_for(step), tuple(step.senders)
 
     def _stopped(self, why: str) -> MpmdRuntimeError:
+        what, _ = self._waited_for()  # (named before the steps in flight are dropped)
         self.in_flight.clear()
-        return stopped(self._waited_for()[0], why)
+        return stopped(what, why)
 
 
 def waited_for(step) -> str:

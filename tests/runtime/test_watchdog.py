@@ -324,3 +324,31 @@ def test_lost_transfers_in_a_circle_end_before_they_come_back():
         assert exchange.lost_transfers(1) == (1, 2, 3)
         store.values["mpmdc/lost/3"] = json.dumps([0])
         assert exchange.lost_transfers(1) == (1, 2, 3)
+
+
+class _Pending:
+    """A transfer's result that never arrives."""
+
+    def is_ready(self):
+        return False
+
+
+def test_a_wait_stopped_by_a_peers_announcement_names_what_it_waited_for(monkeypatch):
+    """While results are in flight, a failure another process announced ends the wait,
+    naming the step waited for (before the steps in flight are dropped)."""
+    store = Store()
+    store.values["mpmdc/failed/1"] = json.dumps(
+        {"message": "process 1: s1_fwd failed on purpose", "culprit": None}
+    )
+    monkeypatch.setattr(exchange, "client", lambda: store)
+    monkeypatch.setattr(peers.jax, "process_index", lambda: 0)
+    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,), action=None)
+    progress = peers.Progress(engine.announced_fault)
+    progress.in_flight.append(peers._InFlight(step, [_Pending()]))
+    with pytest.raises(MpmdRuntimeError) as raised:
+        progress.wait()
+    assert str(raised.value) == (
+        "process 0 stopped waiting for transfer mesh1->mesh0 on mesh0 (sent by process 1): "
+        "process 1 failed: process 1: s1_fwd failed on purpose."
+    )
+    assert not progress.in_flight
