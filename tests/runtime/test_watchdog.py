@@ -251,15 +251,22 @@ class _BrokenTransfer:
         raise RuntimeError("recv() failed: Transport endpoint is not connected")
 
 
-def broken_transfer(monkeypatch, store, grace=0.2):
-    """``Progress.settle`` (with the runtime's ``announced_fault``) on a transfer from
-    process 1 to process 0 whose connection broke; returns what it raised."""
+def waiting_on_process_1(monkeypatch, store, result) -> peers.Progress:
+    """Process 0's ``Progress`` (with the runtime's ``announced_fault``) waiting for
+    ``result`` of a transfer from process 1, the processes sharing ``store``."""
     monkeypatch.setattr(exchange, "client", lambda: store)
-    monkeypatch.setattr(peers, "_ANNOUNCEMENT_GRACE", grace)
     monkeypatch.setattr(peers.jax, "process_index", lambda: 0)
     step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,), action=None)
     progress = peers.Progress(engine.announced_fault)
-    progress.in_flight.append(peers._InFlight(step, [_BrokenTransfer()]))
+    progress.in_flight.append(peers._InFlight(step, [result]))
+    return progress
+
+
+def broken_transfer(monkeypatch, store, grace=0.2):
+    """``Progress.settle`` on a transfer from process 1 to process 0 whose connection
+    broke; returns what it raised."""
+    monkeypatch.setattr(peers, "_ANNOUNCEMENT_GRACE", grace)
+    progress = waiting_on_process_1(monkeypatch, store, _BrokenTransfer())
     with pytest.raises(MpmdRuntimeError) as raised:
         progress.settle()
     assert json.loads(store.values["mpmdc/lost/0"]) == [1]  # (reported before the wait)
@@ -340,11 +347,7 @@ def test_a_wait_stopped_by_a_peers_announcement_names_what_it_waited_for(monkeyp
     store.values["mpmdc/failed/1"] = json.dumps(
         {"message": "process 1: s1_fwd failed on purpose", "culprit": None}
     )
-    monkeypatch.setattr(exchange, "client", lambda: store)
-    monkeypatch.setattr(peers.jax, "process_index", lambda: 0)
-    step = SimpleNamespace(name="transfer mesh1->mesh0", mesh=0, senders=(1,), action=None)
-    progress = peers.Progress(engine.announced_fault)
-    progress.in_flight.append(peers._InFlight(step, [_Pending()]))
+    progress = waiting_on_process_1(monkeypatch, store, _Pending())
     with pytest.raises(MpmdRuntimeError) as raised:
         progress.wait()
     assert str(raised.value) == (
