@@ -12,7 +12,7 @@ import re
 
 from mpmdc.ir.program import Program, is_var
 
-PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
+_PATH_KEY = re.compile(r"\[[^\]]*\]|\.\w+")
 _INDEX = re.compile(r"\[\d+\]")
 
 
@@ -21,7 +21,7 @@ def place(path: str, *, result: bool) -> tuple[str, ...]:
     a tuple (``args[1][0].mu['w']`` and ``out[2][0].mu['w']``: ``[0]``, ``.mu``,
     ``['w']``): where in its pytree a leaf is. A function returning one pytree, not a
     tuple, has its whole result in that place (``out['w']``: ``['w']``)."""
-    keys = PATH_KEY.findall(path)
+    keys = _PATH_KEY.findall(path)
     if not result or (keys and _INDEX.fullmatch(keys[0])):
         keys = keys[1:]
     return tuple(keys)
