@@ -541,10 +541,11 @@ def profile(layers: int, microbatches: int, options) -> None:
 
 
 def fixed_costs(meshes, options) -> list[dict]:
-    """What one call and one transfer cost whatever the work: ``x + 1`` on one
-    microbatch's activation compiled for one device and for a whole mesh, and that
-    activation moved to the next mesh as the runtime moves it, where there is one (each
-    median of ``--steps`` runs of 200, until the results are ready)."""
+    """What a module, a call and a transfer cost whatever the work: ``x + 1`` on one
+    microbatch's activation compiled for a mesh, called on one device and on a whole
+    mesh, and that activation moved to the next mesh as the runtime moves it, where there
+    is one (each call or transfer a median of ``--steps`` runs of 200, until the results
+    are ready)."""
     rows, width = options.microbatch_rows, options.width
     activation = jnp.zeros((rows, width), jnp.float32)
     one_device = NamedSharding(Mesh(meshes[0].devices.flat[:1], ("one",)), P())
@@ -561,7 +562,7 @@ def fixed_costs(meshes, options) -> list[dict]:
         runs.append(
             ("transfer to the next mesh", on_mesh, lambda: backend.transfer([x], [on_next]))
         )
-    table = []
+    table = [compile_cost(activation, on_mesh, options.steps)]
     for what, sharding, run in runs:
         jax.block_until_ready(run())
         samples = []
@@ -578,6 +579,25 @@ def fixed_costs(meshes, options) -> list[dict]:
             }
         )
     return table
+
+
+def compile_cost(activation, sharding, repeats: int) -> dict:
+    """What XLA takes to compile a module whatever its work: ``x + c`` on the activation
+    laid out on a mesh, a new constant each time so that no cache serves it (median of
+    ``repeats``)."""
+    x = jax.device_put(activation, sharding)
+    samples = []
+    for c in range(repeats):
+        lowered = jax.jit(lambda a, c=float(c): a + c).lower(x)
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered.compile()
+        samples.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {
+        "what": "XLA compile for a mesh",
+        "devices": len(sharding.device_set),
+        "ms": statistics.median(s[0] for s in samples) * 1e3,
+        "CPU ms": statistics.median(s[1] for s in samples) * 1e3,
+    }
 
 
 def call_times(module, repeats: int, calls: int = 20) -> tuple[float, float]:
