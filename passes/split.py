@@ -232,6 +232,26 @@ def _fragment_names(order, is_edge) -> list[str | None]:
     return names
 
 
+def _with_given_feedback(program: Program, pairs: dict) -> list:
+    """``program.in_specs`` with each free input (no spec given, not committed) whose
+    result fed back (``pairs``) has the caller's ``out_specs`` on the input's own mesh
+    taking that spec. *Why:* the second call reads that result as it comes back, so an
+    input laid out otherwise on the first call would make the second compile again
+    (``jax.jit`` compiles twice there)."""
+    jaxpr = program.jaxpr.jaxpr
+    given = {
+        v: (mesh, spec)
+        for v, mesh, spec in zip(jaxpr.outvars, program.out_meshes, program.out_specs)
+        if is_var(v) and spec is not None
+    }
+    in_specs = list(program.in_specs)
+    for k, (v, spec) in enumerate(zip(jaxpr.invars, in_specs)):
+        mesh, out_spec = given.get(pairs.get(v), (None, None))
+        if spec is None and out_spec is not None and mesh == program.in_meshes[k]:
+            in_specs[k] = out_spec
+    return in_specs
+
+
 class _Emitter:
     """Builds the split program's top-level equations, remembering where each value
     lives and its spec there, so a value moves to a mesh by one transfer at most."""
@@ -240,14 +260,16 @@ class _Emitter:
         jaxpr = program.jaxpr.jaxpr
         self.program, self.const_values, self.carries = program, const_values, carries
         self.location = {v: program.in_meshes[k] for k, v in enumerate(jaxpr.invars)}
-        self.propagated = propagate_specs(jaxpr, program.in_specs, fed_back(program))
+        pairs = fed_back(program)
+        in_specs = _with_given_feedback(program, pairs)
+        self.propagated = propagate_specs(jaxpr, in_specs, pairs)
         # An input with no spec (not given, not committed) takes the one propagation
         # chose for it, as far as its mesh supports it.
         self.spec_of = {
             v: spec
             if spec is not None
             else fit_spec(self.propagated[v], program.meshes[mesh], v.aval.shape)
-            for v, spec, mesh in zip(jaxpr.invars, program.in_specs, program.in_meshes)
+            for v, spec, mesh in zip(jaxpr.invars, in_specs, program.in_meshes)
         }
         # Program outputs have the caller's out_specs where given; every other value
         # crossing fragments, and an output with no spec, keeps the sharding its

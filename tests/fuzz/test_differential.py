@@ -963,9 +963,10 @@ def test_one_compiled_function_called_with_new_argument_types(case):
     st.booleans(),
     st.booleans(),
     st.booleans(),
+    st.sampled_from(["in_specs", "out_specs"]),
 )
 def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
-    desc, skip_step, stacked_param, frozen, in_context, one_tree
+    desc, skip_step, stacked_param, frozen, in_context, one_tree, specs_given_as
 ):
     """Random programs as the loss of a training step (one batch, or microbatches in
     ``accumulate`` under a random valid schedule; the layer stacks' weights computed in
@@ -986,18 +987,30 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     on the context mesh (these programs read a slice of it, so it is never cut into
     stage rows: ``test_stacks.py`` calls stacks so). Some steps take their state as one
     pytree and return it as one, the loss in it (``{"params": ..., "state": ...}`` in,
-    with ``"loss"`` out), not in a tuple."""
+    with ``"loss"`` out), not in a tuple. Some give the parameters' and momenta's specs
+    as the results' ``out_specs`` instead of the arguments' ``in_specs``: the state
+    then comes in on the first call as it will come back."""
     _describe({**desc, "stacked_param": stacked_param})
     event(f"skip_step={skip_step}")
     event(f"stacked_param={stacked_param}")
     event(f"frozen={frozen}")
     event(f"in_context={in_context}")
     event(f"one_tree={one_tree}")
-    check_training_step(desc, skip_step, stacked_param, frozen, in_context, one_tree)
+    event(f"specs_given_as={specs_given_as}")
+    check_training_step(
+        desc, skip_step, stacked_param, frozen, in_context, one_tree, specs_given_as
+    )
 
 
 def check_training_step(
-    desc, skip_step, stacked_param, frozen, in_context, one_tree=False, note=event
+    desc,
+    skip_step,
+    stacked_param,
+    frozen,
+    in_context,
+    one_tree=False,
+    specs_given_as="in_specs",
+    note=event,
 ):
     """The properties of :func:`test_a_training_step_keeps_parameters_and_state_where_
     they_go_in` for one program; ``note`` records what it saw (Hypothesis's ``event``
@@ -1073,8 +1086,15 @@ def check_training_step(
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
     # (the momenta's as their parameters')
     state_specs = (specs, {"mu": specs, "nu": [None] * n, "ph": [None] * n})
+    if specs_given_as == "out_specs":
+        kwargs["out_specs"] = (
+            {"loss": None, "params": state_specs[0], "state": state_specs[1]}
+            if one_tree
+            else (None, *state_specs)
+        )
+        state_specs = ([None] * n, {"mu": [None] * n, "nu": [None] * n, "ph": [None] * n})
     if one_tree:
-        state_specs = ({"params": specs, "state": state_specs[1]},)
+        state_specs = ({"params": state_specs[0], "state": state_specs[1]},)
     kwargs["in_specs"] = (*state_specs, *(None,) * len(batch))
 
     def state_args(params, momenta):
@@ -1095,7 +1115,8 @@ def check_training_step(
                 assert program.in_meshes[j] == program.out_meshes[1 + j] == program.in_meshes[k], j
             for j in (k, n + k):
                 # Each comes back with the spec it came in with: the one given (the
-                # parameter's), or, where none is, the one propagation chose for it.
+                # parameter's, for the argument or for the result fed back for it),
+                # or, where none is, the one propagation chose for it.
                 came_in = canonical_spec(program.in_specs[j])
                 assert specs[k] is None or came_in == canonical_spec(specs[k]), j
                 assert canonical_spec(program.out_specs[1 + j]) == came_in, j
