@@ -1283,6 +1283,17 @@ def _io_meshes(
         in_meshes[in_index[v]] if is_var(v) and v in in_index else program.mesh_of_stage(p.stage)
         for v, p in zip(jaxpr.outvars, out_placement)
     ]
+    # A few elements fed back from another mesh (a counter every stage's update reads,
+    # optax.MultiSteps' mini_step, whose next value the rules made with its other
+    # counter) live where they are made and go to their readers within the step, rather
+    # than move before every call. (Larger inputs are where their readers are: the
+    # rules run the work making their result there where they can, and say where not.)
+    out_index = {v: i for i, v in enumerate(jaxpr.outvars) if is_var(v)}
+    wanted = program.wanted_out_meshes or (None,) * len(jaxpr.outvars)
+    for v, result in fed_back.items():
+        i = out_index.get(result)
+        if i is not None and wanted[i] is None and math.prod(v.aval.shape) <= _SMALL:
+            in_meshes[in_index[v]] = out_meshes[i]
     if program.wanted_out_meshes is not None:  # the caller's out_shardings win
         out_meshes = [m if w is None else w for m, w in zip(out_meshes, program.wanted_out_meshes)]
     return in_meshes, out_meshes

@@ -988,3 +988,47 @@ def test_a_state_leaf_nobody_reads_stays_with_its_parameter_not_with_an_argument
         assert mesh_index(got[1]["v"][i], meshes4) == stage_of[i], i
     program = compiled.lower(params, state, x).program("after-split")
     assert list(program.in_meshes[4:8]) == stage_of
+
+
+def test_a_counter_every_stage_reads_lives_where_its_next_value_is_made(meshes4):
+    """``optax.MultiSteps``' ``mini_step`` is read by every stage's accumulation and its
+    next value made on the last mesh (with the step counter it sits beside): living on
+    the first mesh, its earliest reader, it came back on the last and moved before every
+    call. It lives where it is made and goes to its readers within the step."""
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "embed": jax.random.normal(k[0], (WIDTH, WIDTH)) / 4,
+        "layers": jax.random.normal(k[1], (4, WIDTH, WIDTH)) / 4,
+    }
+    x = jax.random.normal(k[2], (8, WIDTH))
+    opt = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+
+    def loss_fn(p, x):
+        def layer(h, w):
+            return jnp.tanh(mpmdc.stage(h, every=1) @ w), None
+
+        h, _ = jax.lax.scan(layer, x @ p["embed"], p["layers"])
+        return jnp.mean(h**2)
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    compiled = mpmdc.compile(step, meshes4)
+    program = compiled.lower(params, opt.init(params), x).program("after-split")
+    for j, path in enumerate(program.in_paths[:-1]):  # (the state fed back: all but x)
+        assert (
+            program.out_meshes[program.out_paths.index("out" + path[4:])] == (program.in_meshes[j])
+        ), path
+    got, want = (params, opt.init(params)), (params, opt.init(params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlacementWarning)
+        for _ in range(3):
+            *got, loss = compiled(*got, x)
+            *want, want_loss = jax.jit(step)(*want, x)
+    # Noise floor 5.0e-07 of each leaf's largest value (jax.jit with x split over data
+    # against jax.jit, 3 steps; Adam divides tiny gradients by their own size, so
+    # single elements differ more), margin 10x.
+    for g, w in zip(jax.tree.leaves((got, loss)), jax.tree.leaves((want, want_loss))):
+        assert_same_array(g, w, atol=5e-6 * float(jnp.max(jnp.abs(w))))

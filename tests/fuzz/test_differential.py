@@ -1049,14 +1049,19 @@ def check_training_step(
 
             def update(params, momenta):  # (momenta as optax keeps them: {"mu": ...})
                 s = clip_scale() if scale is None else scale
-                mu = [0.9 * m + s * g for m, g in zip(momenta["mu"], grads)]
+                # (one counter every parameter's update reads, as MultiSteps' mini_step)
+                step = momenta["step"]
+                mu = [0.9 * m + s * g / (step + 1) for m, g in zip(momenta["mu"], grads)]
                 # (a scalar per parameter, as NovoGrad's second moment: its own kin)
                 nu = [0.9 * v + 0.1 * jnp.sum(g * g) for v, g in zip(momenta["nu"], grads)]
                 new = [
                     p - 0.1 * m / (1.0 + s) / jnp.sqrt(1.0 + v) for p, m, v in zip(params, mu, nu)
                 ]
                 # (and a leaf nobody reads, as Adafactor's placeholder of a factored moment)
-                return new, {"mu": mu, "nu": nu, "ph": momenta["ph"]}
+                # (its next value chosen by a conditional on the loss, as MultiSteps'
+                # by one on its other counter)
+                step = jax.lax.cond(jnp.isfinite(loss), lambda c: c + 1, lambda c: c * 0, step)
+                return new, {"mu": mu, "nu": nu, "ph": momenta["ph"], "step": step}
 
             if skip_step == "none":
                 params, momenta = update(params, momenta)
@@ -1082,17 +1087,21 @@ def check_training_step(
         "mu": [0.5 * a for a in params],
         "nu": [jnp.sum(a * a) for a in params],
         "ph": [jnp.zeros((1,), a.dtype) for a in params],
+        "step": jnp.zeros((), jnp.int32),
     }
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
     # (the momenta's as their parameters')
-    state_specs = (specs, {"mu": specs, "nu": [None] * n, "ph": [None] * n})
+    state_specs = (specs, {"mu": specs, "nu": [None] * n, "ph": [None] * n, "step": None})
     if specs_given_as == "out_specs":
         kwargs["out_specs"] = (
             {"loss": None, "params": state_specs[0], "state": state_specs[1]}
             if one_tree
             else (None, *state_specs)
         )
-        state_specs = ([None] * n, {"mu": [None] * n, "nu": [None] * n, "ph": [None] * n})
+        state_specs = (
+            [None] * n,
+            {"mu": [None] * n, "nu": [None] * n, "ph": [None] * n, "step": None},
+        )
     if one_tree:
         state_specs = ({"params": state_specs[0], "state": state_specs[1]},)
     kwargs["in_specs"] = (*state_specs, *(None,) * len(batch))
@@ -1104,7 +1113,7 @@ def check_training_step(
     program = compiled.lower(*state_args(params, momenta), *batch).program("after-split")
     jaxpr = program.jaxpr.jaxpr
     sent = {v for e in jaxpr.eqns if e.primitive is transfer_p for v in e.invars}
-    for j in range(4 * n):  # fed back, each is where the next call reads it
+    for j in range(4 * n + 1):  # fed back, each is where the next call reads it
         assert program.out_meshes[1 + j] == program.in_meshes[j], j
     for k, v in enumerate(jaxpr.invars[:n]):
         if v not in sent:
