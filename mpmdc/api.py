@@ -128,6 +128,11 @@ def _marked_stages(lowered: Lowered) -> dict[int, tuple[int, str]]:
     return out
 
 
+def _typed_spec(spec, typed_mesh) -> str:
+    """A leaf's spec as its type holds it (``P()`` for none: an unsharded type)."""
+    return repr(spec) if typed_mesh is not None and spec is not None else "P()"
+
+
 class Lowered:
     """A program taken through every pass, with the IR after each one kept for inspection
     (as ``jax.stages.Lowered``: ``as_text``, ``compile``)."""
@@ -392,6 +397,24 @@ class Wrapped:
             f"{path} is {now[1]}{list(now[0])} (was {then[1]}{list(then[0])})"
             for path, now, then in zip(paths, key.types, last.types)
             if now[:2] != then[:2]
+        ]
+        # On Explicit axes a sharding is part of the type the function is traced with,
+        # and an earlier call may have run on an executable traced for other types (its
+        # results fed back, laid out as `out_shardings` asked): compare with the types
+        # that executable was traced for, the fewest of its keys' types holding a spec.
+        exe = self._cache.peek(last)
+        traced = min(
+            (k for k in earlier if self._cache.peek(k) is exe),
+            key=lambda k: sum(m is not None for m in k.typed),
+        )
+        changed += [
+            f"{path} holds {_typed_spec(now, now_mesh)} in its type "
+            f"(was {_typed_spec(then, then_mesh)})"
+            for path, now, then, now_mesh, then_mesh in zip(
+                paths, key.specs, traced.specs, key.typed, traced.typed
+            )
+            if (now_mesh, now) != (then_mesh, then)
+            and (now_mesh is not None or then_mesh is not None)
         ]
         if changed:
             err.add_note(

@@ -409,11 +409,12 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs, fed_back: dict | None = None) 
     ``jax.jit`` lets propagation choose an uncommitted argument's sharding, it takes the
     spec its elementwise users want (:func:`_wanted_by_users`), or stays replicated.
     A free input that the update of a sharded input is computed from (an optimizer
-    state beside its parameter) takes that input's spec instead, and one whose result
-    fed back (``fed_back``: ``{input: result}``, a training loop's pairs) is sharded
-    takes the result's (SM3's accumulator of a column-split weight, a maximum over its
-    rows). So optimizer state created unsharded gets its parameter's spec on the first
-    call, and the state fed back is placed as the program expects."""
+    state beside its parameter) takes that input's spec instead, whatever its own
+    result's; another whose result fed back (``fed_back``: ``{input: result}``, a
+    training loop's pairs) is sharded takes the result's (SM3's accumulator of a
+    column-split weight, a maximum over its rows). So optimizer state created unsharded
+    gets its parameter's spec on the first call, and the state fed back is placed as the
+    program expects."""
     fed_back = fed_back or {}
     padded = [_padded(s, len(_shape(v))) for s, v in zip(in_specs, jaxpr.invars)]
     found = _propagate(jaxpr, padded)
@@ -423,14 +424,16 @@ def propagate_specs(jaxpr: jcore.Jaxpr, in_specs, fed_back: dict | None = None) 
     # parameter sharded by the batch it is added to shards its gradient, which its
     # momentum meets): choose again until no free input gains a spec.
     while free:
+        # (Later entries win: a state's parameter's spec over its own result's, which
+        # carries its gradient's.)
         wanted = {
             **_wanted_by_users(jaxpr, found),
-            **_state_of_updates(updates, found, free),
             **{
                 v: _spec_of(found, r)
                 for v, r in fed_back.items()
                 if v in free and _is_sharded(_spec_of(found, r))
             },
+            **_state_of_updates(updates, found, free),
         }
         chosen = {v: wanted[v] for v in free if v in wanted}
         if not chosen:

@@ -987,9 +987,10 @@ def test_a_training_step_keeps_parameters_and_state_where_they_go_in(
     on the context mesh (these programs read a slice of it, so it is never cut into
     stage rows: ``test_stacks.py`` calls stacks so). Some steps take their state as one
     pytree and return it as one, the loss in it (``{"params": ..., "state": ...}`` in,
-    with ``"loss"`` out), not in a tuple. Some give the parameters' and momenta's specs
-    as the results' ``out_specs`` instead of the arguments' ``in_specs``: the state
-    then comes in on the first call as it will come back."""
+    with ``"loss"`` out), not in a tuple. Some give the parameters' specs as the
+    results' ``out_specs`` instead of the arguments' ``in_specs``, and none for the
+    momenta: the parameters then come in on the first call as they will come back, and
+    each momentum with its parameter's spec."""
     _describe({**desc, "stacked_param": stacked_param})
     event(f"skip_step={skip_step}")
     event(f"stacked_param={stacked_param}")
@@ -1092,11 +1093,10 @@ def check_training_step(
     specs = list(kwargs["in_specs"][: n - stacked_param]) + [None] * stacked_param
     # (the momenta's as their parameters')
     state_specs = (specs, {"mu": specs, "nu": [None] * n, "ph": [None] * n, "step": None})
-    if specs_given_as == "out_specs":
+    if specs_given_as == "out_specs":  # (the parameters' only: the momenta take theirs)
+        free = {"mu": [None] * n, "nu": [None] * n, "ph": [None] * n, "step": None}
         kwargs["out_specs"] = (
-            {"loss": None, "params": state_specs[0], "state": state_specs[1]}
-            if one_tree
-            else (None, *state_specs)
+            {"loss": None, "params": specs, "state": free} if one_tree else (None, specs, free)
         )
         state_specs = (
             [None] * n,

@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from helpers import XlaCompiles, assert_same_array
+from helpers import XlaCompiles, assert_same_array, assert_same_tree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -115,29 +116,31 @@ def test_out_shardings_say_where_results_live(meshes2):
 
 def test_a_result_fed_back_with_out_shardings_gives_its_input_that_spec(meshes2):
     """A parameter whose update the caller asks for sharded comes in sharded so on the
-    first call too, so a training loop compiles once (``jax.jit`` compiles twice)."""
+    first call too, so a training loop compiles once (``jax.jit`` compiles twice); its
+    momentum, created unsharded, takes the parameter's spec (not its gradient's)."""
 
-    def step(params, x):
+    def step(params, state, x):
         loss, g = jax.value_and_grad(lambda p: two_stage(p["w"], x))(params)
-        return {"w": params["w"] - 0.1 * g["w"]}, loss
+        m = 0.9 * state["mu"] + g["w"]  # (as optax keeps it: its own place, .mu)
+        return {"w": params["w"] - 0.1 * m}, {"mu": m}, loss
 
     for spec in (P("data"), P(None, "data")):
-        wanted = ({"w": NamedSharding(meshes2[0], spec)}, None)
+        wanted = ({"w": NamedSharding(meshes2[0], spec)}, None, None)
         compiled = mpmdc.compile(step, meshes2, out_shardings=wanted)
-        (w_in, _), _ = compiled.input_shardings({"w": W}, X)
-        assert w_in == wanted[0]
-        params, want, compiles = {"w": W}, {"w": W}, []
+        args = ({"w": W}, {"mu": jnp.zeros_like(W)}, X)
+        (w_in, m_in, _), _ = compiled.input_shardings(*args)
+        assert w_in == wanted[0] and m_in["mu"] == wanted[0]["w"]
+        got, want, compiles = args[:2], args[:2], []
         for _ in range(3):
             with XlaCompiles() as c:
-                params, loss = compiled(params, X)
+                *got, loss = compiled(*got, X)
             compiles.append(c.count)
-            want, want_loss = jax.jit(step)(want, X)
+            *want, want_loss = jax.jit(step)(*want, X)
         assert compiles[1:] == [0, 0], compiles  # (the first may find executables made)
-        assert params["w"].sharding == wanted[0]["w"]
+        assert got[0]["w"].sharding == got[1]["mu"].sharding == wanted[0]["w"]
         # Noise floor 1.4e-07 relative (jax.jit with w split over data against jax.jit,
         # 3 steps: 7e-08 on w, 1.4e-07 on the loss), margin 10x.
-        assert_same_array(params["w"], want["w"], rtol=1.4e-6)
-        assert_same_array(loss, want_loss, rtol=1.4e-6)
+        assert_same_tree((got, loss), (want, want_loss), rtol=1.4e-6)
 
 
 def test_out_shardings_off_the_meshes_are_named(meshes2):
@@ -174,3 +177,37 @@ def test_in_specs_may_leave_static_arguments_out_as_jax_jit_does(meshes2):
     executable = without.lower(W, 2.0, X).compile()
     with pytest.raises(mpmdc.errors.ArgumentError, match="static arguments were fixed by lower"):
         executable(W, 2.0, X)
+
+
+def test_adams_moments_take_their_parameters_out_shardings_spec(meshes4):
+    """Adam's moments created unsharded take the spec their parameter is given by
+    ``out_shardings`` (rows over ``data``), not the one their gradient's computation
+    gives them (the columns)."""
+    k = jax.random.split(jax.random.key(0), 6)
+    params = [jax.random.normal(k[i], (16, 16)) / 4 for i in range(4)]
+    x, y = jax.random.normal(k[4], (8, 16)), jax.random.normal(k[5], (8, 16))
+    opt = optax.adam(1e-2)
+
+    def loss_fn(ps, x, y):
+        for i, w in enumerate(ps):
+            x = jnp.tanh(mpmdc.stage(x, i) @ w)
+        return jnp.mean((x - y) ** 2)
+
+    def step(ps, s, x, y):
+        loss, g = mpmdc.accumulate(
+            lambda mb: jax.value_and_grad(loss_fn)(ps, *mb), (x, y), microbatches=2
+        )
+        updates, s = opt.update(g, s, ps)
+        return optax.apply_updates(ps, updates), s, loss
+
+    rows = [NamedSharding(m, P("data", None)) for m in meshes4]
+    compiled = mpmdc.compile(step, meshes4, out_shardings=(rows, None, None))
+    got = compiled(params, opt.init(params), x, y)
+    want = jax.jit(step)(params, opt.init(params), x, y)
+    for i in range(4):
+        assert got[0][i].sharding == rows[i]
+        assert got[1][0].mu[i].sharding == got[1][0].nu[i].sharding == rows[i], i
+    # Noise floor 1.9e-07 of each leaf's largest value (jax.jit with x split over data
+    # against jax.jit; Adam divides tiny gradients by their own size), margin 10x.
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_same_array(g, w, atol=2e-6 * float(jnp.max(jnp.abs(w))))

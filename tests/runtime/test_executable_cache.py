@@ -12,8 +12,10 @@ import gc
 import weakref
 
 import jax
+import jax.numpy as jnp
 import pytest
 from helpers import XlaCompiles, assert_same_tree, mlp_loss
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmdc
@@ -197,3 +199,35 @@ def test_a_new_batch_size_accumulate_cannot_split_is_named_in_its_error(meshes2)
     with pytest.raises(AccumulateError) as caught:
         compiled(WS, batch(6))
     assert "args[1] is float32[6, 8] (was float32[8, 8])" in "\n".join(caught.value.__notes__)
+
+
+def test_a_spec_a_type_holds_on_explicit_axes_is_named_in_the_note():
+    """On Explicit axes a spec is part of an argument's type. Parameters fed back as
+    ``out_shardings`` lays them out run on the first call's executable, traced with
+    unsharded types; a new batch size traces them with their specs, which this model's
+    contraction over ``model`` cannot take (``jax.jit`` fails at its second call). The
+    note names the specs as well as the batch."""
+    meshes = mpmdc.make_meshes(2, {"model": 2}, axis_types=jax.sharding.AxisType.Explicit)
+    specs = (P(None, "model"), P("model", None))
+    params = [(jnp.ones((8, 16)) / 8, jnp.ones((16, 8)) / 16) for _ in meshes]
+
+    def step(ps, x):
+        def loss_fn(ps):
+            h = x
+            for i, (w1, w2) in enumerate(ps):
+                h = jnp.tanh(mpmdc.stage(h, i) @ w1) @ w2
+            return jnp.mean(h**2)
+
+        loss, g = jax.value_and_grad(loss_fn)(ps)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, ps, g), loss
+
+    laid_out = [tuple(NamedSharding(m, s) for s in specs) for m in meshes]
+    compiled = mpmdc.compile(step, meshes, out_shardings=(laid_out, None))
+    with jax.set_mesh(meshes[0]):
+        params, _ = compiled(params, jnp.ones((4, 8)))
+        params, _ = compiled(params, jnp.ones((4, 8)))  # (the first call's executable)
+        with pytest.raises(Exception, match="Contracting dimensions are sharded") as caught:
+            compiled(params, jnp.ones((2, 8)))
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "args[1] is float32[2, 8] (was float32[4, 8])" in note, note
+    assert "args[0][0][0] holds P(None, 'model') in its type (was P())" in note, note
