@@ -1252,8 +1252,9 @@ def _io_meshes(
     """Each input lives on the mesh of its earliest user, each output where it is made
     (an input returned as is stays where it is), unless ``out_shardings`` says; an input
     nobody reads lives where the result fed back for it is made (``fed_back``, from
-    :func:`~mpmdc.ir.feedback.fed_back`: a schedule's learning rate that the step recomputes), else with
-    its kin."""
+    :func:`~mpmdc.ir.feedback.fed_back`: a schedule's learning rate that the step
+    recomputes), else with its kin; so does one of a few elements whose result fed back
+    is made on another mesh than its earliest user's."""
     jaxpr = program.jaxpr.jaxpr
     in_index = {v: k for k, v in enumerate(jaxpr.invars)}
     input_users: dict = {}

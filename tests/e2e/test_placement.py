@@ -1018,9 +1018,8 @@ def test_a_counter_every_stage_reads_lives_where_its_next_value_is_made(meshes4)
     compiled = mpmdc.compile(step, meshes4)
     program = compiled.lower(params, opt.init(params), x).program("after-split")
     for j, path in enumerate(program.in_paths[:-1]):  # (the state fed back: all but x)
-        assert (
-            program.out_meshes[program.out_paths.index("out" + path[4:])] == (program.in_meshes[j])
-        ), path
+        result = program.out_paths.index("out" + path[len("args") :])
+        assert program.out_meshes[result] == program.in_meshes[j], path
     got, want = (params, opt.init(params)), (params, opt.init(params))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlacementWarning)
