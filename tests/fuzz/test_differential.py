@@ -1098,10 +1098,7 @@ def check_training_step(
         kwargs["out_specs"] = (
             {"loss": None, "params": specs, "state": free} if one_tree else (None, specs, free)
         )
-        state_specs = (
-            [None] * n,
-            {"mu": [None] * n, "nu": [None] * n, "ph": [None] * n, "step": None},
-        )
+        state_specs = ([None] * n, free)
     if one_tree:
         state_specs = ({"params": state_specs[0], "state": state_specs[1]},)
     kwargs["in_specs"] = (*state_specs, *(None,) * len(batch))
